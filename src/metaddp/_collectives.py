@@ -1,0 +1,284 @@
+"""Differentiable, bucketed collectives.
+
+The one primitive the exact meta-gradient needs is a SUM all-reduce that autograd can see:
+its backward is again a SUM all-reduce of the incoming gradient (the adjoint of "sum over
+ranks, broadcast the result" is itself), so it composes to any order of differentiation.
+
+Tensors are flattened into buckets of at most ``bucket_bytes`` (one per dtype and device),
+every bucket is launched asynchronously, then all are awaited: the number of calls depends on
+the bytes moved, not on how many parameter tensors a model has.
+
+Every float32/float64 bucket carries one extra element, a tag derived from this rank's call
+sequence number and the bucket size. After the SUM it must equal ``world * tag`` exactly; if
+not, ranks are out of step (different inner-step counts, a rank that skipped a step) and a
+:class:`CollectiveError` says so instead of returning silently wrong numbers. With
+:func:`set_strict` on, a small header is compared *before* each collective too, which also
+catches ranks whose bucket sizes differ (gloo aborts the process on those otherwise).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+Group = dist.ProcessGroup | None
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+_TAGGED = (torch.float32, torch.float64)
+# Tags stay below 2**12 so that world * tag is exact in float32 for any world below 2**12.
+_TAG_MODULUS = 4093
+
+
+class CollectiveError(RuntimeError):
+    """Ranks disagreed on a collective, or one timed out: the message says what likely happened."""
+
+
+@dataclasses.dataclass
+class CollectiveStats:
+    """What collectives this process launched: one ``call`` per bucket or header exchange."""
+
+    calls: int = 0
+    elements: int = 0
+    bytes: int = 0
+
+
+_stats: list[CollectiveStats] = []
+_sequence: dict[int, int] = {}
+_strict = False
+
+
+def set_strict(on: bool) -> None:
+    """Compare a small header across ranks before every collective (one extra tiny call each)."""
+    global _strict
+    _strict = bool(on)
+
+
+def strict() -> bool:
+    return _strict
+
+
+@contextlib.contextmanager
+def counting() -> Iterator[CollectiveStats]:
+    """Count the collectives launched inside the block."""
+    stats = CollectiveStats()
+    _stats.append(stats)
+    try:
+        yield stats
+    finally:
+        _stats.remove(stats)
+
+
+def _record(elements: int, nbytes: int) -> None:
+    for s in _stats:
+        s.calls += 1
+        s.elements += elements
+        s.bytes += nbytes
+
+
+def group_size(group: Group = None) -> int:
+    """Number of ranks in ``group``; 1 when torch.distributed is not initialised."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group: Group = None) -> int:
+    if not dist.is_available() or not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+def comm_device(group: Group = None) -> torch.device:
+    """Where tensors must live for this group's backend (NCCL: the current CUDA device)."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _next_sequence(group: Group) -> int:
+    key = id(group)
+    seq = _sequence.get(key, 0)
+    _sequence[key] = seq + 1
+    return seq
+
+
+def _describe(what: str, seq: int, numel: int) -> str:
+    return f"{what} (call #{seq} on this group, {numel} elements)"
+
+
+def _guard(work_fn, what: str):
+    try:
+        return work_fn()
+    except CollectiveError:
+        raise
+    except RuntimeError as e:  # gloo/NCCL timeouts and connection resets surface as RuntimeError
+        raise CollectiveError(
+            f"{what} failed on rank {group_rank()}: {e}\n"
+            "Likely cause: the ranks disagree on how many collectives to run (different "
+            "inner-step counts or meta-batch layouts per rank), or another rank raised an "
+            "exception and stopped. Look at the other ranks' output first."
+        ) from e
+
+
+def _check_header(group: Group, seq: int, numel: int, kind: int, what: str, device) -> None:
+    header = torch.tensor([seq, numel, kind], dtype=torch.float64, device=device)
+    both = torch.cat([header, -header])
+    _record(both.numel(), both.numel() * 8)
+    _guard(lambda: dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group), what)
+    hi, lo = both[:3], -both[3:]
+    if not torch.equal(hi, lo):
+        raise CollectiveError(
+            f"ranks are out of step at {_describe(what, seq, numel)} on rank {group_rank()}: "
+            f"across ranks the call number ranges {int(lo[0])}..{int(hi[0])}, the size "
+            f"{int(lo[1])}..{int(hi[1])}. Every rank must run the same collectives in the same "
+            "order: check that inner-step counts, models and meta-batch layouts agree."
+        )
+
+
+def _plan(tensors: Sequence[Tensor], bucket_bytes: int) -> list[list[int]]:
+    """Indices of ``tensors`` per bucket: same dtype and device, at most ``bucket_bytes`` each."""
+    buckets: list[list[int]] = []
+    open_bucket: dict[tuple, tuple[int, int]] = {}  # (dtype, device) -> (bucket index, bytes)
+    for i, t in enumerate(tensors):
+        key = (t.dtype, t.device)
+        nbytes = t.numel() * t.element_size()
+        slot = open_bucket.get(key)
+        if slot is None or (slot[1] + nbytes > bucket_bytes and slot[1] > 0):
+            buckets.append([i])
+            open_bucket[key] = (len(buckets) - 1, nbytes)
+        else:
+            buckets[slot[0]].append(i)
+            open_bucket[key] = (slot[0], slot[1] + nbytes)
+    return buckets
+
+
+def _reduce_sum(tensors: Sequence[Tensor], group: Group, bucket_bytes: int, what: str) -> list[Tensor]:
+    """SUM over ``group`` of each tensor; returns new tensors (inputs untouched). Not differentiable."""
+    tensors = list(tensors)
+    world = group_size(group)
+    if world == 1 or not tensors:
+        return [t.clone() for t in tensors]
+    device = comm_device(group)
+    launched = []
+    for idx in _plan(tensors, bucket_bytes):
+        parts = [tensors[i].detach().reshape(-1) for i in idx]
+        dtype = parts[0].dtype
+        numel = sum(p.numel() for p in parts)
+        seq = _next_sequence(group)
+        tag = None
+        if dtype in _TAGGED:
+            tag = float(1 + (seq * 31 + numel) % _TAG_MODULUS)
+            parts.append(torch.full((1,), tag, dtype=dtype, device=parts[0].device))
+        flat = torch.cat(parts).to(device)
+        if _strict:
+            _check_header(group, seq, flat.numel(), 1, what, device)
+        _record(flat.numel(), flat.numel() * flat.element_size())
+        work = _guard(lambda: dist.all_reduce(flat, group=group, async_op=True), what)
+        launched.append((idx, flat, work, tag, seq, numel))
+    out: list[Tensor | None] = [None] * len(tensors)
+    for idx, flat, work, tag, seq, numel in launched:
+        _guard(work.wait, what)
+        if tag is not None:
+            got = flat[-1].item()
+            if got != world * tag:
+                raise CollectiveError(
+                    f"ranks are out of step at {_describe(what, seq, numel)} on rank "
+                    f"{group_rank()}: the sequence tag summed to {got}, expected {world * tag}. "
+                    "Every rank must run the same collectives in the same order: check that "
+                    "inner-step counts and meta-batch layouts agree on all ranks."
+                )
+        offset = 0
+        for i in idx:
+            t = tensors[i]
+            out[i] = flat[offset : offset + t.numel()].view(t.shape).to(t.device)
+            offset += t.numel()
+    return out  # type: ignore[return-value]
+
+
+class _AllReduceSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, bucket_bytes, *tensors):
+        ctx.group = group
+        ctx.bucket_bytes = bucket_bytes
+        return tuple(_reduce_sum(tensors, group, bucket_bytes, "differentiable all-reduce"))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        # The adjoint of y_r = sum_s x_s (for every rank r) is dx_s = sum_r dy_r: the same
+        # all-reduce. Calling the Function again (not a bare collective) keeps it on the
+        # graph when create_graph=True, so third and higher orders work as well.
+        return (None, None, *_AllReduceSum.apply(ctx.group, ctx.bucket_bytes, *grads))
+
+
+def all_reduce_sum(
+    tensors: Sequence[Tensor], group: Group = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> list[Tensor]:
+    """Differentiable SUM over ``group`` of each tensor, bucketed. Identity on one rank."""
+    tensors = list(tensors)
+    if group_size(group) == 1 or not tensors:
+        return tensors
+    return list(_AllReduceSum.apply(group, bucket_bytes, *tensors))
+
+
+def all_reduce_sum_(
+    tensors: Sequence[Tensor], group: Group = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> None:
+    """In-place, non-differentiable SUM over ``group`` (for leaf ``.grad`` tensors)."""
+    tensors = list(tensors)
+    reduced = _reduce_sum(tensors, group, bucket_bytes, "gradient all-reduce")
+    with torch.no_grad():
+        for t, r in zip(tensors, reduced):
+            if r is not t:
+                t.copy_(r)
+
+
+def all_reduce_counts(counts: Sequence[int], group: Group = None) -> list[int]:
+    """Exact integer SUM over ``group`` (global sample or task counts)."""
+    counts = [int(c) for c in counts]
+    if group_size(group) == 1:
+        return counts
+    t = torch.tensor(counts, dtype=torch.int64, device=comm_device(group))
+    _record(t.numel(), t.numel() * 8)
+    _guard(lambda: dist.all_reduce(t, group=group), "count all-reduce")
+    return [int(v) for v in t.tolist()]
+
+
+def broadcast_(tensors: Sequence[Tensor], src: int = 0, group: Group = None) -> None:
+    """Overwrite ``tensors`` in place with rank ``src``'s values (bucketed)."""
+    tensors = list(tensors)
+    if group_size(group) == 1 or not tensors:
+        return
+    device = comm_device(group)
+    for idx in _plan(tensors, DEFAULT_BUCKET_BYTES):
+        flat = torch.cat([tensors[i].detach().reshape(-1) for i in idx]).to(device)
+        _record(flat.numel(), flat.numel() * flat.element_size())
+        _guard(lambda: dist.broadcast(flat, src=src, group=group), "broadcast")
+        offset = 0
+        with torch.no_grad():
+            for i in idx:
+                t = tensors[i]
+                t.copy_(flat[offset : offset + t.numel()].view(t.shape))
+                offset += t.numel()
+
+
+def max_abs_difference(tensors: Sequence[Tensor], group: Group = None) -> list[float]:
+    """Per tensor, the largest |x_rank - x_rank'| over ranks (0.0 on one rank). One call."""
+    tensors = list(tensors)
+    if group_size(group) == 1 or not tensors:
+        return [0.0] * len(tensors)
+    device = comm_device(group)
+    flat = torch.cat([t.detach().reshape(-1).to(device, torch.float64) for t in tensors])
+    both = torch.cat([flat, -flat])
+    _record(both.numel(), both.numel() * 8)
+    _guard(lambda: dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group), "consistency check")
+    spread = both[: flat.numel()] + both[flat.numel() :]  # max - min, elementwise
+    out, offset = [], 0
+    for t in tensors:
+        out.append(float(spread[offset : offset + t.numel()].max()) if t.numel() else 0.0)
+        offset += t.numel()
+    return out

@@ -1,0 +1,137 @@
+"""Splitting global batches and task streams over ranks, by global index only.
+
+Nothing here pads: a shard may be one sample shorter than another, or empty. Every random
+choice is a function of a seed and a *global* index, never of the rank, so the data a
+meta-batch sees is the same for any number of processes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+
+def shard_range(n: int, index: int, parts: int) -> range:
+    """Global indices ``[start, stop)`` of part ``index`` of ``n`` items split into ``parts``.
+
+    Contiguous blocks whose sizes differ by at most one; empty when ``n < parts``.
+    """
+    if parts < 1 or not 0 <= index < parts:
+        raise ValueError(f"part {index} of {parts} does not exist")
+    if n < 0:
+        raise ValueError(f"cannot split {n} items")
+    return range(n * index // parts, n * (index + 1) // parts)
+
+
+class Batch(NamedTuple):
+    """This rank's part of a batch of ``n`` samples: inputs ``x``, targets ``y``."""
+
+    x: Tensor
+    y: Tensor
+    n: int
+
+    @classmethod
+    def local(cls, x: Tensor, y: Tensor, n: int) -> "Batch":
+        """A shard already cut by the caller; checked for consistent lengths."""
+        if x.shape[0] != y.shape[0]:
+            raise ValueError(
+                f"a shard's inputs and targets disagree in length: {x.shape[0]} inputs, "
+                f"{y.shape[0]} targets"
+            )
+        if x.shape[0] > n:
+            raise ValueError(f"a shard of {x.shape[0]} samples cannot belong to a batch of {n}")
+        return cls(x, y, int(n))
+
+    @classmethod
+    def split(cls, x: Tensor, y: Tensor, index: int, parts: int) -> "Batch":
+        """Part ``index`` of ``parts`` of the global batch ``(x, y)`` (the same on every rank)."""
+        if x.shape[0] != y.shape[0]:
+            raise ValueError(
+                f"a batch's inputs and targets disagree in length: {x.shape[0]} inputs, "
+                f"{y.shape[0]} targets"
+            )
+        r = shard_range(x.shape[0], index, parts)
+        return cls(x[r.start : r.stop], y[r.start : r.stop], x.shape[0])
+
+
+class Task(NamedTuple):
+    """One task of a meta-batch: a support batch to adapt on, a query batch to score."""
+
+    support: Batch
+    query: Batch
+
+    def split(self, index: int, parts: int) -> "Task":
+        """This rank's part of both batches, when the task's samples are split over ``parts``."""
+        s, q = self.support, self.query
+        if s.x.shape[0] != s.n or q.x.shape[0] != q.n:
+            raise ValueError("only a whole task (not a shard of one) can be split")
+        return Task(Batch.split(s.x, s.y, index, parts), Batch.split(q.x, q.y, index, parts))
+
+
+def seed_for(seed: int, *index: int) -> int:
+    """A 63-bit seed derived from ``seed`` and global indices (stable across runs and ranks)."""
+    h = hashlib.blake2b(repr((int(seed),) + tuple(int(i) for i in index)).encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "little") & (2**63 - 1)
+
+
+def generator_for(seed: int, *index: int) -> torch.Generator:
+    """A ``torch.Generator`` for the item with these global indices (e.g. step, task)."""
+    return torch.Generator().manual_seed(seed_for(seed, *index))
+
+
+class ShardSampler(torch.utils.data.Sampler[list[int]]):
+    """Batch sampler yielding this rank's indices of each global batch, with no padding.
+
+    The global order is a permutation seeded by ``(seed, epoch)`` (or the identity with
+    ``shuffle=False``); every global batch of ``batch_size`` indices is then cut into
+    ``parts`` contiguous shards. Use with ``DataLoader(dataset, batch_sampler=...)``; the
+    global size of each batch is :meth:`batch_sizes` (the last one may be short unless
+    ``drop_last``).
+    """
+
+    def __init__(
+        self,
+        length: int,
+        batch_size: int,
+        index: int = 0,
+        parts: int = 1,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        shard_range(0, index, parts)  # validates index/parts
+        self.length, self.batch_size = int(length), int(batch_size)
+        self.index, self.parts = index, parts
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def _order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.length))
+        return torch.randperm(self.length, generator=generator_for(self.seed, self.epoch)).tolist()
+
+    def batch_sizes(self) -> list[int]:
+        full, rest = divmod(self.length, self.batch_size)
+        return [self.batch_size] * full + ([rest] if rest and not self.drop_last else [])
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = self._order()
+        start = 0
+        for size in self.batch_sizes():
+            glob = order[start : start + size]
+            r = shard_range(size, self.index, self.parts)
+            yield glob[r.start : r.stop]
+            start += size
+
+    def __len__(self) -> int:
+        return len(self.batch_sizes())

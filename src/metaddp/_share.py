@@ -1,0 +1,49 @@
+"""The share convention: every rank holds its share of each global mean.
+
+A rank's share of a global mean loss is the sum of its own samples' losses divided by the
+global sample count. Shares add up to the global mean on any split of the data, uneven or
+empty shards included, so every cross-rank reduction is a plain SUM, never a mean over ranks
+(which would weight a rank holding 3 samples like one holding 5).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ._collectives import Group, all_reduce_counts, all_reduce_sum
+
+
+def share(per_sample: Tensor, n_global: int) -> Tensor:
+    """This rank's share of the mean over ``n_global`` samples.
+
+    ``per_sample`` holds one loss per local sample along dimension 0 (``reduction='none'``);
+    any further dimensions are averaged per sample first, so that for ``mse_loss`` the shares
+    add up to ``mse_loss(..., reduction='mean')`` on the whole batch.
+    """
+    if per_sample.dim() == 0:
+        raise ValueError(
+            "expected one loss per sample (shape [n, ...]), got a scalar: compute the loss "
+            "with reduction='none' so that metaddp can weigh this rank's samples globally"
+        )
+    if n_global <= 0:
+        raise ValueError(f"the global sample count must be positive, got {n_global}")
+    n_local = per_sample.shape[0]
+    if n_local > n_global:
+        raise ValueError(f"{n_local} local samples cannot be a share of {n_global} global ones")
+    per = per_sample.reshape(n_local, -1).mean(dim=1) if per_sample.dim() > 1 else per_sample
+    return per.sum() / n_global
+
+
+def global_count(n_local: int, group: Group = None) -> int:
+    """Total number of samples (or tasks) over ``group``: an exact integer all-reduce."""
+    return all_reduce_counts([n_local], group)[0]
+
+
+def global_value(shares: Tensor | Sequence[Tensor], group: Group = None) -> Tensor:
+    """The global value of a share (for logging): SUM over ranks, detached."""
+    if isinstance(shares, Tensor):
+        return all_reduce_sum([shares.detach()], group)[0].detach()
+    return torch.stack(all_reduce_sum([s.detach() for s in shares], group)).detach()

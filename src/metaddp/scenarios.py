@@ -1,0 +1,187 @@
+"""Reproducible meta-learning problems for checking invariance to the world size.
+
+Each scenario builds its model and its global meta-batch from a seed alone, so every process
+count sees the same problem. :func:`run` is what each rank executes; ``metaddp verify`` and the
+test suite call it at several world sizes and compare.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ._data import Batch, Task, generator_for, shard_range
+from ._maml import MAML
+from ._share import global_value, share
+from ._functional import call, params_of
+from ._world import Mesh
+from ._wrapper import MetaDDP
+
+LAYOUTS = ("sample", "task", "hybrid")
+
+
+def mesh_for(layout: str) -> Mesh:
+    """``sample``: every rank splits every task; ``task``: tasks split over ranks; ``hybrid``:
+    two task groups (when the world size is even), each splitting its tasks' samples."""
+    from ._world import world_size
+
+    world = world_size()
+    if layout == "sample":
+        return Mesh.create(tasks=1)
+    if layout == "task":
+        return Mesh.create(tasks=world)
+    if layout == "hybrid":
+        return Mesh.create(tasks=2 if world % 2 == 0 else 1)
+    raise ValueError(f"unknown layout {layout!r}; choose from {', '.join(LAYOUTS)}")
+
+
+def mse_per_sample(pred: Tensor, y: Tensor) -> Tensor:
+    return F.mse_loss(pred, y, reduction="none")
+
+
+def ce_per_sample(pred: Tensor, y: Tensor) -> Tensor:
+    return F.cross_entropy(pred, y, reduction="none")
+
+
+class SmallConv(nn.Module):
+    """Two 3x3 convolutions and a linear head over 8x8 single-channel images."""
+
+    def __init__(self, ways: int = 3, width: int = 4) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, width, 3, padding=1)
+        self.conv2 = nn.Conv2d(width, width, 3, padding=1, stride=2)
+        self.head = nn.Linear(width * 16, ways)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = torch.tanh(self.conv1(x))
+        x = torch.tanh(self.conv2(x))
+        return self.head(x.flatten(1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """A MAML meta-step: model, task family, inner loop, precision, and work layout."""
+
+    model: str = "mlp"  # "mlp" (sinusoid-like regression) or "conv" (3-way classification)
+    n_tasks: int = 5
+    n_support: int = 13
+    n_query: int = 11
+    steps: int = 3
+    inner_lr: float = 0.1
+    first_order: bool = False
+    layout: str = "sample"
+    dtype: torch.dtype = torch.float64
+    seed: int = 0
+
+    def build_model(self) -> nn.Module:
+        torch.manual_seed(self.seed)
+        if self.model == "mlp":
+            net = nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+        elif self.model == "conv":
+            net = SmallConv()
+        else:
+            raise ValueError(f"unknown model {self.model!r}")
+        return net.to(self.dtype)
+
+    @property
+    def loss_fn(self) -> Callable[[Tensor, Tensor], Tensor]:
+        return mse_per_sample if self.model == "mlp" else ce_per_sample
+
+    def task(self, index: int) -> Task:
+        """Global task ``index``: a function of the seed and the index only."""
+        g = generator_for(self.seed, index)
+        n = self.n_support + self.n_query
+        if self.model == "mlp":
+            amp, phase = 0.1 + 4.9 * torch.rand((), generator=g), torch.pi * torch.rand((), generator=g)
+            x = 10 * torch.rand(n, 1, generator=g) - 5
+            y = amp * torch.sin(x - phase)
+        else:
+            protos = torch.randn(3, 1, 8, 8, generator=g)
+            y = torch.arange(n) % 3
+            x = protos[y] + 0.5 * torch.randn(n, 1, 8, 8, generator=g)
+        x = x.to(self.dtype)
+        y = y.to(self.dtype) if self.model == "mlp" else y
+        s, q = slice(0, self.n_support), slice(self.n_support, n)
+        return Task(Batch(x[s], y[s], self.n_support), Batch(x[q], y[q], self.n_query))
+
+    def tasks(self) -> list[Task]:
+        return [self.task(i) for i in range(self.n_tasks)]
+
+
+def run(problem: Problem) -> dict:
+    """One meta-step of ``problem`` on this rank; returns the global loss and meta-gradient."""
+    mesh = mesh_for(problem.layout)
+    maml = MetaDDP(MAML(problem.build_model(), problem.inner_lr, problem.steps, problem.first_order), mesh)
+    mine = shard_range(problem.n_tasks, mesh.task_index, mesh.tasks)
+    tasks = [problem.task(i).split(mesh.sample_index, mesh.samples) for i in mine]
+    loss = maml.module.meta_loss(tasks, problem.loss_fn, problem.n_tasks, reduce=maml.reduce)
+    loss.backward()
+    maml.sync_grads()
+    return {
+        "loss": float(global_value(loss, mesh.group)),
+        "grads": {k: p.grad.detach().clone() for k, p in maml.module.model.named_parameters()},
+    }
+
+
+# --- The question this project answers: a batch of 8 split over ranks, one inner step, lr 1. ---
+
+class SeedNet(nn.Module):
+    """The user's ``Net2``: one bias-free linear unit on 4 features.
+
+    Their ``forward`` returned ``self.conv(x).mean()``; here it returns one value per sample,
+    whose global mean is that same loss, so each rank can take its share.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Sequential(nn.Linear(4, 1, bias=False))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.conv(x).mean(dim=-1)
+
+
+def seed_data(n: int = 100) -> Tensor:
+    """The user's ``Datax``: item i is ``[0.01, 10, 0.4, 33] + i``."""
+    return torch.tensor([0.01, 10, 0.4, 33]) + torch.arange(n, dtype=torch.float32)[:, None]
+
+
+@dataclasses.dataclass(frozen=True)
+class SeedProblem:
+    """``iterations`` meta-steps of the user's objective ``l1(w) + l2(w - lr * grad l1(w))``."""
+
+    second_order: bool = False
+    iterations: int = 1
+    batch_size: int = 8
+    inner_lr: float = 1.0
+    outer_lr: float = 1e-3
+
+
+def run_seed(problem: SeedProblem) -> dict:
+    """The user's meta-step with metaddp: returns weight, ``grad2`` history and losses."""
+    torch.manual_seed(1234)
+    net = MetaDDP(SeedNet())  # every rank splits every batch: sample-parallel
+    opt = torch.optim.SGD(net.parameters(), lr=problem.outer_lr)
+    data, mesh = seed_data(), net.mesh
+    w = net.module.conv[0].weight
+    out: dict[str, list] = {"grad2": [], "loss1": [], "loss2": []}
+    for it in range(problem.iterations):
+        batch = data[it * problem.batch_size : (it + 1) * problem.batch_size]
+        r = shard_range(len(batch), mesh.sample_index, mesh.samples)
+        x, n = batch[r.start : r.stop], len(batch)
+        opt.zero_grad()
+        params = params_of(net.module)
+        l1 = share(call(net.module, params, x), n)
+        (g,) = net.reduce(list(torch.autograd.grad(l1, [w], create_graph=problem.second_order)))
+        l2 = share(call(net.module, {"conv.0.weight": w - problem.inner_lr * g}, x), n)
+        (l1 + l2).backward()
+        net.sync_grads()
+        out["grad2"].append(float(w.grad[0, 0]))
+        out["loss1"].append(float(global_value(l1)))
+        out["loss2"].append(float(global_value(l2)))
+        opt.step()
+    out["weight"] = w.detach().clone()
+    return out
