@@ -175,7 +175,9 @@ def run_seed(problem: SeedProblem) -> dict:
         opt.zero_grad()
         params = params_of(net.module)
         l1 = share(call(net.module, params, x), n)
-        (g,) = net.reduce(list(torch.autograd.grad(l1, [w], create_graph=problem.second_order)))
+        # l1's graph is kept: the objective backpropagates through l1 itself a second time.
+        (g,) = net.reduce(list(torch.autograd.grad(
+            l1, [w], retain_graph=True, create_graph=problem.second_order)))
         l2 = share(call(net.module, {"conv.0.weight": w - problem.inner_lr * g}, x), n)
         (l1 + l2).backward()
         net.sync_grads()

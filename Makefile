@@ -1,0 +1,26 @@
+# Set-up is part of every target: each creates .venv on first use (CPU torch, pinned).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test verify clean
+
+$(STAMP): pyproject.toml requirements-ci.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-ci.txt
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/metaddp verify
+
+verify: $(STAMP)
+	$(VENV)/bin/metaddp verify
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

@@ -1,0 +1,31 @@
+"""The ``metaddp`` command line: one sub-command per module under ``metaddp.commands``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Each module defines ``add_parser(subparsers)`` registering its sub-command, whose parser
+# carries ``func=`` taking the parsed arguments and returning the exit status.
+COMMANDS = ["verify"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="metaddp",
+        description="Exact meta-learning on many processes: train, verify invariance, benchmark.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        importlib.import_module(f"metaddp.commands.{name}").add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
