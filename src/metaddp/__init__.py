@@ -13,7 +13,7 @@ from ._collectives import (
     counting,
     set_strict,
 )
-from ._data import Batch, ShardSampler, Task, generator_for, seed_for, shard_range
+from ._data import Batch, ShardSampler, Task, generator_for, seed_for, shard, shard_range
 from ._functional import buffers_of, call, params_of
 from ._inner import InnerOptimizer, apply_updates, sgd
 from ._maml import MAML, batch_share, inner_loop
@@ -28,5 +28,5 @@ __all__ = [
     "ShardSampler", "Task", "all_reduce_counts", "all_reduce_sum", "apply_updates",
     "batch_share", "buffers_of", "call", "counting", "generator_for", "global_count",
     "global_value", "init", "inner_loop", "params_of", "rank", "seed_for", "set_strict", "sgd",
-    "shard_range", "share", "shutdown", "world_size",
+    "shard", "shard_range", "share", "shutdown", "world_size",
 ]

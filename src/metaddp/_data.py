@@ -27,6 +27,12 @@ def shard_range(n: int, index: int, parts: int) -> range:
     return range(n * index // parts, n * (index + 1) // parts)
 
 
+def shard(tensor: Tensor, index: int, parts: int) -> Tensor:
+    """Part ``index`` of ``parts`` of ``tensor`` along dimension 0 (see :func:`shard_range`)."""
+    r = shard_range(tensor.shape[0], index, parts)
+    return tensor[r.start : r.stop]
+
+
 class Batch(NamedTuple):
     """This rank's part of a batch of ``n`` samples: inputs ``x``, targets ``y``."""
 
@@ -54,8 +60,7 @@ class Batch(NamedTuple):
                 f"a batch's inputs and targets disagree in length: {x.shape[0]} inputs, "
                 f"{y.shape[0]} targets"
             )
-        r = shard_range(x.shape[0], index, parts)
-        return cls(x[r.start : r.stop], y[r.start : r.stop], x.shape[0])
+        return cls(shard(x, index, parts), shard(y, index, parts), x.shape[0])
 
 
 class Task(NamedTuple):
