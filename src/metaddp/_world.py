@@ -80,11 +80,15 @@ class Mesh:
         world = world_size()
         if tasks is None and samples is None:
             tasks, samples = 1, world
-        elif tasks is None:
-            tasks = world // samples if samples and world % samples == 0 else 0
-        elif samples is None:
-            samples = world // tasks if tasks and world % tasks == 0 else 0
-        if not tasks or not samples or tasks < 1 or samples < 1 or tasks * samples != world:
+        for axis, size in (("task", tasks), ("sample", samples)):
+            if size is not None and (size < 1 or world % size):
+                raise ValueError(
+                    f"{size} {axis} group(s) do not fit a world of {world} process(es): the "
+                    f"{axis} axis must be a positive divisor of the world size"
+                )
+        tasks = world // samples if tasks is None else tasks
+        samples = world // tasks if samples is None else samples
+        if tasks * samples != world:
             raise ValueError(
                 f"a mesh of {tasks} task group(s) x {samples} sample rank(s) does not fit a "
                 f"world of {world} process(es): tasks * samples must equal the world size"

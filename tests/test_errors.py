@@ -1,0 +1,54 @@
+"""Bad input fails loudly and early, naming the problem; ranks out of step never hang silently."""
+
+import pytest
+import torch
+from torch import nn
+
+import metaddp as md
+from metaddp.launch import run_local
+
+import workers
+
+
+def test_strict_mode_names_a_size_mismatch_instead_of_aborting():
+    for msg in run_local(workers.strict_size_mismatch, 2):
+        assert "ranks are out of step" in msg and "the size 3..5" in msg
+
+
+def test_sequence_tag_catches_ranks_out_of_step():
+    for msg in run_local(workers.out_of_step_tag, 2):
+        assert "ranks are out of step" in msg and "sequence tag" in msg
+
+
+def test_a_rank_that_leaves_gives_an_explanation_not_a_hang():
+    msg = run_local(workers.rank_one_leaves, 2, timeout_s=10)[0]
+    assert "ranks disagree on how many collectives" in msg
+
+
+def test_share_wants_one_loss_per_sample():
+    with pytest.raises(ValueError, match="reduction='none'"):
+        md.share(torch.tensor(1.0), 4)
+    with pytest.raises(ValueError, match="cannot be a share of 2"):
+        md.share(torch.ones(3), 2)
+
+
+def test_shard_lengths_must_agree():
+    with pytest.raises(ValueError, match="3 inputs, 2 targets"):
+        md.Batch.local(torch.ones(3, 1), torch.ones(2), n=8)
+    with pytest.raises(ValueError, match="3 inputs, 2 targets"):
+        md.Batch.split(torch.ones(3, 1), torch.ones(2), 0, 2)
+
+
+def test_non_finite_inner_gradient_is_an_error():
+    net = nn.Linear(1, 1).double()
+    task = md.Task(md.Batch(torch.tensor([[float("inf")]], dtype=torch.float64),
+                            torch.zeros(1, 1, dtype=torch.float64), 1),
+                   md.Batch(torch.ones(1, 1, dtype=torch.float64), torch.zeros(1, 1, dtype=torch.float64), 1))
+    maml = md.MAML(net, inner_lr=0.1)
+    with pytest.raises(FloatingPointError, match="inner step 0.*not finite"):
+        maml.meta_loss([task], lambda p, y: (p - y) ** 2, n_tasks=1)
+
+
+def test_wrapping_a_ddp_module_says_what_to_do():
+    with pytest.raises(TypeError, match="pass the bare module"):
+        md.MetaDDP(nn.DataParallel(nn.Linear(2, 1)))

@@ -1,0 +1,144 @@
+"""Functions each spawned rank runs (module level, so that spawned processes can import them)."""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import metaddp as md
+from metaddp import scenarios as S
+from metaddp._collectives import _next_sequence
+
+# Exactness cases: (name, Problem). Sizes chosen so that shards are uneven at every world
+# size 2..4, some ranks get empty shards (2 or 3 samples over 3-4 ranks), and task counts do
+# not divide the world size (5 tasks; 3 tasks leave a rank without any task at 4 ranks).
+CASES = {
+    "mlp-1step-2nd-sample": S.Problem("mlp", steps=1, layout="sample"),
+    "mlp-3step-1st-sample": S.Problem("mlp", steps=3, first_order=True, layout="sample"),
+    "mlp-2step-2nd-task5": S.Problem("mlp", steps=2, layout="task"),
+    "mlp-2step-2nd-task3": S.Problem("mlp", n_tasks=3, steps=2, layout="task"),
+    "mlp-2step-2nd-empty-shards": S.Problem("mlp", n_support=2, n_query=3, steps=2, layout="sample"),
+    "mlp-3step-2nd-hybrid": S.Problem("mlp", n_tasks=3, steps=3, layout="hybrid"),
+    "conv-3step-2nd-sample": S.Problem("conv", steps=3, layout="sample"),
+    "conv-2step-1st-task": S.Problem("conv", steps=2, first_order=True, layout="task"),
+    "conv-2step-2nd-hybrid": S.Problem("conv", steps=2, layout="hybrid"),
+    "conv-1step-2nd-empty-shards": S.Problem("conv", n_support=2, n_query=1, steps=1, layout="sample"),
+}
+
+
+def third_order() -> list[float]:
+    """Derivatives of orders 1-3 of L = sum_r c_r * s^4, s = sum_r x_r, through the all-reduce.
+
+    Each rank holds x_r = r + 1 and the shares c_r, d_r, e_r (weights of the three levels).
+    """
+    r = md.rank()
+    x = torch.tensor(float(r + 1), dtype=torch.float64, requires_grad=True)
+    c, d, e = (r + 1) / 10, (r + 2) / 7, (r + 3) / 5
+    (s,) = md.all_reduce_sum([x])
+    (g,) = torch.autograd.grad(c * s**4, x, create_graph=True)    # 4 C s^3
+    (h,) = torch.autograd.grad(d * g, x, create_graph=True)       # 12 C D s^2
+    (k,) = torch.autograd.grad(e * h, x)                          # 24 C D E s
+    return [float(t.detach()) for t in (s, g, h, k)]
+
+
+def bucketing() -> dict:
+    """Twelve tensors of mixed dtype summed in 64-byte buckets: values and the call count."""
+    r = md.rank()
+    ts = [torch.full((5,), float(r + i), dtype=torch.float64 if i % 3 else torch.float32)
+          for i in range(12)]
+    with md.counting() as stats:
+        out = md.all_reduce_sum(ts, bucket_bytes=64)
+    return {"values": [t.tolist() for t in out], "dtypes": [str(t.dtype) for t in out],
+            "calls": stats.calls}
+
+
+def broadcast_and_errors() -> dict:
+    """Construction-time sync, and the errors that every rank raises alike."""
+    out = {}
+    torch.manual_seed(md.rank())  # deliberately different weights per rank
+    net = nn.Linear(3, 2)
+    md.MetaDDP(net)
+    out["weight"] = net.weight.detach().clone()
+    torch.manual_seed(md.rank())
+    try:
+        md.MetaDDP(nn.Linear(3, 2), broadcast=False)
+        out["mismatch"] = None
+    except ValueError as e:
+        out["mismatch"] = str(e)
+
+    class Partly(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = nn.Linear(2, 1), nn.Linear(2, 1)
+
+        def forward(self, x):
+            return self.used(x)
+
+    for allow in (False, True):
+        m = md.MetaDDP(Partly(), allow_unused=allow)
+        m(torch.ones(1, 2)).sum().backward()
+        try:
+            m.sync_grads()
+            out[f"unused-{allow}"] = m.module.unused.weight.grad
+        except ValueError as e:
+            out[f"unused-{allow}"] = str(e)
+    try:
+        md.MetaDDP(nn.parallel.DistributedDataParallel(nn.Linear(2, 1)))
+    except TypeError as e:
+        out["ddp"] = str(e)
+    try:
+        md.Mesh.create(tasks=md.world_size() + 1)
+        out["mesh"] = None
+    except ValueError as e:
+        out["mesh"] = str(e)
+    return out
+
+
+def strict_size_mismatch() -> str:
+    """Ranks reduce different sizes; strict mode must name it rather than let gloo abort."""
+    md.set_strict(True)
+    try:
+        md.all_reduce_sum([torch.ones(3 + 2 * md.rank(), dtype=torch.float64)])
+    except md.CollectiveError as e:
+        return str(e)
+    return "no error"
+
+
+def out_of_step_tag() -> str:
+    """Rank 1 is one collective ahead (as after an extra inner step): the tag must catch it."""
+    if md.rank() == 1:
+        _next_sequence(None)
+    try:
+        md.all_reduce_sum([torch.ones(4, dtype=torch.float64)])
+    except md.CollectiveError as e:
+        return str(e)
+    return "no error"
+
+
+def rank_one_leaves() -> str:
+    """Rank 1 skips the collective and exits; rank 0 must fail with an explanation, not hang."""
+    if md.rank() == 1:
+        return "left"
+    try:
+        md.all_reduce_sum([torch.ones(4)])
+    except md.CollectiveError as e:
+        return str(e)
+    return "no error"
+
+
+def everything() -> dict:
+    """All checks that share one process group, so each world size is spawned once."""
+    return {
+        "cases": {name: S.run(p) for name, p in CASES.items()},
+        "seed-1st": S.run_seed(S.SeedProblem(second_order=False, iterations=3)),
+        "seed-2nd": S.run_seed(S.SeedProblem(second_order=True, iterations=3)),
+        "third": third_order(),
+        "bucketing": bucketing(),
+        "sync": broadcast_and_errors(),
+        "rank": md.rank(),
+    }
+
+
+def seed_ddp_grad2() -> float:
+    import seed_ddp  # examples/, on sys.path via conftest
+
+    return seed_ddp.train()
