@@ -121,3 +121,13 @@ def test_wrapper_syncs_at_build_and_reports_errors(results, world):
         assert s["unused-True"] is None
         assert "pass the bare module" in s["ddp"]
         assert f"{world + 1} task group(s) do not fit a world of {world}" in s["mesh"]
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_readme_quickstart_trajectory_is_the_same_on_every_world_size(results, world):
+    for r in results[world]:
+        # float32 and three Adam steps: reordered sums differ by a few ulps (~1e-7 relative);
+        # Adam's normalised step keeps that at the same scale. 1e-5 is well below the change
+        # in the loss from one step to the next (~1e-2 relative).
+        assert r["quickstart"] == pytest.approx(results[1][0]["quickstart"], rel=1e-5)
+    assert results[world][0]["quickstart"][0] != pytest.approx(results[world][0]["quickstart"][-1], rel=1e-3)

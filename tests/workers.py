@@ -134,8 +134,15 @@ def everything() -> dict:
         "third": third_order(),
         "bucketing": bucketing(),
         "sync": broadcast_and_errors(),
+        "quickstart": quickstart_losses(),
         "rank": md.rank(),
     }
+
+
+def quickstart_losses() -> list[float]:
+    import quickstart  # examples/, on sys.path via conftest
+
+    return quickstart.main(steps=3)
 
 
 def seed_ddp_grad2() -> float:
