@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import metaddp
-from metaddp import ANIL, IMAML, MAML, Batch, ConvergenceWarning, MetaSGD, Reptile, Task, share
+from metaddp import ANIL, IMAML, MAML, ConvergenceWarning, MetaSGD, Reptile, share
 from metaddp.scenarios import Problem
 
 

@@ -23,11 +23,12 @@ import warnings
 from collections.abc import Callable
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ._data import Task
 from ._functional import Params
-from ._maml import (MAML, LossFn, Reduce, batch_share, identity_reduce, inner_loop,
+from ._inner import InnerOptimizer
+from ._maml import (MAML, LossFn, OptimizerFactory, Reduce, batch_share, identity_reduce, inner_loop,
                     local_fraction)
 
 Vectors = list[Tensor]
@@ -109,8 +110,9 @@ class IMAML(MAML):
     latest solve.
     """
 
-    def __init__(self, model, lam: float = 1.0, inner_lr: float = 0.01, steps: int = 5,
-                 optimizer=None, cg_steps: int = 10, cg_tol: float = 1e-10) -> None:
+    def __init__(self, model: nn.Module, lam: float = 1.0, inner_lr: float = 0.01, steps: int = 5,
+                 optimizer: InnerOptimizer | OptimizerFactory | None = None, cg_steps: int = 10,
+                 cg_tol: float = 1e-10) -> None:
         if lam <= 0:
             raise ValueError(f"the proximal strength lam must be positive, got {lam}")
         if cg_steps < 1:

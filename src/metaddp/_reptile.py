@@ -9,15 +9,22 @@ inner loop (no second-order terms, no query loss). It arrives in ``.grad`` throu
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ._data import Task
-from ._maml import MAML, LossFn, Reduce, identity_reduce, inner_loop, local_fraction
+from ._inner import InnerOptimizer
+from ._maml import MAML, LossFn, OptimizerFactory, Reduce, identity_reduce, inner_loop, local_fraction
 
 
 class Reptile(MAML):
-    """Reptile around any ``nn.Module`` (arguments as :class:`metaddp.MAML`; always first order).
+    """Reptile around any ``nn.Module`` (always first order).
+
+    Args:
+        model: the network; its parameters are the meta-parameters.
+        inner_lr: step size of the inner optimizer.
+        steps: inner steps per task (Reptile needs more than one to differ from joint training).
+        optimizer: a differentiable inner optimizer (the paper uses Adam: ``metaddp.adam``).
+        learn_lr: not supported (the meta-gradient has no path to the rate); must be None.
 
     :meth:`meta_loss` returns, per task, ``0.5 * ||theta - stop_grad(phi)||^2`` averaged over
     the meta-batch: its value is half the mean squared distance the inner loop moved, and
@@ -29,7 +36,8 @@ class Reptile(MAML):
     gradients over ranks counts every task once.
     """
 
-    def __init__(self, model, inner_lr: float = 0.01, steps: int = 5, optimizer=None,
+    def __init__(self, model: nn.Module, inner_lr: float = 0.01, steps: int = 5,
+                 optimizer: InnerOptimizer | OptimizerFactory | None = None,
                  learn_lr: str | None = None) -> None:
         if learn_lr is not None:
             raise ValueError("Reptile's meta-gradient does not depend on the inner learning rate; learn_lr cannot be trained")
