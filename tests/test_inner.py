@@ -9,7 +9,7 @@ import torch
 import metaddp
 from metaddp import Batch, LearnedLR, adam, apply_updates, inner_loop, sgd
 
-torch.set_default_dtype(torch.float64)
+D = torch.float64  # every tensor here is float64, given explicitly (no global default)
 
 
 def objective(p: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -21,7 +21,7 @@ def objective(p: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def start() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return {"w": torch.randn(3, 2, generator=g), "b": torch.randn(2, generator=g)}
+    return {"w": torch.randn(3, 2, generator=g, dtype=D), "b": torch.randn(2, generator=g, dtype=D)}
 
 
 OPTIMIZERS = [
@@ -124,7 +124,8 @@ def test_second_order_gradient_matches_finite_differences(name, make, per):
 
 def test_adam_eps_root_keeps_second_order_finite_at_zero_gradient():
     # b's inner gradient 2 * (b - 0.5) is exactly zero at b = 0.5, and on the graph.
-    theta = {"w": torch.tensor([0.3, -0.2], requires_grad=True), "b": torch.tensor([0.5], requires_grad=True)}
+    theta = {"w": torch.tensor([0.3, -0.2], dtype=D, requires_grad=True),
+             "b": torch.tensor([0.5], dtype=D, requires_grad=True)}
 
     def inner(p):
         return (p["w"] ** 2).sum() + ((p["b"] - 0.5) ** 2).sum()
@@ -158,10 +159,10 @@ def test_state_from_another_parameter_set_is_an_error():
 
 
 def test_learning_rate_of_wrong_shape_is_an_error():
-    opt = sgd({"w": torch.ones(3)})
-    state = opt.init({"w": torch.zeros(3, 3)})
+    opt = sgd({"w": torch.ones(3, dtype=D)})
+    state = opt.init({"w": torch.zeros(3, 3, dtype=D)})
     with pytest.raises(ValueError, match=r"shape \(3,\).*shape \(3, 3\)"):
-        opt.update({"w": torch.zeros(3, 3)}, state, {"w": torch.zeros(3, 3)})
+        opt.update({"w": torch.zeros(3, 3, dtype=D)}, state, {"w": torch.zeros(3, 3, dtype=D)})
     with pytest.raises(KeyError, match="no entry for parameter 'b'"):
         sgd({"w": 0.1}).update({"b": torch.zeros(1)}, sgd(0.1).init({"b": torch.zeros(1)}), {})
 
@@ -176,8 +177,8 @@ def test_bad_hyper_parameters_are_errors():
 
 
 def test_non_finite_inner_gradient_is_an_error():
-    model = torch.nn.Linear(1, 1)
-    x = torch.tensor([[1.0], [float("nan")]])
+    model = torch.nn.Linear(1, 1).double()
+    x = torch.tensor([[1.0], [float("nan")]], dtype=D)
     with pytest.raises(FloatingPointError, match="inner step 0.*'weight'"):
-        inner_loop(model, metaddp.params_of(model), Batch(x, torch.zeros(2, 1), 2),
+        inner_loop(model, metaddp.params_of(model), Batch(x, torch.zeros(2, 1, dtype=D), 2),
                    lambda p, y: (p - y) ** 2, steps=1, optimizer=sgd(0.1))

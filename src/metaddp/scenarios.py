@@ -54,39 +54,44 @@ def ce_per_sample(pred: Tensor, y: Tensor) -> Tensor:
     return F.cross_entropy(pred, y, reduction="none")
 
 
-class ConvBody(nn.Module):
-    """Two 3x3 convolutions (each optionally followed by BatchNorm) over 8x8 images, flattened."""
+class SmallConv(nn.Module):
+    """Two 3x3 convolutions (each optionally followed by BatchNorm) and a linear head over
+    8x8 single-channel images."""
 
-    def __init__(self, width: int = 4, batchnorm: bool = False) -> None:
+    def __init__(self, ways: int = 3, width: int = 4, batchnorm: bool = False) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(1, width, 3, padding=1)
         self.conv2 = nn.Conv2d(width, width, 3, padding=1, stride=2)
+        self.head = nn.Linear(width * 16, ways)
         self.bn1 = nn.BatchNorm2d(width) if batchnorm else nn.Identity()
         self.bn2 = nn.BatchNorm2d(width) if batchnorm else nn.Identity()
 
-    def forward(self, x: Tensor) -> Tensor:
+    def features(self, x: Tensor) -> Tensor:
         x = torch.tanh(self.bn1(self.conv1(x)))
         x = torch.tanh(self.bn2(self.conv2(x)))
         return x.flatten(1)
 
-
-class SmallConv(nn.Module):
-    """Two 3x3 convolutions and a linear head over 8x8 single-channel images."""
-
-    def __init__(self, ways: int = 3, width: int = 4, batchnorm: bool = False) -> None:
-        super().__init__()
-        self.body = ConvBody(width, batchnorm)
-        self.head = nn.Linear(width * 16, ways)
-
     def forward(self, x: Tensor) -> Tensor:
-        return self.head(self.body(x))
+        return self.head(self.features(x))
+
+
+class ConvBody(nn.Module):
+    """The layers of a :class:`SmallConv` below its head (shared with it, not copied)."""
+
+    def __init__(self, net: SmallConv) -> None:
+        super().__init__()
+        self.conv1, self.conv2, self.bn1, self.bn2 = net.conv1, net.conv2, net.bn1, net.bn2
+
+    forward = SmallConv.features
 
 
 def body_and_head(net: nn.Module) -> tuple[nn.Module, nn.Module]:
     """The split ANIL needs: everything but the last layer, and the last layer."""
     if isinstance(net, nn.Sequential):
         return net[:-1], net[-1]
-    return net.body, net.head
+    if isinstance(net, SmallConv):
+        return ConvBody(net), net.head
+    raise ValueError(f"no body/head split known for {type(net).__name__}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,10 +99,6 @@ class Problem:
     """A meta-step: algorithm, model, task family, inner loop, precision, and work layout."""
 
     model: str = "mlp"  # "mlp" (sinusoid-like regression) or "conv" (3-way classification)
-    algorithm: str = "maml"  # one of ALGORITHMS
-    batchnorm: bool = False  # conv only: BatchNorm after each convolution, synchronized
-    lam: float = 20.0  # iMAML's proximal strength
-    cg_steps: int = 60  # iMAML's conjugate-gradient budget
     n_tasks: int = 5
     n_support: int = 13
     n_query: int = 11
@@ -107,6 +108,10 @@ class Problem:
     layout: str = "sample"
     dtype: torch.dtype = torch.float64
     seed: int = 0
+    algorithm: str = "maml"  # one of ALGORITHMS
+    batchnorm: bool = False  # conv only: BatchNorm after each convolution, synchronized
+    lam: float = 20.0  # iMAML's proximal strength
+    cg_steps: int = 60  # iMAML's conjugate-gradient budget
 
     def build_model(self) -> nn.Module:
         torch.manual_seed(self.seed)
@@ -127,13 +132,16 @@ class Problem:
         g = generator_for(self.seed, index)
         n = self.n_support + self.n_query
         if self.model == "mlp":
-            amp, phase = 0.1 + 4.9 * torch.rand((), generator=g), torch.pi * torch.rand((), generator=g)
-            x = 10 * torch.rand(n, 1, generator=g) - 5
+            # Drawn in float32 whatever the default dtype, so the data never depends on it.
+            f32 = torch.float32
+            amp = 0.1 + 4.9 * torch.rand((), generator=g, dtype=f32)
+            phase = torch.pi * torch.rand((), generator=g, dtype=f32)
+            x = 10 * torch.rand(n, 1, generator=g, dtype=f32) - 5
             y = amp * torch.sin(x - phase)
         else:
-            protos = torch.randn(3, 1, 8, 8, generator=g)
+            protos = torch.randn(3, 1, 8, 8, generator=g, dtype=torch.float32)
             y = torch.arange(n) % 3
-            x = protos[y] + 0.5 * torch.randn(n, 1, 8, 8, generator=g)
+            x = protos[y] + 0.5 * torch.randn(n, 1, 8, 8, generator=g, dtype=torch.float32)
         x = x.to(self.dtype)
         y = y.to(self.dtype) if self.model == "mlp" else y
         s, q = slice(0, self.n_support), slice(self.n_support, n)
