@@ -55,7 +55,7 @@ def learner_run(p: S.Problem) -> dict:
         loss = metaddp.share(p.loss_fn(learner(t.query.x), t.query.y), t.query.n)
         (loss / p.n_tasks).backward()
     alg.sync_grads()
-    return {"grads": {k: q.grad.clone() for k, q in alg.module.named_parameters()}}
+    return {"grads": S.meta_gradient(alg.module)}
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ def reference(p: S.Problem) -> dict[str, torch.Tensor]:
             total = total + mse(fast, t.query.x, t.query.y)
         leaves = theta + alphas if a == "metasgd" else theta
         grads = torch.autograd.grad(total / p.n_tasks, leaves)
-        out = {f"model.{n}": g for n, g in zip(names, grads[: len(theta)])}
+        out = dict(zip(names, grads[: len(theta)]))
         if a == "metasgd":
             out.update({f"lr.rates.{i}": g for i, g in enumerate(grads[len(theta):])})
         return out
@@ -119,8 +119,8 @@ def reference(p: S.Problem) -> dict[str, torch.Tensor]:
             total = total + ((fq @ fast[0].T + fast[1] - t.query.y) ** 2).mean()
         grads = torch.autograd.grad(total / p.n_tasks, theta)
         # ANIL's body is net[:-1] (keys kept: 0, 2), its head net[-1].
-        out = {f"model.body.{n}": g for n, g in zip(names[:4], grads[:4])}
-        out.update({f"model.head.{n.split('.', 1)[1]}": g for n, g in zip(names[4:], grads[4:])})
+        out = {f"body.{n}": g for n, g in zip(names[:4], grads[:4])}
+        out.update({f"head.{n.split('.', 1)[1]}": g for n, g in zip(names[4:], grads[4:])})
         return out
     if a == "reptile":
         acc = [torch.zeros_like(t) for t in theta]
@@ -130,7 +130,7 @@ def reference(p: S.Problem) -> dict[str, torch.Tensor]:
                 g = torch.autograd.grad(mse(phi, t.support.x, t.support.y), phi)
                 phi = [(f - p.inner_lr * gi).detach().requires_grad_() for f, gi in zip(phi, g)]
             acc = [s + (th.detach() - f.detach()) / p.n_tasks for s, th, f in zip(acc, theta, phi)]
-        return {f"model.{n}": g for n, g in zip(names, acc)}
+        return dict(zip(names, acc))
     if a == "imaml":
         shapes = [t.shape for t in theta]
         sizes = [t.numel() for t in theta]
@@ -151,7 +151,7 @@ def reference(p: S.Problem) -> dict[str, torch.Tensor]:
             phi_ = phi.clone().requires_grad_()
             (gq,) = torch.autograd.grad(mse(unflat(phi_), t.query.x, t.query.y), phi_)
             acc += torch.linalg.solve(torch.eye(len(th), dtype=th.dtype) + hess / p.lam, gq)
-        return {f"model.{n}": g for n, g in zip(names, unflat(acc / p.n_tasks))}
+        return dict(zip(names, unflat(acc / p.n_tasks)))
     raise AssertionError(a)
 
 
@@ -173,8 +173,8 @@ def reference_bn(p: S.Problem) -> tuple[dict[str, torch.Tensor], dict[str, torch
             fast = [f - p.inner_lr * gi for f, gi in zip(fast, g)]
         total = total + loss(fast, t.query)
     grads = torch.autograd.grad(total / p.n_tasks, theta)
-    bufs = {f"model.{k}": b.detach().clone() for k, b in net.named_buffers()}
-    return {f"model.{n}": g for n, g in zip(names, grads)}, bufs
+    bufs = {k: b.detach().clone() for k, b in net.named_buffers()}
+    return dict(zip(names, grads)), bufs
 
 
 def flat(d: dict[str, torch.Tensor], keys) -> torch.Tensor:
@@ -240,7 +240,7 @@ def half_batch_statistics(p: S.Problem) -> dict[str, torch.Tensor]:
             g = torch.autograd.grad(loss(fast, t.support), fast, create_graph=True)
             fast = [f - p.inner_lr * gi for f, gi in zip(fast, g)]
         total = total + loss(fast, t.query)
-    return {f"model.{n}": g for n, g in zip(names, torch.autograd.grad(total / p.n_tasks, theta))}
+    return dict(zip(names, torch.autograd.grad(total / p.n_tasks, theta)))
 
 
 def test_clone_adapt_on_many_ranks_matches_single_process(results):

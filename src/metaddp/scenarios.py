@@ -172,7 +172,8 @@ class Problem:
 
 
 def run(problem: Problem) -> dict:
-    """One meta-step of ``problem`` on this rank; returns the global loss and meta-gradient."""
+    """One meta-step of ``problem`` on this rank: the global loss, the meta-gradient (see
+    :func:`meta_gradient`) and the model's buffers after the step."""
     mesh = mesh_for(problem.layout)
     maml = MetaDDP(problem.build_algorithm(), mesh)
     mine = shard_range(problem.n_tasks, mesh.task_index, mesh.tasks)
@@ -184,9 +185,16 @@ def run(problem: Problem) -> dict:
     maml.sync_grads()
     return {
         "loss": float(global_value(loss, mesh.group)),
-        "grads": {k: p.grad.detach().clone() for k, p in maml.module.named_parameters()},
-        "buffers": {k: b.detach().clone() for k, b in maml.module.named_buffers()},
+        "grads": meta_gradient(maml.module),
+        "buffers": {k: b.detach().clone() for k, b in maml.module.model.named_buffers()},
     }
+
+
+def meta_gradient(algorithm: nn.Module) -> dict[str, Tensor]:
+    """Every meta-parameter's gradient: the model's by their names in the model, any other
+    (learned learning rates) by their names in the algorithm module (``lr.rates.0``...)."""
+    in_model = {id(p): k for k, p in algorithm.model.named_parameters()}
+    return {in_model.get(id(p), k): p.grad.detach().clone() for k, p in algorithm.named_parameters()}
 
 
 # --- The question this project answers: a batch of 8 split over ranks, one inner step, lr 1. ---
