@@ -94,14 +94,15 @@ def test_reptile_gradient_is_the_displacement_and_works_with_torch_optim():
         for k in disp:
             disp[k] += (theta[k] - phi[k].detach()) / 2
     for k, p in alg.model.named_parameters():
-        torch.testing.assert_close(p.grad, disp[k], rtol=1e-12, atol=1e-14)  # few-ulp reordering
+        # The same float64 numbers summed in another order: a few ulps apart.
+        torch.testing.assert_close(p.grad, disp[k], rtol=1e-12, atol=1e-14)
     # The value is half the mean squared distance moved.
     want = sum(0.5 * sum(((theta[k] - alg.adapt(t.support, mse)[k].detach()) ** 2).sum() for k in theta) for t in tasks) / 2
-    torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-12, atol=0)
+    torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-12, atol=0)  # as above
     opt = torch.optim.SGD(alg.parameters(), lr=0.5)
     opt.step()
     for k, p in alg.model.named_parameters():
-        torch.testing.assert_close(p.detach(), theta[k] - 0.5 * disp[k], rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(p.detach(), theta[k] - 0.5 * disp[k], rtol=1e-12, atol=1e-14)  # as above
 
 
 def test_imaml_cg_budget_warns_with_the_residual():

@@ -52,7 +52,9 @@ def test_matches_torch_batchnorm_to_second_order(norm, momentum, affine):
     x = data(norm)
     out_ref, g_ref = second_order(a, x, synced=False)
     out, g = second_order(b, x, synced=True)
-    # E[(x-k)^2] - E[x-k]^2 against PyTorch's own variance kernel: ~1e-15 apart in float64.
+    # E[(x-k)^2] - E[x-k]^2 against PyTorch's own variance kernel: ~1e-15 apart in float64;
+    # second derivatives pass through rsqrt(var + eps) twice and amplify that to ~1e-13.
+    # A wrong statistic (unbiased instead of biased variance, a missing term) is off by >1e-2.
     torch.testing.assert_close(out, out_ref, rtol=1e-12, atol=1e-12)
     for gi, ri in zip(g, g_ref):
         torch.testing.assert_close(gi, ri, rtol=1e-10, atol=1e-12)
@@ -67,7 +69,7 @@ def test_eval_mode_uses_running_statistics():
     a.eval(), b.eval()
     with sync_batchnorm(b, identity):
         got = b(x)
-    torch.testing.assert_close(got, a(x), rtol=0, atol=0)
+    torch.testing.assert_close(got, a(x), rtol=0, atol=0)  # the same F.batch_norm call: exact
 
 
 def test_module_is_restored_and_nesting_refused():
@@ -99,8 +101,10 @@ def test_global_statistics_come_from_reduce():
     with sync_batchnorm(model, doubled):
         got = model(x)
     want = ref(x)  # the same mean and biased variance; the unbiased running variance differs
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)  # float64 reordering, as above
     assert seen == [3]
     n = 2 * x.shape[0]
     h = ref[0](x).detach()
+    # Default float64 tolerances of assert_close (1e-7 relative): the value differs by n/(n-1),
+    # 8% here, if the global count is not used.
     torch.testing.assert_close(model[1].running_var, h.var(0, unbiased=False) * n / (n - 1))
