@@ -3,6 +3,11 @@
 As in optax, state is explicit and returned, never hidden on an object, and nothing updates
 in place, so every step stays on the autograd graph and second-order meta-gradients flow
 through the whole inner trajectory (and through learnable hyper-parameters).
+
+A learning rate may be a Python float, a tensor (a scalar, or a tensor with the parameter's
+shape), or a mapping from parameter name to one of those. Tensors that require grad (for
+example the ``nn.Parameter`` s of :class:`metaddp.LearnedLR`) are trained by the outer
+optimizer: the inner updates are differentiable in them.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor
 
 Params = dict[str, Tensor]
@@ -24,27 +30,164 @@ class InnerOptimizer(NamedTuple):
     update: Callable[[Params, State, Params], tuple[Params, State]]
 
 
+class SlotState(NamedTuple):
+    """State of an optimizer with per-parameter slots: a step count and named slot dicts.
+
+    ``shapes`` records the parameter set the state was made for, so that a state handed
+    to the wrong parameters is an error rather than a silent broadcast.
+    """
+
+    count: int
+    slots: tuple[Params, ...]
+    shapes: tuple[tuple[str, tuple[int, ...]], ...]
+
+
 def apply_updates(params: Mapping[str, Tensor], updates: Mapping[str, Tensor]) -> Params:
     """``params + updates``, out of place (names without an update are kept as they are)."""
     return {k: (p + updates[k] if k in updates else p) for k, p in params.items()}
 
 
-def lr_for(lr: LearningRate, name: str) -> float | Tensor:
-    """The learning rate of parameter ``name``: a scalar, or its entry of a per-parameter dict."""
+def lr_for(lr: LearningRate, name: str, like: Tensor | None = None) -> float | Tensor:
+    """The learning rate of parameter ``name``: a scalar, or its entry of a per-parameter dict.
+
+    Args:
+        lr: a float, a tensor, or a mapping from parameter name to either.
+        name: the parameter's qualified name.
+        like: the parameter (or its gradient); a tensor learning rate must be a scalar or
+            have exactly this shape (anything else would broadcast into a wrong update).
+
+    Returns:
+        The learning rate to multiply ``name``'s update by.
+    """
     if isinstance(lr, Mapping):
         if name not in lr:
-            raise KeyError(f"the learning-rate dict has no entry for parameter {name!r}")
-        return lr[name]
+            raise KeyError(
+                f"the learning-rate dict has no entry for parameter {name!r} "
+                f"(it has {', '.join(map(repr, list(lr)[:5]))}{', ...' if len(lr) > 5 else ''})"
+            )
+        lr = lr[name]
+    if isinstance(lr, Tensor) and like is not None and lr.dim() > 0 and lr.shape != like.shape:
+        raise ValueError(
+            f"the learning rate of parameter {name!r} has shape {tuple(lr.shape)}, but the "
+            f"parameter has shape {tuple(like.shape)}: use a scalar (one rate per tensor) or a "
+            "tensor of the parameter's own shape (one rate per entry)"
+        )
     return lr
 
 
-def sgd(lr: LearningRate) -> InnerOptimizer:
-    """Plain gradient descent, ``p <- p - lr * g``; ``lr`` may be a learnable tensor or a dict."""
+def _shapes(params: Mapping[str, Tensor]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    return tuple((k, tuple(p.shape)) for k, p in params.items())
+
+
+def check_state(state: SlotState, grads: Mapping[str, Tensor], who: str) -> None:
+    """Raise if ``state`` was initialised for a different parameter set than ``grads``."""
+    if not isinstance(state, SlotState):
+        raise TypeError(f"{who}: expected the state returned by its init(), got {type(state).__name__}")
+    got = _shapes(grads)
+    if dict(got) != dict(state.shapes):
+        mine, theirs = dict(state.shapes), dict(got)
+        diff = sorted(set(mine) ^ set(theirs)) + sorted(k for k in mine if k in theirs and mine[k] != theirs[k])
+        raise ValueError(
+            f"{who}: the optimizer state belongs to another parameter set (it was initialised "
+            f"for {len(mine)} tensors, the gradients cover {len(theirs)}; first mismatches: "
+            f"{', '.join(map(repr, diff[:5]))}). Call init() on the parameters you update."
+        )
+
+
+def sgd(lr: LearningRate, momentum: float = 0.0, nesterov: bool = False,
+        dampening: float = 0.0) -> InnerOptimizer:
+    """Gradient descent, optionally with (Nesterov) momentum, as ``torch.optim.SGD`` defines it.
+
+    With momentum ``mu``: ``b_1 = g_1``, ``b_t = mu * b_{t-1} + (1 - dampening) * g_t``; the
+    step is ``-lr * b_t``, or ``-lr * (g_t + mu * b_t)`` with ``nesterov`` (Sutskever et al.,
+    ICML 2013, in PyTorch's formulation).
+
+    Args:
+        lr: step size; a float, a (learnable) tensor, or a per-parameter mapping.
+        momentum: momentum factor ``mu`` (0 for plain gradient descent).
+        nesterov: use Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0``).
+        dampening: dampening of the momentum buffer's new gradient term.
+
+    Returns:
+        An :class:`InnerOptimizer`.
+    """
+    if momentum < 0:
+        raise ValueError(f"momentum must be >= 0, got {momentum}")
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("Nesterov momentum needs momentum > 0 and dampening == 0")
+
+    if momentum == 0:
+        def init_plain(params: Params) -> State:
+            return SlotState(0, (), _shapes(params))
+
+        def update_plain(grads: Params, state: State, params: Params) -> tuple[Params, State]:
+            check_state(state, grads, "sgd")
+            out = {k: -lr_for(lr, k, g) * g for k, g in grads.items()}
+            return out, SlotState(state.count + 1, (), state.shapes)
+
+        return InnerOptimizer(init_plain, update_plain)
 
     def init(params: Params) -> State:
-        return ()
+        return SlotState(0, ({k: torch.zeros_like(p) for k, p in params.items()},), _shapes(params))
 
     def update(grads: Params, state: State, params: Params) -> tuple[Params, State]:
-        return {k: -lr_for(lr, k) * g for k, g in grads.items()}, state
+        check_state(state, grads, "sgd")
+        (bufs,) = state.slots
+        new_bufs, out = {}, {}
+        for k, g in grads.items():
+            b = g if state.count == 0 else momentum * bufs[k] + (1 - dampening) * g
+            new_bufs[k] = b
+            out[k] = -lr_for(lr, k, g) * (g + momentum * b if nesterov else b)
+        return out, SlotState(state.count + 1, (new_bufs,), state.shapes)
+
+    return InnerOptimizer(init, update)
+
+
+def adam(lr: LearningRate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+         eps_root: float = 1e-16) -> InnerOptimizer:
+    """Adam (Kingma & Ba, ICLR 2015, arXiv:1412.6980), differentiable to second order.
+
+    ``m_t = b1 m + (1-b1) g``, ``v_t = b2 v + (1-b2) g^2``, and the step is
+    ``-lr * m_hat / (sqrt(v_hat + eps_root) + eps)`` with ``m_hat = m_t / (1 - b1^t)``,
+    ``v_hat = v_t / (1 - b2^t)``.
+
+    Epsilon placement: ``eps`` outside the square root as ``torch.optim.Adam`` does, and
+    ``eps_root`` *inside* it, as optax's ``eps_root``. The derivative of ``sqrt(v)`` is
+    infinite at ``v = 0``, so with ``eps_root = 0`` an entry whose gradient is exactly zero
+    (a dead ReLU, an unused input) makes the second-order meta-gradient NaN (``inf * 0``).
+    Any ``eps_root > 0`` keeps it finite; the default ``1e-16`` changes the first-order step
+    by a relative ``~eps_root / v_hat``, invisible unless gradients are below ~1e-6. Set
+    ``eps_root=0`` to reproduce ``torch.optim.Adam`` bit for bit in the first order.
+
+    Args:
+        lr: step size; a float, a (learnable) tensor, or a per-parameter mapping.
+        b1, b2: decay rates of the first and second moments.
+        eps: added to the denominator, outside the square root.
+        eps_root: added to ``v_hat`` inside the square root (see above).
+
+    Returns:
+        An :class:`InnerOptimizer`.
+    """
+    if not (0 <= b1 < 1 and 0 <= b2 < 1):
+        raise ValueError(f"Adam needs 0 <= b1, b2 < 1, got b1={b1}, b2={b2}")
+    if eps < 0 or eps_root < 0:
+        raise ValueError(f"eps and eps_root must be >= 0, got {eps} and {eps_root}")
+
+    def init(params: Params) -> State:
+        zeros = {k: torch.zeros_like(p) for k, p in params.items()}
+        return SlotState(0, (zeros, dict(zeros)), _shapes(params))
+
+    def update(grads: Params, state: State, params: Params) -> tuple[Params, State]:
+        check_state(state, grads, "adam")
+        mu, nu = state.slots
+        t = state.count + 1
+        c1, c2 = 1 - b1**t, 1 - b2**t
+        new_mu, new_nu, out = {}, {}, {}
+        for k, g in grads.items():
+            m = b1 * mu[k] + (1 - b1) * g
+            v = b2 * nu[k] + (1 - b2) * g * g
+            new_mu[k], new_nu[k] = m, v
+            out[k] = -lr_for(lr, k, g) * (m / c1) / (torch.sqrt(v / c2 + eps_root) + eps)
+        return out, SlotState(t, (new_mu, new_nu), state.shapes)
 
     return InnerOptimizer(init, update)

@@ -7,6 +7,7 @@ test suite call it at several world sizes and compare.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 
@@ -14,14 +15,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ._anil import ANIL
+from ._batchnorm import sync_batchnorm
 from ._data import Batch, Task, generator_for, shard_range
+from ._imaml import IMAML
 from ._maml import MAML
+from ._metasgd import MetaSGD
+from ._reptile import Reptile
 from ._share import global_value, share
 from ._functional import call, params_of
 from ._world import Mesh
 from ._wrapper import MetaDDP
 
 LAYOUTS = ("sample", "task", "hybrid")
+ALGORITHMS = ("maml", "fomaml", "metasgd", "anil", "reptile", "imaml")
 
 
 def mesh_for(layout: str) -> Mesh:
@@ -48,23 +55,48 @@ def ce_per_sample(pred: Tensor, y: Tensor) -> Tensor:
 
 
 class SmallConv(nn.Module):
-    """Two 3x3 convolutions and a linear head over 8x8 single-channel images."""
+    """Two 3x3 convolutions (each optionally followed by BatchNorm) and a linear head over
+    8x8 single-channel images."""
 
-    def __init__(self, ways: int = 3, width: int = 4) -> None:
+    def __init__(self, ways: int = 3, width: int = 4, batchnorm: bool = False) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(1, width, 3, padding=1)
         self.conv2 = nn.Conv2d(width, width, 3, padding=1, stride=2)
         self.head = nn.Linear(width * 16, ways)
+        self.bn1 = nn.BatchNorm2d(width) if batchnorm else nn.Identity()
+        self.bn2 = nn.BatchNorm2d(width) if batchnorm else nn.Identity()
+
+    def features(self, x: Tensor) -> Tensor:
+        x = torch.tanh(self.bn1(self.conv1(x)))
+        x = torch.tanh(self.bn2(self.conv2(x)))
+        return x.flatten(1)
 
     def forward(self, x: Tensor) -> Tensor:
-        x = torch.tanh(self.conv1(x))
-        x = torch.tanh(self.conv2(x))
-        return self.head(x.flatten(1))
+        return self.head(self.features(x))
+
+
+class ConvBody(nn.Module):
+    """The layers of a :class:`SmallConv` below its head (shared with it, not copied)."""
+
+    def __init__(self, net: SmallConv) -> None:
+        super().__init__()
+        self.conv1, self.conv2, self.bn1, self.bn2 = net.conv1, net.conv2, net.bn1, net.bn2
+
+    forward = SmallConv.features
+
+
+def body_and_head(net: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """The split ANIL needs: everything but the last layer, and the last layer."""
+    if isinstance(net, nn.Sequential):
+        return net[:-1], net[-1]
+    if isinstance(net, SmallConv):
+        return ConvBody(net), net.head
+    raise ValueError(f"no body/head split known for {type(net).__name__}")
 
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-    """A MAML meta-step: model, task family, inner loop, precision, and work layout."""
+    """A meta-step: algorithm, model, task family, inner loop, precision, and work layout."""
 
     model: str = "mlp"  # "mlp" (sinusoid-like regression) or "conv" (3-way classification)
     n_tasks: int = 5
@@ -76,13 +108,17 @@ class Problem:
     layout: str = "sample"
     dtype: torch.dtype = torch.float64
     seed: int = 0
+    algorithm: str = "maml"  # one of ALGORITHMS
+    batchnorm: bool = False  # conv only: BatchNorm after each convolution, synchronized
+    lam: float = 20.0  # iMAML's proximal strength
+    cg_steps: int = 60  # iMAML's conjugate-gradient budget
 
     def build_model(self) -> nn.Module:
         torch.manual_seed(self.seed)
         if self.model == "mlp":
             net = nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
         elif self.model == "conv":
-            net = SmallConv()
+            net = SmallConv(batchnorm=self.batchnorm)
         else:
             raise ValueError(f"unknown model {self.model!r}")
         return net.to(self.dtype)
@@ -96,13 +132,16 @@ class Problem:
         g = generator_for(self.seed, index)
         n = self.n_support + self.n_query
         if self.model == "mlp":
-            amp, phase = 0.1 + 4.9 * torch.rand((), generator=g), torch.pi * torch.rand((), generator=g)
-            x = 10 * torch.rand(n, 1, generator=g) - 5
+            # Drawn in float32 whatever the default dtype, so the data never depends on it.
+            f32 = torch.float32
+            amp = 0.1 + 4.9 * torch.rand((), generator=g, dtype=f32)
+            phase = torch.pi * torch.rand((), generator=g, dtype=f32)
+            x = 10 * torch.rand(n, 1, generator=g, dtype=f32) - 5
             y = amp * torch.sin(x - phase)
         else:
-            protos = torch.randn(3, 1, 8, 8, generator=g)
+            protos = torch.randn(3, 1, 8, 8, generator=g, dtype=torch.float32)
             y = torch.arange(n) % 3
-            x = protos[y] + 0.5 * torch.randn(n, 1, 8, 8, generator=g)
+            x = protos[y] + 0.5 * torch.randn(n, 1, 8, 8, generator=g, dtype=torch.float32)
         x = x.to(self.dtype)
         y = y.to(self.dtype) if self.model == "mlp" else y
         s, q = slice(0, self.n_support), slice(self.n_support, n)
@@ -111,20 +150,51 @@ class Problem:
     def tasks(self) -> list[Task]:
         return [self.task(i) for i in range(self.n_tasks)]
 
+    def build_algorithm(self) -> MAML:
+        """The algorithm module around a fresh model (its parameters are the meta-parameters)."""
+        if self.batchnorm and self.model != "conv":
+            raise ValueError("batchnorm scenarios use the conv model")
+        net = self.build_model()
+        a = self.algorithm
+        if a in ("maml", "fomaml"):
+            return MAML(net, self.inner_lr, self.steps, self.first_order or a == "fomaml")
+        if a == "metasgd":
+            return MetaSGD(net, self.inner_lr, self.steps, self.first_order).to(self.dtype)
+        if a == "anil":
+            body, head = body_and_head(net)
+            return ANIL(body, head, self.inner_lr, self.steps, self.first_order)
+        if a == "reptile":
+            return Reptile(net, self.inner_lr, self.steps)
+        if a == "imaml":
+            # cg_tol 1e-13: converged far below the 1e-10 agreement checked between world sizes.
+            return IMAML(net, self.lam, self.inner_lr, self.steps, cg_steps=self.cg_steps, cg_tol=1e-13)
+        raise ValueError(f"unknown algorithm {a!r}; choose from {', '.join(ALGORITHMS)}")
+
 
 def run(problem: Problem) -> dict:
-    """One meta-step of ``problem`` on this rank; returns the global loss and meta-gradient."""
+    """One meta-step of ``problem`` on this rank: the global loss, the meta-gradient (see
+    :func:`meta_gradient`) and the model's buffers after the step."""
     mesh = mesh_for(problem.layout)
-    maml = MetaDDP(MAML(problem.build_model(), problem.inner_lr, problem.steps, problem.first_order), mesh)
+    maml = MetaDDP(problem.build_algorithm(), mesh)
     mine = shard_range(problem.n_tasks, mesh.task_index, mesh.tasks)
     tasks = [problem.task(i).split(mesh.sample_index, mesh.samples) for i in mine]
-    loss = maml.module.meta_loss(tasks, problem.loss_fn, problem.n_tasks, reduce=maml.reduce)
+    synced = sync_batchnorm(maml.module, maml.reduce) if problem.batchnorm else contextlib.nullcontext()
+    with synced:
+        loss = maml.module.meta_loss(tasks, problem.loss_fn, problem.n_tasks, reduce=maml.reduce)
     loss.backward()
     maml.sync_grads()
     return {
         "loss": float(global_value(loss, mesh.group)),
-        "grads": {k: p.grad.detach().clone() for k, p in maml.module.model.named_parameters()},
+        "grads": meta_gradient(maml.module),
+        "buffers": {k: b.detach().clone() for k, b in maml.module.model.named_buffers()},
     }
+
+
+def meta_gradient(algorithm: nn.Module) -> dict[str, Tensor]:
+    """Every meta-parameter's gradient: the model's by their names in the model, any other
+    (learned learning rates) by their names in the algorithm module (``lr.rates.0``...)."""
+    in_model = {id(p): k for k, p in algorithm.model.named_parameters()}
+    return {in_model.get(id(p), k): p.grad.detach().clone() for k, p in algorithm.named_parameters()}
 
 
 # --- The question this project answers: a batch of 8 split over ranks, one inner step, lr 1. ---

@@ -44,10 +44,25 @@ def checks(scenario: str) -> list[Check]:
             Check(scenario, layout, S.Problem(model=scenario, layout=layout), 1e-10)
             for layout in S.LAYOUTS
         ]
+    if scenario in ALGORITHM_SCENARIOS:
+        # The regression MLP, two inner steps; same float64 tolerance as above (iMAML's CG
+        # stops at a 1e-13 relative residual, well inside it).
+        return [
+            Check(scenario, layout, S.Problem(algorithm=scenario, layout=layout, steps=2), 1e-10)
+            for layout in S.LAYOUTS
+        ]
+    if scenario == "bn":
+        # MAML on the conv model with BatchNorm synchronized over the sample axis.
+        return [
+            Check("bn", layout, S.Problem(model="conv", batchnorm=True, layout=layout, steps=2,
+                                          n_tasks=3, inner_lr=0.3), 1e-10)
+            for layout in S.LAYOUTS
+        ]
     raise ValueError(f"unknown scenario {scenario!r}")
 
 
-SCENARIOS = ("seed", "conv", "mlp")
+ALGORITHM_SCENARIOS = ("fomaml", "metasgd", "anil", "reptile", "imaml")
+SCENARIOS = ("seed", "conv", "mlp") + ALGORITHM_SCENARIOS + ("bn",)
 
 
 def run_checks(todo: list[Check]) -> list[dict]:

@@ -1,0 +1,112 @@
+"""Batch statistics over a batch split across ranks, differentiable to any order.
+
+Per-rank BatchNorm statistics change with the number of ranks. Inside
+:func:`sync_batchnorm`, every BatchNorm layer of a module computes its batch mean and
+variance from SUM-reductions of ``(count, sum(x - k), sum((x - k)^2))`` per channel through the
+``reduce`` it is given (a differentiable SUM over the ranks that split the batch), so the
+normalisation, its gradients and its higher derivatives are those of one process on the whole
+batch. ``k`` is a per-channel shift identical on every rank (the running mean when one is
+tracked, else zero) that keeps ``E[(x-k)^2] - E[x-k]^2`` from cancelling catastrophically.
+
+Nothing here knows about meta-learning: ``reduce`` is any differentiable SUM (e.g.
+``MetaDDP.reduce``; the identity on one process, which gives plain batch statistics).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+Reduce = Callable[[list[Tensor]], list[Tensor]]
+
+
+def synced_batch_norm(bn: _BatchNorm, x: Tensor, reduce: Reduce) -> Tensor:
+    """``bn(x)`` with batch statistics over every rank's shard (what ``bn.forward`` becomes).
+
+    Reads ``bn.weight`` / ``bn.bias`` / running buffers as they are at call time, so it works
+    under ``torch.func.functional_call``. In training mode with ``track_running_stats`` the
+    running buffers are updated in place from the *global* statistics (unbiased variance, as
+    PyTorch does), hence identically on every rank.
+    """
+    if x.dim() < 2:
+        raise ValueError(f"BatchNorm expects input of shape [N, C, ...], got {tuple(x.shape)}")
+    use_batch = bn.training or bn.running_mean is None
+    if not use_batch:
+        return F.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.0, bn.eps)
+    channels = x.shape[1]
+    dims = [0] + list(range(2, x.dim()))
+    shape = [1, channels] + [1] * (x.dim() - 2)
+    shift = (bn.running_mean.detach() if bn.running_mean is not None
+             else x.new_zeros(channels)).to(x.dtype)
+    xc = x - shift.view(shape)
+    count = x.new_full((1,), x.numel() // channels if channels else 0)
+    count, s1, s2 = reduce([count, xc.sum(dims), (xc * xc).sum(dims)])
+    n = float(count.detach())
+    if n < 1:
+        raise ValueError("BatchNorm over an empty global batch: no rank holds any sample")
+    mean_c = s1 / count  # mean of (x - shift)
+    var = s2 / count - mean_c * mean_c  # biased variance, used to normalise
+    y = (xc - mean_c.view(shape)) * torch.rsqrt(var + bn.eps).view(shape)
+    if bn.weight is not None:
+        y = y * bn.weight.view(shape)
+    if bn.bias is not None:
+        y = y + bn.bias.view(shape)
+    if bn.training and bn.track_running_stats and bn.running_mean is not None:
+        if n < 2:
+            raise ValueError(
+                "BatchNorm in training mode needs more than one value per channel over the global "
+                "batch to estimate a variance"
+            )
+        with torch.no_grad():
+            bn.num_batches_tracked.add_(1)
+            f = (1.0 / float(bn.num_batches_tracked)) if bn.momentum is None else bn.momentum
+            mean = (mean_c + shift).detach()
+            bn.running_mean.mul_(1 - f).add_(f * mean)
+            bn.running_var.mul_(1 - f).add_(f * var.detach() * (n / (n - 1)))
+    return y
+
+
+@contextlib.contextmanager
+def sync_batchnorm(module: nn.Module, reduce: Reduce) -> Iterator[nn.Module]:
+    """Make every BatchNorm layer of ``module`` use global batch statistics inside the block.
+
+    Args:
+        module: any module containing ``nn.BatchNorm1d/2d/3d`` layers (others are untouched).
+        reduce: a differentiable SUM over the ranks that split each batch, e.g.
+            ``MetaDDP.reduce``. Every such rank must run the same forward passes in the same
+            order (a rank with an empty shard still takes part).
+
+    Yields:
+        ``module``. On exit the layers get their own ``forward`` back; nothing else of the
+        module is changed (running statistics are updated as a BatchNorm layer would).
+
+    Example::
+
+        with metaddp.sync_batchnorm(ddp.module, ddp.reduce):
+            loss = ddp.module.meta_loss(tasks, loss_fn, n_tasks, reduce=ddp.reduce)
+        loss.backward()   # the reductions' backward needs no context
+    """
+    layers = [m for m in module.modules() if isinstance(m, _BatchNorm)]
+    saved = [m.__dict__.get("forward") for m in layers]
+    if any(getattr(m.forward, "_metaddp_synced", False) for m in layers):
+        raise RuntimeError("sync_batchnorm is already active on this module; do not nest it")
+    try:
+        for m in layers:
+            def forward(self: _BatchNorm, x: Tensor) -> Tensor:
+                return synced_batch_norm(self, x, reduce)
+
+            forward._metaddp_synced = True  # type: ignore[attr-defined]
+            m.forward = types.MethodType(forward, m)
+        yield module
+    finally:
+        for m, f in zip(layers, saved):
+            if f is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = f

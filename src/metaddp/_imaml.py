@@ -1,0 +1,171 @@
+"""iMAML: meta-gradients through the proximal inner problem by implicit differentiation.
+
+Rajeswaran, Finn, Kakade & Levine, "Meta-Learning with Implicit Gradients", NeurIPS 2019,
+arXiv:1909.04630. The task's weights solve ``phi = argmin L_s(phi) + lam/2 ||phi - theta||^2``
+(approximately, by the inner optimizer). At that solution ``d phi / d theta =
+(I + H_s(phi) / lam)^-1``, so the meta-gradient of the query loss is ``v`` solving
+
+    (I + H_s(phi) / lam) v = g_q,      g_q = grad L_q(phi),
+
+found by conjugate gradient (Hestenes & Stiefel 1952) from Hessian-vector products alone.
+
+Across ranks: ``L_s`` and ``L_q`` are global means; each Hessian-vector product is this
+rank's share's product passed through ``reduce``, i.e. the global one, and ``g_q`` is
+reduced the same way. Every vector CG builds is therefore the global one and the same, bit
+for bit, on every rank that shares the task, so each dot product computed from them already
+*is* the global dot product and every rank takes the same number of CG steps: the implicit
+gradient equals the single-process one.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from ._data import Task
+from ._functional import Params
+from ._inner import InnerOptimizer
+from ._maml import (MAML, LossFn, OptimizerFactory, Reduce, batch_share, identity_reduce, inner_loop,
+                    local_fraction)
+
+Vectors = list[Tensor]
+
+
+class ConvergenceWarning(RuntimeWarning):
+    """An iterative solver stopped at its budget before reaching its tolerance."""
+
+
+def _dot(a: Vectors, b: Vectors) -> Tensor:
+    return sum((x * y).sum() for x, y in zip(a, b))
+
+
+def conjugate_gradient(
+    matvec: Callable[[Vectors], Vectors], b: Vectors, *, max_iter: int, tol: float,
+    what: str = "conjugate gradient",
+) -> tuple[Vectors, float, int]:
+    """Solve ``A x = b`` for symmetric positive definite ``A`` given by ``matvec``.
+
+    Args:
+        matvec: ``v -> A v`` over lists of tensors.
+        b: right-hand side.
+        max_iter: the budget of matrix-vector products.
+        tol: stop when ``||r|| <= tol * ||b||``.
+        what: named in the warning.
+
+    Returns:
+        ``(x, relative residual ||b - A x|| / ||b||, iterations used)``. Warns with
+        :class:`ConvergenceWarning` when the budget ends above the tolerance.
+    """
+    x = [torch.zeros_like(t) for t in b]
+    b_norm = float(_dot(b, b)) ** 0.5
+    if b_norm == 0.0:
+        return x, 0.0, 0
+    r = [t.clone() for t in b]
+    p = [t.clone() for t in b]
+    rr = _dot(r, r)
+    it = 0
+    while it < max_iter and float(rr) ** 0.5 > tol * b_norm:
+        ap = matvec(p)
+        pap = _dot(p, ap)
+        if not torch.isfinite(pap) or float(pap) <= 0:
+            raise FloatingPointError(
+                f"{what}: the system matrix is not positive definite along a search direction "
+                f"(p^T A p = {float(pap):.3g}); increase the proximal strength lam or lower the "
+                "inner learning rate so that the inner solution is near a minimum"
+            )
+        alpha = rr / pap
+        x = [xi + alpha * pi for xi, pi in zip(x, p)]
+        r = [ri - alpha * api for ri, api in zip(r, ap)]
+        rr_new = _dot(r, r)
+        p = [ri + (rr_new / rr) * pi for ri, pi in zip(r, p)]
+        rr = rr_new
+        it += 1
+    residual = float(rr) ** 0.5 / b_norm
+    if residual > tol:
+        warnings.warn(
+            f"{what} did not converge in {max_iter} iterations: relative residual "
+            f"{residual:.3g} > tolerance {tol:.3g}; the implicit gradient is approximate. Raise "
+            "cg_steps, or increase lam to make the system better conditioned.",
+            ConvergenceWarning, stacklevel=3,
+        )
+    return x, residual, it
+
+
+class IMAML(MAML):
+    """Implicit MAML around any ``nn.Module``.
+
+    Args:
+        model: the network; its parameters are the meta-parameters.
+        lam: strength of the proximal term ``lam/2 ||phi - theta||^2`` (the paper's lambda).
+        inner_lr, steps, optimizer: the inner optimizer run on the proximal objective.
+        cg_steps: the conjugate-gradient budget (Hessian-vector products per task).
+        cg_tol: relative residual at which CG stops.
+
+    :meth:`meta_loss` returns the query loss share, with a gradient that is the implicit
+    meta-gradient (weighted by this rank's fraction of the query samples, so the SUM over
+    ranks counts every task once). :attr:`last_cg` holds ``(residual, iterations)`` of the
+    latest solve.
+    """
+
+    def __init__(self, model: nn.Module, lam: float = 1.0, inner_lr: float = 0.01, steps: int = 5,
+                 optimizer: InnerOptimizer | OptimizerFactory | None = None, cg_steps: int = 10,
+                 cg_tol: float = 1e-10) -> None:
+        if lam <= 0:
+            raise ValueError(f"the proximal strength lam must be positive, got {lam}")
+        if cg_steps < 1:
+            raise ValueError(f"cg_steps must be >= 1, got {cg_steps}")
+        super().__init__(model, inner_lr, steps, True, optimizer, None)
+        self.lam, self.cg_steps, self.cg_tol = float(lam), int(cg_steps), float(cg_tol)
+        self.last_cg: tuple[float, int] = (0.0, 0)
+
+    def solve(self, task: Task, loss_fn: LossFn, *, reduce: Reduce = identity_reduce
+              ) -> tuple[Params, Tensor]:
+        """The implicit meta-gradient of one task (global, identical on every rank) and this
+        rank's share of its query loss (detached)."""
+        theta = {k: p.detach() for k, p in self.fast_weights().items()}
+        names = list(theta)
+        lam = self.lam
+        start = {k: p.clone().requires_grad_() for k, p in theta.items()}
+        phi = inner_loop(
+            self.model, start, task.support, loss_fn, steps=self.steps,
+            optimizer=self.inner_optimizer(), first_order=True, reduce=reduce,
+            extra_grad=lambda fast: {k: lam * (fast[k].detach() - theta[k]) for k in names},
+        )
+        phi = {k: p.detach().requires_grad_() for k, p in phi.items()}
+        phis = [phi[k] for k in names]
+        with torch.enable_grad():
+            q = batch_share(self.model, phi, task.query, loss_fn)
+            g_q = reduce(list(torch.autograd.grad(q, phis, allow_unused=True, materialize_grads=True)))
+            s = batch_share(self.model, phi, task.support, loss_fn)
+            g_s = torch.autograd.grad(s, phis, create_graph=True, allow_unused=True,
+                                      materialize_grads=True)
+        live = [i for i, g in enumerate(g_s) if g.requires_grad]
+
+        def matvec(v: Vectors) -> Vectors:
+            hv = [torch.zeros_like(t) for t in v]
+            if live:  # a rank with no support samples contributes a zero product
+                with torch.enable_grad():
+                    got = torch.autograd.grad([g_s[i] for i in live], phis,
+                                              grad_outputs=[v[i] for i in live],
+                                              retain_graph=True, allow_unused=True,
+                                              materialize_grads=True)
+                hv = list(got)
+            hv = reduce(hv)  # the global Hessian-vector product
+            return [vi + h / lam for vi, h in zip(v, hv)]
+
+        v, residual, iters = conjugate_gradient(
+            matvec, [g.detach() for g in g_q], max_iter=self.cg_steps, tol=self.cg_tol,
+            what="iMAML conjugate gradient",
+        )
+        self.last_cg = (residual, iters)
+        return dict(zip(names, v)), q.detach()
+
+    def task_loss(self, task: Task, loss_fn: LossFn, *, reduce: Reduce = identity_reduce) -> Tensor:
+        grad, q = self.solve(task, loss_fn, reduce=reduce)
+        w = local_fraction(task.query)
+        theta = self.fast_weights()
+        # Value: the query share; gradient: w * (implicit meta-gradient).
+        return q + w * sum(((theta[k] - theta[k].detach()) * grad[k]).sum() for k in theta)

@@ -1,0 +1,52 @@
+"""Reptile: move the initialisation towards the weights each task's training reaches.
+
+Nichol, Achiam & Schulman, "On First-Order Meta-Learning Algorithms", arXiv:1803.02999 (2018).
+The meta-gradient is ``mean_tasks(theta - phi_task)``, ``phi_task`` the weights after the
+inner loop (no second-order terms, no query loss). It arrives in ``.grad`` through an ordinary
+``backward()``, so any ``torch.optim`` optimizer applies it: plain SGD with learning rate
+``eps`` is the paper's update ``theta <- theta + eps * mean(phi - theta)``.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from ._data import Task
+from ._inner import InnerOptimizer
+from ._maml import MAML, LossFn, OptimizerFactory, Reduce, identity_reduce, inner_loop, local_fraction
+
+
+class Reptile(MAML):
+    """Reptile around any ``nn.Module`` (always first order).
+
+    Args:
+        model: the network; its parameters are the meta-parameters.
+        inner_lr: step size of the inner optimizer.
+        steps: inner steps per task (Reptile needs more than one to differ from joint training).
+        optimizer: a differentiable inner optimizer (the paper uses Adam: ``metaddp.adam``).
+        learn_lr: not supported (the meta-gradient has no path to the rate); must be None.
+
+    :meth:`meta_loss` returns, per task, ``0.5 * ||theta - stop_grad(phi)||^2`` averaged over
+    the meta-batch: its value is half the mean squared distance the inner loop moved, and
+    its gradient is exactly the Reptile direction ``mean(theta - phi)``.
+
+    In sample-parallel mode the inner gradients are reduced (so ``phi`` is the weights one
+    process would reach on the whole support set) and each rank weighs the displacement by
+    the fraction of the support samples it holds; these fractions add up to one, so summing
+    gradients over ranks counts every task once.
+    """
+
+    def __init__(self, model: nn.Module, inner_lr: float = 0.01, steps: int = 5,
+                 optimizer: InnerOptimizer | OptimizerFactory | None = None,
+                 learn_lr: str | None = None) -> None:
+        if learn_lr is not None:
+            raise ValueError("Reptile's meta-gradient does not depend on the inner learning rate; learn_lr cannot be trained")
+        super().__init__(model, inner_lr, steps, True, optimizer, None)
+
+    def task_loss(self, task: Task, loss_fn: LossFn, *, reduce: Reduce = identity_reduce) -> Tensor:
+        theta = self.fast_weights()
+        start = {k: p.detach().requires_grad_() for k, p in theta.items()}
+        phi = inner_loop(self.model, start, task.support, loss_fn, steps=self.steps,
+                         optimizer=self.inner_optimizer(), first_order=True, reduce=reduce)
+        dist2 = sum(((theta[k] - phi[k].detach()) ** 2).sum() for k in theta)
+        return 0.5 * local_fraction(task.support) * dist2

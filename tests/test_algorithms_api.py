@@ -1,0 +1,141 @@
+"""The algorithms' single-process behaviour beyond the exactness tests: the clone()/adapt()
+layer, ANIL's one body pass, learned rates with other optimizers, CG budgets and bad input."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import metaddp
+from metaddp import ANIL, IMAML, MAML, ConvergenceWarning, MetaSGD, Reptile, share
+from metaddp.scenarios import Problem
+
+
+def mse(pred, y):
+    return F.mse_loss(pred, y, reduction="none")
+
+
+def problem_tasks(n=3):
+    return Problem(n_tasks=n).tasks()
+
+
+def fresh():
+    return Problem().build_model()
+
+
+def test_clone_adapt_equals_meta_loss_and_leaves_module_alone():
+    tasks = problem_tasks()
+    m_a, m_b = MAML(fresh(), 0.1, 2), MAML(fresh(), 0.1, 2)
+    before = {k: v.detach().clone() for k, v in m_b.model.named_parameters()}
+    ref = m_a.meta_loss(tasks, mse, len(tasks))
+    ref.backward()
+    total = 0.0
+    for t in tasks:  # written the way learn2learn users write it
+        learner = m_b.clone()
+        for _ in range(2):
+            learner.adapt(share(mse(learner(t.support.x), t.support.y), t.support.n))
+        total = total + share(mse(learner(t.query.x), t.query.y), t.query.n)
+    (total / len(tasks)).backward()
+    for (k, a), (_, b) in zip(m_a.model.named_parameters(), m_b.model.named_parameters()):
+        # The same operations in the same order: bitwise equal.
+        assert torch.equal(a.grad, b.grad), k
+        assert torch.equal(b.detach(), before[k]), f"{k} was modified"
+    assert all(isinstance(p, nn.Parameter) for p in m_b.model.parameters())
+
+
+def test_clone_rejects_non_scalar_loss():
+    learner = MAML(fresh(), 0.1).clone()
+    with pytest.raises(ValueError, match="scalar loss"):
+        learner.adapt(torch.ones(3, requires_grad=True))
+
+
+def test_anil_runs_the_body_once_per_batch():
+    body = nn.Sequential(nn.Linear(1, 8), nn.Tanh()).double()
+    calls = []
+    body.register_forward_hook(lambda *a: calls.append(1))
+    anil = ANIL(body, nn.Linear(8, 1).double(), 0.1, steps=5)
+    tasks = problem_tasks(2)
+    anil.meta_loss(tasks, mse, 2).backward()
+    assert len(calls) == 2 * 2  # support and query, per task; not once per inner step
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in body.parameters())
+
+
+def test_metasgd_with_adam_and_scalar_rates_trains_the_rates():
+    tasks = problem_tasks(2)
+    for per, shape in (("scalar", ()), ("tensor", ()), ("parameter", None)):
+        alg = MetaSGD(fresh(), 0.05, 2, optimizer=functools.partial(metaddp.adam, b1=0.5), per=per)
+        alg.meta_loss(tasks, mse, 2).backward()
+        rates = list(alg.lr.parameters())
+        assert len(rates) == (1 if per == "scalar" else len(list(alg.model.parameters())))
+        for r, p in zip(rates, alg.model.parameters()):
+            assert r.shape == (p.shape if shape is None else shape)
+            assert r.grad is not None and torch.isfinite(r.grad).all() and r.grad.abs().sum() > 0
+
+
+def test_learn_lr_needs_a_factory():
+    with pytest.raises(TypeError, match="factory"):
+        MAML(fresh(), 0.1, learn_lr="tensor", optimizer=metaddp.sgd(0.1))
+
+
+def test_reptile_gradient_is_the_displacement_and_works_with_torch_optim():
+    tasks = problem_tasks(2)
+    alg = Reptile(fresh(), 0.1, steps=3)
+    theta = {k: v.detach().clone() for k, v in alg.model.named_parameters()}
+    loss = alg.meta_loss(tasks, mse, 2)
+    loss.backward()
+    disp = {k: torch.zeros_like(v) for k, v in theta.items()}
+    for t in tasks:
+        phi = alg.adapt(t.support, mse)
+        for k in disp:
+            disp[k] += (theta[k] - phi[k].detach()) / 2
+    for k, p in alg.model.named_parameters():
+        # The same float64 numbers summed in another order: a few ulps apart.
+        torch.testing.assert_close(p.grad, disp[k], rtol=1e-12, atol=1e-14)
+    # The value is half the mean squared distance moved.
+    want = sum(0.5 * sum(((theta[k] - alg.adapt(t.support, mse)[k].detach()) ** 2).sum() for k in theta) for t in tasks) / 2
+    torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-12, atol=0)  # as above
+    opt = torch.optim.SGD(alg.parameters(), lr=0.5)
+    opt.step()
+    for k, p in alg.model.named_parameters():
+        torch.testing.assert_close(p.detach(), theta[k] - 0.5 * disp[k], rtol=1e-12, atol=1e-14)  # as above
+
+
+def test_imaml_cg_budget_warns_with_the_residual():
+    tasks = problem_tasks(1)
+    alg = IMAML(fresh(), lam=20.0, inner_lr=0.1, steps=2, cg_steps=1, cg_tol=1e-12)
+    with pytest.warns(ConvergenceWarning, match=r"did not converge in 1 iterations: relative residual [0-9.e-]+"):
+        alg.meta_loss(tasks, mse, 1)
+    residual, iters = alg.last_cg
+    assert iters == 1 and residual > 1e-12
+
+
+def test_imaml_converged_solution_satisfies_the_system():
+    t = problem_tasks(1)[0]
+    alg = IMAML(fresh(), lam=20.0, inner_lr=0.1, steps=2, cg_steps=100, cg_tol=1e-13)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        v, _ = alg.solve(t, mse)
+    assert alg.last_cg[0] <= 1e-13
+
+
+def test_imaml_indefinite_system_is_an_error():
+    t = problem_tasks(1)[0]
+    alg = IMAML(fresh(), lam=0.01, inner_lr=0.01, steps=1, cg_steps=50)
+    with pytest.raises(FloatingPointError, match="not positive definite"):
+        alg.solve(t, mse)
+
+
+def test_bad_algorithm_arguments():
+    with pytest.raises(ValueError, match="lam"):
+        IMAML(fresh(), lam=0.0)
+    with pytest.raises(ValueError, match="learn_lr"):
+        Reptile(fresh(), learn_lr="scalar")
+    with pytest.raises(ValueError, match="steps"):
+        MAML(fresh(), steps=-1)
+    with pytest.raises(TypeError, match="clone"):
+        ANIL(nn.Linear(1, 2), nn.Linear(2, 1)).clone()
