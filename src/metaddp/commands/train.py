@@ -32,7 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("train", help="meta-train on a task family (sinusoid, digits, omniglot)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("task", nargs="?", choices=FAMILIES, default=S,
+    p.add_argument("task", nargs="?", choices=FAMILIES, default=None,
                    help="task family (taken from the run when resuming)")
     g = p.add_argument_group("what to train (default: the task's own settings)")
     g.add_argument("--algorithm", choices=list(ALGORITHMS), default=S, help="default maml")
@@ -74,7 +74,8 @@ class UsageError(Exception):
 
 def settings(args: argparse.Namespace) -> tuple[TrainConfig, Path, bool]:
     """Resolve the run's settings, output folder and whether it resumes; check the folder."""
-    flags = {k: v for k, v in vars(args).items() if k in TrainConfig.names()}
+    flags = {k: v for k, v in vars(args).items()
+             if k in TrainConfig.names() and not (k == "task" and v is None)}
     resume = args.resume is not None
     values: dict[str, Any] = {}
     if resume:
@@ -99,7 +100,10 @@ def settings(args: argparse.Namespace) -> tuple[TrainConfig, Path, bool]:
             raise UsageError("the omniglot task needs --data FOLDER (in the Omniglot layout)")
         characters(Path(cfg.data))
     if resume:
-        _checkpoint.load(out / _train.CHECKPOINT, cfg.identity())
+        step = _checkpoint.load(out / _train.CHECKPOINT, cfg.identity())["step"]
+        if step > cfg.steps:
+            raise UsageError(f"the checkpoint in {out} is at step {step}, beyond --steps "
+                             f"{cfg.steps}: give a larger --steps")
     return cfg, out, resume
 
 
