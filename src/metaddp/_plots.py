@@ -70,22 +70,24 @@ def sinusoid_adaptation(model: nn.Module, family, *, seed: int, index: int, inne
     from ._maml import inner_loop
 
     plt = _pyplot()
-    dtype = next(model.parameters()).dtype
+    dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
     task: Task = family.task(seed, index, "test")
-    support = type(task.support)(task.support.x.to(dtype), task.support.y.to(dtype), task.support.n)
-    grid = torch.linspace(-5, 5, 200, dtype=dtype).unsqueeze(1)
+    support = type(task.support)(task.support.x.to(device, dtype), task.support.y.to(device, dtype),
+                                 task.support.n)
+    grid = torch.linspace(-5, 5, 200, dtype=dtype, device=device).unsqueeze(1)
     params = {k: v.detach().requires_grad_(True) for k, v in model.named_parameters()}
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    ax.plot(grid.squeeze(1), family.truth(seed, index, "test", grid).squeeze(1), "k-", lw=2,
+    grid_cpu = grid.squeeze(1).cpu()
+    ax.plot(grid_cpu, family.truth(seed, index, "test", grid_cpu), "k-", lw=2,
             label="true function")
-    ax.plot(support.x.squeeze(1), support.y.squeeze(1), "^", color="purple", ms=8,
+    ax.plot(support.x.squeeze(1).cpu(), support.y.squeeze(1).cpu(), "^", color="purple", ms=8,
             label=f"{support.n} support points")
     for k in (0, *steps):
         fast = inner_loop(model, params, support, family.loss, steps=k, optimizer=sgd(inner_lr),
                           first_order=True)
         with torch.no_grad():
             pred = torch.func.functional_call(model, fast, (grid,))
-        ax.plot(grid.squeeze(1), pred.squeeze(1), "--" if k == 0 else "-",
+        ax.plot(grid_cpu, pred.squeeze(1).cpu(), "--" if k == 0 else "-",
                 label="meta-learned init." if k == 0 else f"after {k} grad step{'s' if k > 1 else ''}")
     ax.set(xlabel="x", ylabel="y", title="sinusoid: adaptation to a held-out task")
     ax.legend(fontsize=8)

@@ -133,7 +133,11 @@ def train(cfg: TrainConfig, out: str | Path, *, resume: bool = False, progress: 
     log = MetricsLog(out, start) if me == 0 else None
     bar = None
     if me == 0 and progress:
-        from tqdm import tqdm
+        try:
+            from tqdm import tqdm
+        except ImportError:  # the progress bar is optional (the ``train`` extra)
+            tqdm = None
+    if me == 0 and progress and tqdm is not None:
         bar = tqdm(total=cfg.steps, initial=start, desc=f"{cfg.algorithm} {cfg.task}",
                    unit="step", dynamic_ncols=True)
 
