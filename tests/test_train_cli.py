@@ -143,3 +143,20 @@ def test_two_local_processes_through_the_elastic_launcher(tmp_path, run_dir):
     two = [float(r["meta_loss"]) for r in rows(out)]
     # Float64; two processes only reorder sums (see test_train.py): 1e-10 relative.
     assert all(abs(a - b) <= 1e-10 * abs(a) for a, b in zip(one, two)) and len(two) == 3
+
+
+def test_image_tasks_train_and_report_accuracy(tmp_path, capsys):
+    from test_tasks import omniglot_folder
+
+    data = omniglot_folder(tmp_path / "omni")
+    small = ["--steps", "2", "--ways", "3", "--shots", "1", "--query", "2", "--hidden", "8",
+             "--meta-batch", "2", "--eval-tasks", "4", "--no-progress"]
+    assert main(["train", "omniglot", "--data", str(data), *small, "--out", str(tmp_path / "o")]) == 0
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    # Accuracies are fractions of 6 query images per task, averaged over 4 tasks.
+    assert 0 <= summary["test_acc_before"] <= 1 and 0 <= summary["test_acc_after"] <= 1
+    assert round(summary["test_acc_after"] * 24) == pytest.approx(summary["test_acc_after"] * 24, abs=1e-9)
+    assert "accuracy before adaptation" in capsys.readouterr().out
+    pytest.importorskip("sklearn")
+    assert main(["train", "digits", *small, "--out", str(tmp_path / "d")]) == 0
+    assert [int(r["step"]) for r in rows(tmp_path / "d")] == [1, 2]
