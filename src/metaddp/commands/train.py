@@ -153,8 +153,8 @@ def launch(nproc: int, *args: Any) -> dict | None:
 
 def report(summary: dict, cfg: TrainConfig, out: Path) -> None:
     n, k = summary["eval_tasks"], summary["eval_steps"]
-    what = "held-out classes" if "test_acc_after" in summary else "held-out tasks"
-    print(f"\nmeta-test on {n} tasks of {what}, {k} adaptation step(s), mean and 95% CI:")
+    what = "tasks of held-out classes" if "test_acc_after" in summary else "held-out tasks"
+    print(f"\nmeta-test on {n} {what}, {k} adaptation step(s), mean and 95% CI:")
     if "test_acc_after" in summary:
         print(f"  accuracy before adaptation {summary['test_acc_before']:.4f}, after "
               f"{summary['test_acc_after']:.4f} ± {summary['test_acc_after_ci']:.4f}")
