@@ -56,7 +56,7 @@ class FewShotImages(TaskFamily):
     classification: ClassVar[bool] = True
     defaults: ClassVar[dict[str, Any]] = dict(
         ways=5, shots=1, query=15, inner_lr=0.4, outer_lr=0.001, meta_batch=32, inner_steps=1,
-        eval_steps=3, hidden=32,
+        hidden=32,
     )
 
     def __init__(self, pools: dict[str, list[Tensor]], ways: int = 5, shots: int = 1,
