@@ -167,20 +167,47 @@ def report(summary: dict, cfg: TrainConfig, out: Path) -> None:
           f"(continue with: metaddp train --resume {out} --steps N)")
 
 
+def torchrun_main(args: argparse.Namespace) -> int:
+    """Under ``torchrun``: join the group first, then rank 0 checks the settings and the folder
+    and tells every rank the outcome (so no rank sees the folder rank 0 is writing)."""
+    import torch.distributed as dist
+
+    from .._world import default_backend, init, rank, shutdown
+
+    backend = args.backend or default_backend()
+    init(backend)
+    message: list[Any] = [None]
+    if rank() == 0:
+        try:
+            if args.nproc != 1:
+                raise UsageError("already started by torchrun; drop --nproc")
+            cfg, out, resume = settings(args)
+            message = [("ok", cfg.to_dict(), str(out), resume)]
+        except (UsageError, ValueError, SystemExit) as e:
+            message = [("error", str(e))]
+    dist.broadcast_object_list(message, src=0)
+    if message[0][0] == "error":
+        if rank() == 0:
+            print(f"metaddp train: error: {message[0][1]}", file=sys.stderr)
+        shutdown()
+        return 2
+    _, cfg_dict, out, resume = message[0]
+    summary = worker(cfg_dict, out, resume, args.force, backend, 0, not args.no_progress)
+    if summary is not None:
+        report(summary, TrainConfig(**cfg_dict), Path(out))
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
+    if under_torchrun():
+        return torchrun_main(args)
     try:
         cfg, out, resume = settings(args)
     except (UsageError, ValueError, SystemExit) as e:
         print(f"metaddp train: error: {e}", file=sys.stderr)
         return 2
     progress = not args.no_progress
-    if under_torchrun():
-        if args.nproc != 1:
-            print("metaddp train: error: already started by torchrun; drop --nproc",
-                  file=sys.stderr)
-            return 2
-        summary = worker(cfg.to_dict(), str(out), resume, args.force, args.backend, 0, progress)
-    elif args.nproc < 1:
+    if args.nproc < 1:
         print(f"metaddp train: error: --nproc must be at least 1, got {args.nproc}", file=sys.stderr)
         return 2
     else:
