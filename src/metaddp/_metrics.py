@@ -58,6 +58,8 @@ class MetricsLog:
             w.writerow(dict({k: self.format(r.get(k, math.nan)) for k in COLUMNS},
                             step=str(int(r["step"]))))
         atomic_write(self.path, lambda f: f.write(buf.getvalue().encode()))
+        # Seconds elapsed by the end of the kept rows: a resumed run's clock continues there.
+        self.seconds = kept[-1]["seconds"] if kept and not math.isnan(kept[-1]["seconds"]) else 0.0
         self.file = open(self.path, "a", newline="")
         self.writer = csv.DictWriter(self.file, COLUMNS)
         self.tb = None

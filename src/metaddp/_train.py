@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from . import _checkpoint
 from ._algorithms import build
+from ._data import shard_range
 from ._evaluate import evaluate, to
 from ._metrics import MetricsLog
 from ._runconfig import TrainConfig, toml_text
@@ -131,15 +132,7 @@ def train(cfg: TrainConfig, out: str | Path, *, resume: bool = False, progress: 
     ddp = MetaDDP(algorithm, mesh)
 
     log = MetricsLog(out, start) if me == 0 else None
-    bar = None
-    if me == 0 and progress:
-        try:
-            from tqdm import tqdm
-        except ImportError:  # the progress bar is optional (the ``train`` extra)
-            tqdm = None
-    if me == 0 and progress and tqdm is not None:
-        bar = tqdm(total=cfg.steps, initial=start, desc=f"{cfg.algorithm} {cfg.task}",
-                   unit="step", dynamic_ncols=True)
+    bar = progress_bar(cfg, start) if me == 0 and progress else None
 
     def run_eval() -> dict[str, float]:
         return evaluate(algorithm, family, mesh, ddp.reduce, seed=cfg.seed, n_tasks=cfg.eval_tasks,
@@ -152,13 +145,14 @@ def train(cfg: TrainConfig, out: str | Path, *, resume: bool = False, progress: 
 
     losses: list[float] = []
     last_eval: dict[str, float] = {}
-    t0 = time.perf_counter()
+    # Elapsed seconds continue from the last row kept when resuming.
+    t0 = time.perf_counter() - (log.seconds if log is not None else 0.0)
     B = cfg.meta_batch
     for step in range(start, cfg.steps):
-        mine = range(B * step, B * (step + 1))
-        part = shard_of(mine, mesh)
+        batch = range(B * step, B * (step + 1))  # global task indices of this step
+        r = shard_range(B, mesh.task_index, mesh.tasks)
         tasks = [to(family.task(cfg.seed, i).split(mesh.sample_index, mesh.samples), dtype, device)
-                 for i in part]
+                 for i in batch[r.start: r.stop]]
         optimizer.zero_grad(set_to_none=True)
         loss = algorithm.meta_loss(tasks, family.loss, B, reduce=ddp.reduce)
         loss.backward()
@@ -181,7 +175,8 @@ def train(cfg: TrainConfig, out: str | Path, *, resume: bool = False, progress: 
             if "test_acc_after" in last_eval:
                 shown["test acc"] = f"{last_eval['test_acc_after']:.3f}"
             elif last_eval:
-                shown["test loss"] = f"{last_eval['test_after']:.4g}"
+                shown["test " + ("mse" if cfg.task == "sinusoid" else "loss")] = \
+                    f"{last_eval['test_after']:.4g}"
             bar.set_postfix(shown, refresh=False)
             bar.update(1)
     if not last_eval:  # resumed at the last step: evaluate what the checkpoint holds
@@ -221,9 +216,12 @@ def write_plots(out: Path, cfg: TrainConfig, family, model) -> list[str]:
     return [str(p) for p in paths]
 
 
-def shard_of(indices: range, mesh) -> range:
-    """This process's tasks of a meta-batch: a contiguous part along the task axis."""
-    from ._data import shard_range
 
-    r = shard_range(len(indices), mesh.task_index, mesh.tasks)
-    return indices[r.start: r.stop]
+def progress_bar(cfg: TrainConfig, start: int):
+    """A tqdm bar (steps, rate, ETA) when tqdm is installed (the ``train`` extra), else None."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=cfg.steps, initial=start, desc=f"{cfg.algorithm} {cfg.task}", unit="step",
+                dynamic_ncols=True)
