@@ -8,7 +8,7 @@ import sys
 
 # Each module defines ``add_parser(subparsers)`` registering its sub-command, whose parser
 # carries ``func=`` taking the parsed arguments and returning the exit status.
-COMMANDS = ["verify"]
+COMMANDS = ["verify", "train"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,94 @@
+"""Checkpoints written atomically and read back with a clear error when they do not fit.
+
+A checkpoint holds the meta-parameters, the outer optimizer's state, the step reached and the
+configuration. No random state is needed: every task is a function of (seed, global index),
+so the step number alone says where the data stream continues.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT = "metaddp-checkpoint-1"
+KEYS = ("format", "step", "config", "model", "optimizer")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, unreadable, or from another configuration."""
+
+
+def atomic_write(path: Path, write) -> None:
+    """Call ``write(file)`` on a temporary file beside ``path``, then rename it over ``path``.
+
+    ``os.replace`` is atomic on POSIX and Windows: a reader (or a crash) sees the old file or
+    the new one, never half of one.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def save(path: Path, *, step: int, config: Mapping[str, Any], model: Mapping[str, Any],
+         optimizer: Mapping[str, Any]) -> None:
+    """Write a checkpoint atomically.
+
+    Args:
+        path: the file to (over)write.
+        step: the number of outer steps completed.
+        config: the run's resolved configuration (a plain dict).
+        model: the algorithm's ``state_dict()``.
+        optimizer: the outer optimizer's ``state_dict()``.
+    """
+    state = {"format": FORMAT, "step": int(step), "config": dict(config),
+             "model": dict(model), "optimizer": optimizer}
+    atomic_write(Path(path), lambda f: torch.save(state, f))
+
+
+def load(path: Path, identity: Mapping[str, Any], map_location: Any = "cpu") -> dict[str, Any]:
+    """Read a checkpoint and check that it belongs to a run with the same ``identity``.
+
+    Args:
+        path: the checkpoint file.
+        identity: the settings that must match (task, algorithm, learning rates, seed ...).
+        map_location: where tensors are loaded.
+
+    Returns:
+        The checkpoint's dict (keys ``step``, ``config``, ``model``, ``optimizer``).
+
+    Raises:
+        CheckpointError: missing, corrupt, not a metaddp checkpoint, or another configuration.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint at {path}: nothing to resume")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # torch raises several types for truncated or foreign files
+        raise CheckpointError(f"checkpoint {path} is corrupt or unreadable ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}); restore it from a "
+                              "copy or start a new run") from e
+    if not isinstance(state, dict) or state.get("format") != FORMAT or any(k not in state for k in KEYS):
+        raise CheckpointError(f"{path} is not a metaddp training checkpoint")
+    saved = state["config"]
+    diff = [f"{k}: checkpoint {saved.get(k)!r}, now {v!r}" for k, v in identity.items()
+            if saved.get(k) != v]
+    if diff:
+        raise CheckpointError(
+            f"checkpoint {path} comes from another configuration ({'; '.join(diff)}). Resume "
+            "with the same settings, or start a new run in another --out folder")
+    return state

@@ -1,0 +1,66 @@
+"""Meta-test evaluation: adapt to held-out tasks, score the query sets, mean and 95% CI.
+
+Task ``i`` of the "test" split is the same on every number of processes; its evaluation is
+spread over the mesh like a training meta-batch, and the per-task numbers are gathered with
+one SUM all-reduce (every rank fills only its own tasks' shares, zeros elsewhere).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._collectives import all_reduce_sum
+from ._data import shard_range
+from ._functional import call
+from ._maml import Reduce, batch_share
+from ._metrics import mean_ci95
+from ._world import Mesh
+from .tasks import TaskFamily
+
+
+def to(task, dtype: torch.dtype, device: torch.device):
+    """A task's floating tensors cast to ``dtype`` and every tensor moved to ``device``."""
+    def cast(t: Tensor) -> Tensor:
+        return t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+    return type(task)(*(type(b)(cast(b.x), cast(b.y), b.n) for b in task))
+
+
+def evaluate(algorithm: Any, family: TaskFamily, mesh: Mesh, reduce: Reduce, *, seed: int,
+             n_tasks: int, steps: int, dtype: torch.dtype, device: torch.device) -> dict[str, float]:
+    """Query loss (and accuracy) on ``n_tasks`` held-out tasks, before and after ``steps``.
+
+    Args:
+        algorithm: a module with ``adapt(support, loss_fn, reduce=, steps=)`` and ``model``.
+        family: the task family; tasks come from its "test" split.
+        mesh: how processes share the tasks.
+        reduce: the differentiable SUM over a task's sample group (``MetaDDP.reduce``).
+        seed, n_tasks, steps: which tasks, how many, adaptation steps.
+
+    Returns:
+        ``test_before`` / ``test_after`` (mean query loss), ``test_after_ci`` (95% half-width),
+        and for classification ``test_acc_before`` / ``test_acc_after`` / ``test_acc_after_ci``.
+    """
+    per_task = torch.zeros(n_tasks, 4, dtype=torch.float64, device=device)
+    model = algorithm.model
+    for i in shard_range(n_tasks, mesh.task_index, mesh.tasks):
+        task = to(family.task(seed, i, "test").split(mesh.sample_index, mesh.samples), dtype, device)
+        for col, k in enumerate((0, steps)):
+            fast = algorithm.adapt(task.support, family.loss, reduce=reduce, steps=k)
+            fast = {name: p.detach() for name, p in fast.items()}
+            with torch.no_grad():
+                per_task[i, col] = batch_share(model, fast, task.query, family.loss).double()
+                if family.classification:
+                    pred = call(model, fast, task.query.x).argmax(-1)
+                    per_task[i, 2 + col] = (pred == task.query.y).sum().double() / task.query.n
+    per_task = all_reduce_sum([per_task], mesh.group)[0].cpu()
+    out: dict[str, float] = {}
+    out["test_before"] = float(per_task[:, 0].mean())
+    out["test_after"], out["test_after_ci"] = mean_ci95(per_task[:, 1].tolist())
+    if family.classification:
+        out["test_acc_before"] = float(per_task[:, 2].mean())
+        out["test_acc_after"], out["test_acc_after_ci"] = mean_ci95(per_task[:, 3].tolist())
+    return out
+

@@ -1,0 +1,227 @@
+"""``metaddp train``: meta-train on a task family, on one process or many.
+
+  metaddp train sinusoid --nproc 2 --steps 2000 --out runs/sinusoid
+  metaddp train digits --ways 5 --shots 1 --nproc 2
+  metaddp train --resume runs/sinusoid --steps 4000      # continue, any number of processes
+  torchrun --nnodes 2 --nproc-per-node 8 ... -m metaddp train omniglot --data DIR   # many machines
+
+Settings come from the defaults, then the task's own defaults, then --config FILE (TOML, the
+option names with underscores, at top level or under [train]), then the flags given. The
+output folder receives config.toml/json, metrics.csv, checkpoint.pt (every
+--checkpoint-every steps, written atomically), summary.json and plots/*.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from .. import _checkpoint, _train
+from .._runconfig import DTYPES, LAYOUTS, TrainConfig, read_toml
+from ..tasks import FAMILIES
+
+S = argparse.SUPPRESS
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from .._algorithms import ALGORITHMS
+
+    p = sub.add_parser("train", help="meta-train on a task family (sinusoid, digits, omniglot)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("task", nargs="?", choices=FAMILIES, default=None,
+                   help="task family (taken from the run when resuming)")
+    g = p.add_argument_group("what to train (default: the task's own settings)")
+    g.add_argument("--algorithm", choices=list(ALGORITHMS), default=S, help="default maml")
+    g.add_argument("--steps", type=int, default=S, help="outer steps in total (default 1000)")
+    g.add_argument("--meta-batch", type=int, default=S, help="tasks per outer step")
+    g.add_argument("--inner-steps", type=int, default=S, help="adaptation steps in training")
+    g.add_argument("--inner-lr", type=float, default=S, help="adaptation learning rate")
+    g.add_argument("--outer-lr", type=float, default=S, help="meta (Adam) learning rate")
+    g.add_argument("--shots", type=int, default=S, help="support samples per task / class")
+    g.add_argument("--query", type=int, default=S, help="query samples per task / class")
+    g.add_argument("--ways", type=int, default=S, help="classes per task (classification)")
+    g.add_argument("--hidden", type=int, default=S, help="network width")
+    g.add_argument("--seed", type=int, default=S, help="default 0")
+    g.add_argument("--dtype", choices=DTYPES, default=S, help="default float32")
+    g.add_argument("--data", default=S, help="dataset folder (omniglot: Omniglot layout)")
+    g = p.add_argument_group("evaluation and output")
+    g.add_argument("--eval-every", type=int, default=S, help="steps between meta-test runs (100)")
+    g.add_argument("--eval-tasks", type=int, default=S, help="held-out tasks per meta-test (100)")
+    g.add_argument("--eval-steps", type=int, default=S, help="adaptation steps at meta-test")
+    g.add_argument("--checkpoint-every", type=int, default=S, help="steps between checkpoints")
+    g.add_argument("--out", default=None, help="output folder (default runs/TASK-ALGORITHM)")
+    g.add_argument("--resume", metavar="DIR", default=None, help="continue the run in DIR")
+    g.add_argument("--force", action="store_true", help="replace a previous run in --out")
+    g.add_argument("--config", metavar="FILE", default=None, help="TOML file of settings")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = p.add_argument_group("processes")
+    g.add_argument("--nproc", type=int, default=1, help="local processes to start (default 1)")
+    g.add_argument("--layout", choices=LAYOUTS, default=S,
+                   help="sample: every process splits every task (default); task: tasks split "
+                        "over processes; hybrid: two task groups, each splitting its tasks")
+    g.add_argument("--backend", choices=("gloo", "nccl"), default=None,
+                   help="default: nccl with GPUs, gloo otherwise")
+    p.set_defaults(func=main)
+
+
+class UsageError(Exception):
+    pass
+
+
+def settings(args: argparse.Namespace) -> tuple[TrainConfig, Path, bool]:
+    """Resolve the run's settings, output folder and whether it resumes; check the folder."""
+    flags = {k: v for k, v in vars(args).items()
+             if k in TrainConfig.names() and not (k == "task" and v is None)}
+    resume = args.resume is not None
+    values: dict[str, Any] = {}
+    if resume:
+        out = Path(args.resume)
+        if args.out is not None and Path(args.out).resolve() != out.resolve():
+            raise UsageError(f"--resume {args.resume} continues in its own folder; drop --out "
+                             f"{args.out} (or copy the run there and resume that)")
+        _train.check_folder(out, resume=True, force=False)
+        values.update(_train.saved_config(out))
+    if args.config is not None:
+        values.update(read_toml(args.config))
+    values.update(flags)
+    if "task" not in values:
+        raise UsageError("name a task: metaddp train {" + ",".join(FAMILIES) + "} [options]")
+    cfg = TrainConfig(**values).resolved()
+    if not resume:
+        out = Path(args.out) if args.out is not None else Path("runs") / f"{cfg.task}-{cfg.algorithm}"
+        _train.check_folder(out, resume=False, force=args.force)
+    if cfg.task == "omniglot":
+        from ..tasks.omniglot import characters
+        if cfg.data is None:
+            raise UsageError("the omniglot task needs --data FOLDER (in the Omniglot layout)")
+        characters(Path(cfg.data))
+    if resume:
+        step = _checkpoint.load(out / _train.CHECKPOINT, cfg.identity())["step"]
+        if step > cfg.steps:
+            raise UsageError(f"the checkpoint in {out} is at step {step}, beyond --steps "
+                             f"{cfg.steps}: give a larger --steps")
+    return cfg, out, resume
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def worker(cfg_dict: dict, out: str, resume: bool, force: bool, backend: str | None,
+           threads: int, progress: bool) -> dict | None:
+    """Run on every process: join the group, prepare the folder on rank 0, train."""
+    import torch
+    import torch.distributed as dist
+
+    from .._world import default_backend, init, rank, shutdown
+
+    if threads:
+        torch.set_num_threads(threads)
+    if under_torchrun():
+        backend = backend or default_backend()
+        init(backend)
+    cfg = TrainConfig(**cfg_dict)
+    try:
+        if rank() == 0:
+            _train.prepare_folder(Path(out), cfg, resume, force)
+        if dist.is_initialized():
+            dist.barrier()
+        result = _train.train(cfg, out, resume=resume, progress=progress,
+                              backend=backend if dist.is_initialized() else None)
+    finally:
+        shutdown()
+    return result["summary"] if rank() == 0 else None
+
+
+def launch(nproc: int, *args: Any) -> dict | None:
+    """``worker(*args)`` on ``nproc`` local processes, started by torch's elastic launcher."""
+    import uuid
+
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
+                          run_id=f"metaddp-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
+                          rdzv_endpoint="127.0.0.1:0", max_restarts=0, start_method="spawn")
+    results = elastic_launch(config, worker)(*args)
+    return results[0]
+
+
+def report(summary: dict, cfg: TrainConfig, out: Path) -> None:
+    n, k = summary["eval_tasks"], summary["eval_steps"]
+    what = "tasks of held-out classes" if "test_acc_after" in summary else "held-out tasks"
+    print(f"\nmeta-test on {n} {what}, {k} adaptation step(s), mean and 95% CI:")
+    if "test_acc_after" in summary:
+        print(f"  accuracy before adaptation {summary['test_acc_before']:.4f}, after "
+              f"{summary['test_acc_after']:.4f} ± {summary['test_acc_after_ci']:.4f}")
+    name = "MSE" if cfg.task == "sinusoid" else "loss"
+    print(f"  query {name} before adaptation {summary['test_before']:.4f}, after "
+          f"{summary['test_after']:.4f} ± {summary['test_after_ci']:.4f}")
+    for p in summary.get("plots", []):
+        print(f"  plot: {p}")
+    print(f"  metrics: {out / 'metrics.csv'}; checkpoint: {out / _train.CHECKPOINT} "
+          f"(continue with: metaddp train --resume {out} --steps N)")
+
+
+def torchrun_main(args: argparse.Namespace) -> int:
+    """Under ``torchrun``: join the group first, then rank 0 checks the settings and the folder
+    and tells every rank the outcome (so no rank sees the folder rank 0 is writing)."""
+    import torch.distributed as dist
+
+    from .._world import default_backend, init, rank, shutdown
+
+    backend = args.backend or default_backend()
+    init(backend)
+    message: list[Any] = [None]
+    if rank() == 0:
+        try:
+            if args.nproc != 1:
+                raise UsageError("already started by torchrun; drop --nproc")
+            cfg, out, resume = settings(args)
+            message = [("ok", cfg.to_dict(), str(out), resume)]
+        except (UsageError, ValueError, SystemExit) as e:
+            message = [("error", str(e))]
+    dist.broadcast_object_list(message, src=0)
+    if message[0][0] == "error":
+        if rank() == 0:
+            print(f"metaddp train: error: {message[0][1]}", file=sys.stderr)
+        shutdown()
+        return 2
+    _, cfg_dict, out, resume = message[0]
+    summary = worker(cfg_dict, out, resume, args.force, backend, 0, not args.no_progress)
+    if summary is not None:
+        report(summary, TrainConfig(**cfg_dict), Path(out))
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    if under_torchrun():
+        return torchrun_main(args)
+    try:
+        cfg, out, resume = settings(args)
+    except (UsageError, ValueError, SystemExit) as e:
+        print(f"metaddp train: error: {e}", file=sys.stderr)
+        return 2
+    progress = not args.no_progress
+    if args.nproc < 1:
+        print(f"metaddp train: error: --nproc must be at least 1, got {args.nproc}", file=sys.stderr)
+        return 2
+    else:
+        threads = max(1, (os.cpu_count() or 1) // args.nproc)
+        common = (cfg.to_dict(), str(out), resume, args.force, args.backend, threads, progress)
+        if args.nproc == 1:
+            summary = worker(*common)
+        else:
+            from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+            try:
+                summary = launch(args.nproc, *common)
+            except ChildFailedError as e:
+                print(f"metaddp train: a process failed:\n{e}", file=sys.stderr)
+                return 1
+    if summary is not None:
+        report(summary, cfg, out)
+    return 0

@@ -1,0 +1,63 @@
+"""What a task family is: a pure function from (seed, split, global index) to a task.
+
+A family never draws from global random state: task ``i`` of split ``s`` is built from a
+generator seeded by ``(seed, s, i)`` alone, so the stream of tasks is the same for any number
+of processes, and a run resumed at step ``t`` needs nothing but ``t`` to continue the stream.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from torch import Tensor, nn
+
+from .._data import Task, generator_for
+
+SPLITS = ("train", "test")
+
+
+class TaskFamily(abc.ABC):
+    """A distribution over tasks, the network that suits them and their per-sample loss.
+
+    Subclasses set :attr:`name`, :attr:`classification`, :attr:`defaults` (training options
+    that suit the family: learning rates, shots, ...) and implement :meth:`sample`.
+    """
+
+    name: ClassVar[str]
+    classification: ClassVar[bool]
+    defaults: ClassVar[Mapping[str, Any]] = {}
+
+    def task(self, seed: int, index: int, split: str = "train") -> Task:
+        """Task number ``index`` of ``split`` ("train" or "test") for ``seed``: whole, unsplit.
+
+        Args:
+            seed: the run's seed.
+            index: the task's global index in the stream (step * meta_batch + position).
+            split: "train" (meta-training tasks) or "test" (held-out tasks or classes).
+
+        Returns:
+            A :class:`metaddp.Task` holding the global support and query batches.
+        """
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}; choose from {', '.join(SPLITS)}")
+        if index < 0:
+            raise ValueError(f"task indices start at 0, got {index}")
+        return self.sample(generator_for(seed, SPLITS.index(split), index), split)
+
+    @abc.abstractmethod
+    def sample(self, generator, split: str) -> Task:
+        """Build one task drawing every random number from ``generator``."""
+
+    @abc.abstractmethod
+    def model(self) -> nn.Module:
+        """A freshly initialised network for this family (uses torch's global RNG)."""
+
+    @abc.abstractmethod
+    def loss(self, prediction: Tensor, target: Tensor) -> Tensor:
+        """One loss per sample (``reduction='none'``), as :func:`metaddp.share` expects."""
+
+    def describe(self) -> dict[str, Any]:
+        """The options that define the task stream (checked when a run is resumed)."""
+        return {}

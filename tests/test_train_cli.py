@@ -1,0 +1,162 @@
+"""``metaddp train`` from the command line: files written, settings, and refusals on bad input."""
+
+from __future__ import annotations
+
+import csv
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from metaddp.cli import main
+
+TINY = ["sinusoid", "--steps", "3", "--meta-batch", "3", "--shots", "4", "--query", "3",
+        "--hidden", "8", "--eval-every", "0", "--eval-tasks", "3", "--checkpoint-every", "2",
+        "--dtype", "float64", "--no-progress"]
+
+
+def rows(folder: Path) -> list[dict]:
+    with open(folder / "metrics.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "run"
+    assert main(["train", *TINY, "--out", str(out)]) == 0
+    return out
+
+
+def test_a_run_writes_its_folder(run_dir, capsys):
+    names = {p.name for p in run_dir.iterdir()}
+    assert {"checkpoint.pt", "config.toml", "config.json", "metrics.csv", "summary.json", "plots"} <= names
+    assert [int(r["step"]) for r in rows(run_dir)] == [1, 2, 3]
+    # Only the last step is evaluated (--eval-every 0).
+    assert [r["test_after"] != "" for r in rows(run_dir)] == [False, False, True]
+    with open(run_dir / "config.toml", "rb") as f:
+        assert tomllib.load(f) == {k: v for k, v in json.loads((run_dir / "config.json").read_text()).items()
+                                   if v is not None}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["step"] == 3 and summary["test_after"] > 0
+    pytest.importorskip("matplotlib")
+    assert (run_dir / "plots" / "training.png").stat().st_size > 1000
+    assert (run_dir / "plots" / "adaptation.png").stat().st_size > 1000
+
+
+def test_refuses_to_overwrite_a_run(run_dir, capsys):
+    before = snapshot(run_dir)
+    assert main(["train", *TINY, "--out", str(run_dir)]) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert snapshot(run_dir) == before
+
+
+def test_resume_refuses_another_configuration(run_dir, capsys):
+    before = snapshot(run_dir)
+    assert main(["train", "--resume", str(run_dir), "--shots", "5", "--steps", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "another configuration" in err and "shots: checkpoint 4, now 5" in err
+    assert main(["train", "--resume", str(run_dir), "--steps", "2"]) == 2
+    assert "at step 3, beyond --steps 2" in capsys.readouterr().err
+    assert snapshot(run_dir) == before
+
+
+def test_resume_continues_and_force_replaces(tmp_path, run_dir):
+    out = tmp_path / "copy"
+    out.mkdir()
+    for name, data in snapshot(run_dir).items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_bytes(data)
+    assert main(["train", "--resume", str(out), "--steps", "5", "--no-progress"]) == 0
+    got = rows(out)
+    assert [int(r["step"]) for r in got] == [1, 2, 3, 4, 5]
+    assert [r["meta_loss"] for r in got[:3]] == [r["meta_loss"] for r in rows(run_dir)]
+    assert main(["train", *TINY, "--steps", "1", "--out", str(out), "--force"]) == 0
+    assert [int(r["step"]) for r in rows(out)] == [1]
+
+
+def test_corrupt_checkpoint_and_empty_resume(tmp_path, run_dir, capsys):
+    out = tmp_path / "corrupt"
+    out.mkdir()
+    for name in ("config.json", "config.toml", "metrics.csv"):
+        (out / name).write_bytes((run_dir / name).read_bytes())
+    (out / "checkpoint.pt").write_bytes((run_dir / "checkpoint.pt").read_bytes()[:200])
+    assert main(["train", "--resume", str(out)]) == 2
+    assert "corrupt or unreadable" in capsys.readouterr().err
+    (out / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    assert main(["train", "--resume", str(out)]) == 2
+    assert "corrupt or unreadable" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["train", "--resume", str(empty)]) == 2
+    assert "nothing to resume" in capsys.readouterr().err
+
+
+def test_unknown_task_option_and_setting(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "mnist"])
+    assert e.value.code == 2 and "invalid choice: 'mnist'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["train", "sinusoid", "--inner-lrr", "0.1"])
+    assert e.value.code == 2 and "unrecognized arguments: --inner-lrr" in capsys.readouterr().err
+    assert main(["train", "--out", str(tmp_path / "x")]) == 2
+    assert "name a task" in capsys.readouterr().err
+    assert main(["train", "sinusoid", "--steps", "0", "--out", str(tmp_path / "y")]) == 2
+    assert "steps must be a positive integer" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_config_file_and_flags_override(tmp_path, capsys):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('[train]\ntask = "sinusoid"\nsteps = 2\nseed = 5\nhidden = 8\nmeta_batch = 2\n'
+                   'eval_tasks = 2\n')
+    out = tmp_path / "out"
+    assert main(["train", "--config", str(cfg), "--steps", "1", "--out", str(out), "--no-progress"]) == 0
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["steps"], saved["seed"], saved["hidden"], saved["meta_batch"]) == (1, 5, 8, 2)
+    bad = tmp_path / "bad.toml"
+    bad.write_text('task = "sinusoid"\ninner_lrr = 0.1\n')
+    assert main(["train", "--config", str(bad), "--out", str(tmp_path / "o2")]) == 2
+    assert "unknown setting(s) inner_lrr" in capsys.readouterr().err
+    bad.write_text('task = "sinusoid\n')
+    assert main(["train", "--config", str(bad), "--out", str(tmp_path / "o3")]) == 2
+    assert "not valid TOML" in capsys.readouterr().err
+
+
+def test_omniglot_folder_in_wrong_layout(tmp_path, capsys):
+    (tmp_path / "data" / "Latin" / "character01").mkdir(parents=True)
+    assert main(["train", "omniglot", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "images_background is missing" in err and "<alphabet>/<character>/*.png" in err
+    assert main(["train", "omniglot", "--out", str(tmp_path / "o")]) == 2
+    assert "needs --data" in capsys.readouterr().err
+
+
+def test_two_local_processes_through_the_elastic_launcher(tmp_path, run_dir):
+    out = tmp_path / "two"
+    assert main(["train", *TINY, "--nproc", "2", "--out", str(out)]) == 0
+    one = [float(r["meta_loss"]) for r in rows(run_dir)]
+    two = [float(r["meta_loss"]) for r in rows(out)]
+    # Float64; two processes only reorder sums (see test_train.py): 1e-10 relative.
+    assert all(abs(a - b) <= 1e-10 * abs(a) for a, b in zip(one, two)) and len(two) == 3
+
+
+def test_image_tasks_train_and_report_accuracy(tmp_path, capsys):
+    from test_tasks import omniglot_folder
+
+    data = omniglot_folder(tmp_path / "omni")
+    small = ["--steps", "2", "--ways", "3", "--shots", "1", "--query", "2", "--hidden", "8",
+             "--meta-batch", "2", "--eval-tasks", "4", "--no-progress"]
+    assert main(["train", "omniglot", "--data", str(data), *small, "--out", str(tmp_path / "o")]) == 0
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    # Accuracies are fractions of 6 query images per task, averaged over 4 tasks.
+    assert 0 <= summary["test_acc_before"] <= 1 and 0 <= summary["test_acc_after"] <= 1
+    assert round(summary["test_acc_after"] * 24) == pytest.approx(summary["test_acc_after"] * 24, abs=1e-9)
+    assert "accuracy before adaptation" in capsys.readouterr().out
+    pytest.importorskip("sklearn")
+    assert main(["train", "digits", *small, "--out", str(tmp_path / "d")]) == 0
+    assert [int(r["step"]) for r in rows(tmp_path / "d")] == [1, 2]
