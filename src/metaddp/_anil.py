@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from ._data import Batch, Task
-from ._functional import Params, params_of
+from ._functional import Params, call, params_of
 from ._inner import InnerOptimizer
 from ._maml import MAML, LossFn, OptimizerFactory, Reduce, batch_share, identity_reduce, inner_loop
 
@@ -49,20 +49,24 @@ class ANIL(MAML):
         return self.model.head
 
     def adapt_features(self, features: Batch, loss_fn: LossFn, *,
-                       reduce: Reduce = identity_reduce) -> Params:
+                       reduce: Reduce = identity_reduce, steps: int | None = None) -> Params:
         """Head weights after the inner loop on precomputed support ``features``."""
         return inner_loop(
-            self.model.head, params_of(self.model.head), features, loss_fn, steps=self.steps,
+            self.model.head, params_of(self.model.head), features, loss_fn,
+            steps=self.steps if steps is None else steps,
             optimizer=self.inner_optimizer(), first_order=self.first_order, reduce=reduce,
         )
 
     def adapt(self, support: Batch, loss_fn: LossFn, *, reduce: Reduce = identity_reduce,
               steps: int | None = None) -> Params:
         """Head weights (names relative to ``head``) after adapting on ``support``."""
-        if steps is not None and steps != self.steps:
-            raise ValueError("ANIL.adapt uses the steps given at construction")
         feats = Batch(self.model.body(support.x), support.y, support.n)
-        return self.adapt_features(feats, loss_fn, reduce=reduce)
+        return self.adapt_features(feats, loss_fn, reduce=reduce, steps=steps)
+
+    def forward(self, x: Tensor, params: Params | None = None) -> Tensor:
+        """``head(body(x))`` with the head on ``params`` (names relative to the head)."""
+        head = self.model.head
+        return call(head, params if params is not None else params_of(head), self.model.body(x))
 
     def task_loss(self, task: Task, loss_fn: LossFn, *, reduce: Reduce = identity_reduce) -> Tensor:
         body = self.model.body

@@ -14,9 +14,9 @@ from torch import Tensor
 
 from ._collectives import all_reduce_sum
 from ._data import shard_range
-from ._functional import call
-from ._maml import Reduce, batch_share
+from ._maml import Reduce
 from ._metrics import mean_ci95
+from ._share import share
 from ._world import Mesh
 from .tasks import TaskFamily
 
@@ -33,7 +33,8 @@ def evaluate(algorithm: Any, family: TaskFamily, mesh: Mesh, reduce: Reduce, *, 
     """Query loss (and accuracy) on ``n_tasks`` held-out tasks, before and after ``steps``.
 
     Args:
-        algorithm: a module with ``adapt(support, loss_fn, reduce=, steps=)`` and ``model``.
+        algorithm: a module with ``adapt(support, loss_fn, reduce=, steps=)`` whose
+            ``forward(x, fast)`` runs the adapted model.
         family: the task family; tasks come from its "test" split.
         mesh: how processes share the tasks.
         reduce: the differentiable SUM over a task's sample group (``MetaDDP.reduce``).
@@ -44,16 +45,16 @@ def evaluate(algorithm: Any, family: TaskFamily, mesh: Mesh, reduce: Reduce, *, 
         and for classification ``test_acc_before`` / ``test_acc_after`` / ``test_acc_after_ci``.
     """
     per_task = torch.zeros(n_tasks, 4, dtype=torch.float64, device=device)
-    model = algorithm.model
     for i in shard_range(n_tasks, mesh.task_index, mesh.tasks):
         task = to(family.task(seed, i, "test").split(mesh.sample_index, mesh.samples), dtype, device)
         for col, k in enumerate((0, steps)):
             fast = algorithm.adapt(task.support, family.loss, reduce=reduce, steps=k)
             fast = {name: p.detach() for name, p in fast.items()}
             with torch.no_grad():
-                per_task[i, col] = batch_share(model, fast, task.query, family.loss).double()
+                out = algorithm(task.query.x, fast)  # the algorithm reads its own fast weights
+                per_task[i, col] = share(family.loss(out, task.query.y), task.query.n).double()
                 if family.classification:
-                    pred = call(model, fast, task.query.x).argmax(-1)
+                    pred = out.argmax(-1)
                     per_task[i, 2 + col] = (pred == task.query.y).sum().double() / task.query.n
     per_task = all_reduce_sum([per_task], mesh.group)[0].cpu()
     out: dict[str, float] = {}

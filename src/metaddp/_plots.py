@@ -61,21 +61,19 @@ def training_curves(rows: Sequence[dict[str, float]], path: Path, *, classificat
     plt.close(fig)
 
 
-def sinusoid_adaptation(model: nn.Module, family, *, seed: int, index: int, inner_lr: float,
+def sinusoid_adaptation(algorithm: nn.Module, family, *, seed: int, index: int,
                         steps: Sequence[int], path: Path) -> None:
     """Finn et al. 2017, fig. 2: the true curve, the K support points, and the prediction of
-    the meta-learned initialisation before and after a few SGD steps on those points."""
+    the meta-learned initialisation before and after a few inner steps on those points
+    (taken by ``algorithm.adapt``, so with the run's own inner optimizer)."""
     from ._data import Task
-    from ._inner import sgd
-    from ._maml import inner_loop
 
     plt = _pyplot()
-    dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
+    dtype, device = next(algorithm.parameters()).dtype, next(algorithm.parameters()).device
     task: Task = family.task(seed, index, "test")
     support = type(task.support)(task.support.x.to(device, dtype), task.support.y.to(device, dtype),
                                  task.support.n)
     grid = torch.linspace(-5, 5, 200, dtype=dtype, device=device).unsqueeze(1)
-    params = {k: v.detach().requires_grad_(True) for k, v in model.named_parameters()}
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     grid_cpu = grid.squeeze(1).cpu()
     ax.plot(grid_cpu, family.truth(seed, index, "test", grid_cpu), "k-", lw=2,
@@ -83,10 +81,9 @@ def sinusoid_adaptation(model: nn.Module, family, *, seed: int, index: int, inne
     ax.plot(support.x.squeeze(1).cpu(), support.y.squeeze(1).cpu(), "^", color="purple", ms=8,
             label=f"{support.n} support points")
     for k in (0, *steps):
-        fast = inner_loop(model, params, support, family.loss, steps=k, optimizer=sgd(inner_lr),
-                          first_order=True)
+        fast = {n: p.detach() for n, p in algorithm.adapt(support, family.loss, steps=k).items()}
         with torch.no_grad():
-            pred = torch.func.functional_call(model, fast, (grid,))
+            pred = algorithm(grid, fast)
         ax.plot(grid_cpu, pred.squeeze(1).cpu(), "--" if k == 0 else "-",
                 label="meta-learned init." if k == 0 else f"after {k} grad step{'s' if k > 1 else ''}")
     ax.set(xlabel="x", ylabel="y", title="sinusoid: adaptation to a held-out task")

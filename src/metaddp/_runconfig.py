@@ -22,12 +22,14 @@ class TrainConfig:
 
     Args:
         task: task family ("sinusoid", "digits", "omniglot").
-        algorithm: meta-learning algorithm ("maml", "fomaml").
+        algorithm: meta-learning algorithm ("maml", "fomaml", "metasgd", "anil", "reptile",
+            "imaml").
         steps: outer steps to train for (in total, counting resumed ones).
         meta_batch: tasks per outer step.
         inner_steps: adaptation steps per task during training.
         inner_lr: inner (adaptation) learning rate.
         outer_lr: Adam's learning rate for the meta-parameters.
+        lam: iMAML's proximal strength (the implicit system is I + H / lam).
         shots: support samples per task (per class for classification).
         query: query samples per task (per class for classification).
         ways: classes per task (classification only).
@@ -50,6 +52,7 @@ class TrainConfig:
     inner_steps: int | None = None
     inner_lr: float | None = None
     outer_lr: float | None = None
+    lam: float = 1.0
     shots: int | None = None
     query: int | None = None
     ways: int | None = None
@@ -65,7 +68,7 @@ class TrainConfig:
 
     # Settings that define the trajectory: a checkpoint resumes only under the same ones.
     # The number of processes, the layout, the length of the run and evaluation may change.
-    IDENTITY = ("task", "algorithm", "meta_batch", "inner_steps", "inner_lr", "outer_lr",
+    IDENTITY = ("task", "algorithm", "meta_batch", "inner_steps", "inner_lr", "outer_lr", "lam",
                 "shots", "query", "ways", "hidden", "seed", "dtype", "data")
 
     @classmethod
@@ -111,7 +114,7 @@ class TrainConfig:
         for k in ("inner_steps", "eval_every", "eval_steps"):
             if getattr(self, k) < 0:
                 raise ValueError(f"{k} must be >= 0, got {getattr(self, k)!r}")
-        for k in ("inner_lr", "outer_lr"):
+        for k in ("inner_lr", "outer_lr", "lam"):
             if not getattr(self, k) > 0:
                 raise ValueError(f"{k} must be positive, got {getattr(self, k)!r}")
 

@@ -148,49 +148,51 @@ def train(cfg: TrainConfig, out: str | Path, *, resume: bool = False, progress: 
     # Elapsed seconds continue from the last row kept when resuming.
     t0 = time.perf_counter() - (log.seconds if log is not None else 0.0)
     B = cfg.meta_batch
-    for step in range(start, cfg.steps):
-        batch = range(B * step, B * (step + 1))  # global task indices of this step
-        r = shard_range(B, mesh.task_index, mesh.tasks)
-        tasks = [to(family.task(cfg.seed, i).split(mesh.sample_index, mesh.samples), dtype, device)
-                 for i in batch[r.start: r.stop]]
-        optimizer.zero_grad(set_to_none=True)
-        loss = algorithm.meta_loss(tasks, family.loss, B, reduce=ddp.reduce)
-        loss.backward()
-        ddp.sync_grads()
-        optimizer.step()
-        value = float(global_value(loss, mesh.group))
-        losses.append(value)
-        done = step + 1
-        row: dict[str, float] = {"step": done, "meta_loss": value,
-                                 "seconds": time.perf_counter() - t0}
-        if done == cfg.steps or (cfg.eval_every and done % cfg.eval_every == 0):
+    try:
+        for step in range(start, cfg.steps):
+            batch = range(B * step, B * (step + 1))  # global task indices of this step
+            r = shard_range(B, mesh.task_index, mesh.tasks)
+            tasks = [to(family.task(cfg.seed, i).split(mesh.sample_index, mesh.samples), dtype, device)
+                     for i in batch[r.start: r.stop]]
+            optimizer.zero_grad(set_to_none=True)
+            loss = algorithm.meta_loss(tasks, family.loss, B, reduce=ddp.reduce)
+            loss.backward()
+            ddp.sync_grads()
+            optimizer.step()
+            value = float(global_value(loss, mesh.group))
+            losses.append(value)
+            done = step + 1
+            row: dict[str, float] = {"step": done, "meta_loss": value,
+                                     "seconds": time.perf_counter() - t0}
+            if done == cfg.steps or (cfg.eval_every and done % cfg.eval_every == 0):
+                last_eval = run_eval()
+                row.update(last_eval)
+            if log is not None:
+                log.write(row)
+            if done == cfg.steps or done % cfg.checkpoint_every == 0:
+                save(done)
+            if bar is not None:
+                shown = {"loss": f"{value:.4g}"}
+                if "test_acc_after" in last_eval:
+                    shown["test acc"] = f"{last_eval['test_acc_after']:.3f}"
+                elif last_eval:
+                    shown["test " + ("mse" if cfg.task == "sinusoid" else "loss")] = \
+                        f"{last_eval['test_after']:.4g}"
+                bar.set_postfix(shown, refresh=False)
+                bar.update(1)
+        if not last_eval:  # resumed at the last step: evaluate what the checkpoint holds
             last_eval = run_eval()
-            row.update(last_eval)
-        if log is not None:
-            log.write(row)
-        if done == cfg.steps or done % cfg.checkpoint_every == 0:
-            save(done)
+    finally:  # the progress bar and metrics file close even when a step raises
         if bar is not None:
-            shown = {"loss": f"{value:.4g}"}
-            if "test_acc_after" in last_eval:
-                shown["test acc"] = f"{last_eval['test_acc_after']:.3f}"
-            elif last_eval:
-                shown["test " + ("mse" if cfg.task == "sinusoid" else "loss")] = \
-                    f"{last_eval['test_after']:.4g}"
-            bar.set_postfix(shown, refresh=False)
-            bar.update(1)
-    if not last_eval:  # resumed at the last step: evaluate what the checkpoint holds
-        last_eval = run_eval()
-    if bar is not None:
-        bar.close()
-    if log is not None:
-        log.close()
+            bar.close()
+        if log is not None:
+            log.close()
     summary = {"step": cfg.steps, "eval_tasks": cfg.eval_tasks, "eval_steps": cfg.eval_steps,
                **last_eval}
     if me == 0:
         _checkpoint.atomic_write(out / "summary.json",
                                  lambda f: f.write(json.dumps(summary, indent=2).encode()))
-        summary["plots"] = write_plots(out, cfg, family, algorithm.model)
+        summary["plots"] = write_plots(out, cfg, family, algorithm)
     if dist.is_initialized():
         dist.barrier()
     weights = {k: v.detach().cpu().clone() for k, v in algorithm.state_dict().items()}
@@ -198,7 +200,7 @@ def train(cfg: TrainConfig, out: str | Path, *, resume: bool = False, progress: 
             "summary": summary}
 
 
-def write_plots(out: Path, cfg: TrainConfig, family, model) -> list[str]:
+def write_plots(out: Path, cfg: TrainConfig, family, algorithm) -> list[str]:
     """The run's PNG figures (none when matplotlib is missing); returns their paths."""
     from . import _plots
     from ._metrics import read
@@ -211,8 +213,8 @@ def write_plots(out: Path, cfg: TrainConfig, family, model) -> list[str]:
                            title=f"{cfg.algorithm} on {cfg.task}")
     if cfg.task == "sinusoid":
         paths.append(out / "plots" / "adaptation.png")
-        _plots.sinusoid_adaptation(model, family, seed=cfg.seed, index=0, inner_lr=cfg.inner_lr,
-                                   steps=(1, 10), path=paths[1])
+        _plots.sinusoid_adaptation(algorithm, family, seed=cfg.seed, index=0, steps=(1, 10),
+                                   path=paths[1])
     return [str(p) for p in paths]
 
 

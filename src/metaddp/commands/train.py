@@ -41,6 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--inner-steps", type=int, default=S, help="adaptation steps in training")
     g.add_argument("--inner-lr", type=float, default=S, help="adaptation learning rate")
     g.add_argument("--outer-lr", type=float, default=S, help="meta (Adam) learning rate")
+    g.add_argument("--lam", type=float, default=S, help="iMAML proximal strength (default 1)")
     g.add_argument("--shots", type=int, default=S, help="support samples per task / class")
     g.add_argument("--query", type=int, default=S, help="query samples per task / class")
     g.add_argument("--ways", type=int, default=S, help="classes per task (classification)")
