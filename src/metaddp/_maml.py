@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
+from ._batched import batched_meta_loss, use_batched
 from ._data import Batch, Task
 from ._functional import Params, call, params_of
 from ._inner import InnerOptimizer, apply_updates, sgd
@@ -83,11 +84,14 @@ class MAML(nn.Module):
         steps: inner steps per task.
         first_order: drop second-order terms (first-order MAML).
         optimizer: a differentiable inner optimizer (``metaddp.sgd`` ...) replacing SGD.
+        batched: run a rank's tasks stacked along a task dimension (``True``), one by one
+            (``False``), or choose by device (``None``: stacked on CUDA); same meta-gradient.
     """
 
     def __init__(
         self, model: nn.Module, inner_lr: float = 0.01, steps: int = 1,
         first_order: bool = False, optimizer: InnerOptimizer | None = None,
+        batched: bool | None = None,
     ) -> None:
         super().__init__()
         if steps < 0:
@@ -95,6 +99,7 @@ class MAML(nn.Module):
         self.model = model
         self.inner_lr, self.steps, self.first_order = inner_lr, steps, first_order
         self.optimizer = optimizer or sgd(inner_lr)
+        self.batched = batched
 
     def fast_weights(self) -> Params:
         """The weights adaptation starts from (the meta-parameters themselves)."""
@@ -130,6 +135,10 @@ class MAML(nn.Module):
         # then still gives every parameter a (zero) gradient, and the gradient sum over ranks
         # sees the same tensors everywhere.
         total = sum(p.sum() * 0.0 for p in self.parameters())
+        if use_batched(self.batched, tasks, self.model):
+            return total + batched_meta_loss(
+                self.model, self.fast_weights(), tasks, loss_fn, n_tasks, steps=self.steps,
+                optimizer=self.optimizer, first_order=self.first_order, reduce=reduce)
         for task in tasks:
             total = total + self.task_loss(task, loss_fn, reduce=reduce)
         return total / n_tasks
