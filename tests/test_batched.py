@@ -1,0 +1,172 @@
+"""Stacked (vmap) MAML gives the meta-gradient of the per-task loop, on one and many processes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import metaddp
+from metaddp import scenarios as S
+from metaddp._batched import batchable, use_batched
+from metaddp.launch import run_local
+
+# Float64 throughout. Stacked and looped runs do the same arithmetic except for how sums are
+# grouped (vmap's batched kernels vs one task at a time, and the order tasks are summed), so
+# they differ by rounding only: a few hundred ulps (~1e-14 relative) over 3 inner steps of
+# second-order MAML. A real error (a lost second-order term, a task's gradient leaking into
+# another's) is 1e-3 or more.
+RTOL = 1e-12
+WORLDS = (2, 4)
+
+
+def reference_meta_grad(net: nn.Module, tasks, loss_fn, lr: float, steps: int, first_order: bool):
+    """Plain single-process MAML: adapt every whole task in turn, average query losses."""
+    names = [n for n, _ in net.named_parameters()]
+    theta = [p for _, p in net.named_parameters()]
+    total = 0.0
+    for t in tasks:
+        fast = list(theta)
+        for _ in range(steps):
+            out = torch.func.functional_call(net, dict(zip(names, fast)), (t.support.x,))
+            loss = loss_fn(out, t.support.y).reshape(len(t.support.x), -1).mean(1).mean()
+            grads = torch.autograd.grad(loss, fast, create_graph=not first_order)
+            fast = [w - lr * g for w, g in zip(fast, grads)]
+        out = torch.func.functional_call(net, dict(zip(names, fast)), (t.query.x,))
+        total = total + loss_fn(out, t.query.y).reshape(len(t.query.x), -1).mean(1).mean()
+    loss = total / len(tasks)
+    grads = torch.autograd.grad(loss, theta)
+    return float(loss.detach()), {n: g.detach() for n, g in zip(names, grads)}
+
+
+def meta_step(problem: S.Problem, batched: bool | None, tasks=None, mesh=None):
+    """One meta-step with metaddp; returns (this rank's loss share, {name: meta-gradient})."""
+    net = problem.build_model()
+    maml = metaddp.MAML(net, problem.inner_lr, problem.steps, problem.first_order, batched=batched)
+    if mesh is None:
+        tasks = problem.tasks() if tasks is None else tasks
+        loss = maml.meta_loss(tasks, problem.loss_fn, problem.n_tasks)
+        loss.backward()
+    else:
+        m = metaddp.MetaDDP(maml, mesh)
+        mine = metaddp.shard_range(problem.n_tasks, mesh.task_index, mesh.tasks)
+        tasks = [problem.task(i).split(mesh.sample_index, mesh.samples) for i in mine]
+        loss = m.module.meta_loss(tasks, problem.loss_fn, problem.n_tasks, reduce=m.reduce)
+        loss.backward()
+        m.sync_grads()
+        loss = metaddp.global_value(loss, mesh.group)
+    return float(loss.detach()), {n: p.grad.detach().clone() for n, p in net.named_parameters()}
+
+
+def rel_diff(a: dict, b: dict) -> float:
+    scale = max(float(v.abs().max()) for v in b.values())
+    return max(float((a[k] - b[k]).abs().max()) for k in b) / scale
+
+
+CASES = [
+    S.Problem(model=m, steps=k, first_order=fo)
+    for m in ("mlp", "conv") for k in (1, 3) for fo in (False, True)
+]
+
+
+@pytest.mark.parametrize("problem", CASES, ids=lambda p: f"{p.model}-K{p.steps}-{'fo' if p.first_order else 'so'}")
+def test_batched_equals_loop_and_reference(problem):
+    loss_b, g_b = meta_step(problem, batched=True)
+    loss_l, g_l = meta_step(problem, batched=False)
+    loss_r, g_r = reference_meta_grad(problem.build_model(), problem.tasks(), problem.loss_fn,
+                                      problem.inner_lr, problem.steps, problem.first_order)
+    assert loss_b == pytest.approx(loss_r, rel=RTOL) and loss_l == pytest.approx(loss_r, rel=RTOL)
+    assert rel_diff(g_b, g_l) < RTOL
+    assert rel_diff(g_b, g_r) < RTOL
+    # The second-order terms are really there: first-order MAML differs at 1e-3 or more.
+    if not problem.first_order:
+        _, g_fo = meta_step(dataclasses.replace(problem, first_order=True), batched=True)
+        assert rel_diff(g_fo, g_b) > 1e-4
+
+
+def test_per_parameter_learning_rates_and_learnable_lr():
+    problem = S.Problem(model="mlp", steps=2)
+    net = problem.build_model()
+    lrs = {n: torch.tensor(0.05 * (i + 1), dtype=torch.float64, requires_grad=True)
+           for i, (n, _) in enumerate(net.named_parameters())}
+    out = {}
+    for batched in (True, False):
+        for v in lrs.values():
+            v.grad = None
+        net.zero_grad()
+        maml = metaddp.MAML(net, steps=2, optimizer=metaddp.sgd(lrs), batched=batched)
+        maml.meta_loss(problem.tasks(), problem.loss_fn, problem.n_tasks).backward()
+        out[batched] = {**{n: p.grad.clone() for n, p in net.named_parameters()},
+                        **{"lr:" + n: v.grad.clone() for n, v in lrs.items()}}
+    assert rel_diff(out[True], out[False]) < RTOL
+    assert all(float(out[True]["lr:" + n].abs()) > 0 for n in lrs)
+
+
+def test_uneven_tasks_fall_back_or_explain():
+    problem = S.Problem(model="mlp", steps=2)
+    tasks = problem.tasks()
+    t0 = tasks[0]
+    short = metaddp.Task(metaddp.Batch(t0.support.x[:7], t0.support.y[:7], 7), t0.query)
+    uneven = [short] + tasks[1:]
+    assert "support" in batchable(uneven)
+    assert not use_batched(None, uneven, problem.build_model())
+    with pytest.raises(ValueError, match="cannot be stacked"):
+        meta_step(problem, batched=True, tasks=uneven)
+    loss_a, g_a = meta_step(problem, batched=None, tasks=uneven)
+    loss_r, g_r = reference_meta_grad(problem.build_model(), uneven, problem.loss_fn,
+                                      problem.inner_lr, problem.steps, problem.first_order)
+    assert loss_a == pytest.approx(loss_r, rel=RTOL)
+    assert rel_diff(g_a, g_r) < RTOL
+
+
+def test_automatic_choice_on_cpu_is_the_loop():
+    # Measured on CPU (BENCHMARKS.md): the loop is at least as fast, so None picks it there.
+    problem = S.Problem(model="conv")
+    assert not use_batched(None, problem.tasks(), problem.build_model())
+    assert use_batched(True, problem.tasks(), problem.build_model())
+    bn = nn.Sequential(nn.Linear(1, 4), nn.BatchNorm1d(4))
+    assert not use_batched(None, problem.tasks(), bn)
+
+
+def test_no_tasks_gives_zero_gradients():
+    problem = S.Problem(model="mlp")
+    loss, grads = meta_step(problem, batched=True, tasks=[])
+    assert loss == 0.0 and all(float(g.abs().max()) == 0.0 for g in grads.values())
+
+
+# --- Across world sizes: one spawned group per world size runs every case. ---------------
+
+DIST_CASES = [
+    (S.Problem(model=m, steps=k, first_order=fo, layout=layout, n_tasks=n_tasks, n_support=ns, n_query=nq), batched)
+    for (m, k, fo) in (("mlp", 3, False), ("conv", 2, False), ("mlp", 2, True))
+    for layout in ("sample", "task", "hybrid")
+    # 5 tasks of 13/11 samples: uneven shards and task counts; 3 tasks of 3/2 samples: on 4
+    # ranks some sample shards are empty, and task-parallel ranks hold no task.
+    for (n_tasks, ns, nq) in ((5, 13, 11), (3, 3, 2))
+    for batched in (True, False)
+]
+
+
+def dist_worker(cases):
+    return [meta_step(p, batched, mesh=S.mesh_for(p.layout)) for p, batched in cases]
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
+def dist_results(request):
+    return request.param, run_local(dist_worker, request.param, DIST_CASES, threads=1)
+
+
+def test_batched_across_world_sizes(dist_results):
+    world, per_rank = dist_results
+    for i, (problem, batched) in enumerate(DIST_CASES):
+        loss_r, g_r = reference_meta_grad(problem.build_model(), problem.tasks(), problem.loss_fn,
+                                          problem.inner_lr, problem.steps, problem.first_order)
+        for rank in range(world):
+            loss, grads = per_rank[rank][i]
+            where = f"world {world} rank {rank} {problem} batched={batched}"
+            # Float64; the world size only regroups sums (see RTOL).
+            assert loss == pytest.approx(loss_r, rel=RTOL), where
+            assert rel_diff(grads, g_r) < RTOL, where
