@@ -139,15 +139,23 @@ def test_no_tasks_gives_zero_gradients():
 
 # --- Across world sizes: one spawned group per world size runs every case. ---------------
 
+# 5 tasks of 13/11 samples: uneven shards and task counts; 3 tasks of 3/2 samples: on 4 ranks
+# some sample shards are empty, and task-parallel ranks hold no task.
+SIZES = ((5, 13, 11), (3, 3, 2))
 DIST_CASES = [
-    (S.Problem(model=m, steps=k, first_order=fo, layout=layout, n_tasks=n_tasks, n_support=ns, n_query=nq), batched)
-    for (m, k, fo) in (("mlp", 3, False), ("conv", 2, False), ("mlp", 2, True))
-    for layout in ("sample", "task", "hybrid")
-    # 5 tasks of 13/11 samples: uneven shards and task counts; 3 tasks of 3/2 samples: on 4
-    # ranks some sample shards are empty, and task-parallel ranks hold no task.
-    for (n_tasks, ns, nq) in ((5, 13, 11), (3, 3, 2))
-    for batched in (True, False)
+    (S.Problem(model="mlp", steps=3, layout=layout, n_tasks=nt, n_support=ns, n_query=nq), batched)
+    for layout in ("sample", "task", "hybrid") for (nt, ns, nq) in SIZES for batched in (True, False)
+] + [
+    (S.Problem(model="conv", steps=1, layout=layout), True) for layout in ("sample", "hybrid")
+] + [
+    (S.Problem(model="mlp", steps=2, first_order=True, layout="sample", n_tasks=3, n_support=3, n_query=2), True)
 ]
+
+
+@pytest.fixture(scope="module")
+def references():
+    return [reference_meta_grad(p.build_model(), p.tasks(), p.loss_fn, p.inner_lr, p.steps, p.first_order)
+            for p, _ in DIST_CASES]
 
 
 def dist_worker(cases):
@@ -159,11 +167,10 @@ def dist_results(request):
     return request.param, run_local(dist_worker, request.param, DIST_CASES, threads=1)
 
 
-def test_batched_across_world_sizes(dist_results):
+def test_batched_across_world_sizes(dist_results, references):
     world, per_rank = dist_results
     for i, (problem, batched) in enumerate(DIST_CASES):
-        loss_r, g_r = reference_meta_grad(problem.build_model(), problem.tasks(), problem.loss_fn,
-                                          problem.inner_lr, problem.steps, problem.first_order)
+        loss_r, g_r = references[i]
         for rank in range(world):
             loss, grads = per_rank[rank][i]
             where = f"world {world} rank {rank} {problem} batched={batched}"
