@@ -144,10 +144,13 @@ def use_batched(batched: bool | None, tasks: Sequence[Task], model: nn.Module) -
 
     Args:
         batched: ``True`` forces stacking (an error if the tasks cannot be stacked),
-            ``False`` forces the loop, ``None`` chooses: stacked on CUDA, where one batched
-            kernel replaces many launch-bound small ones; the loop on CPU, where stacking
-            measured no faster (BENCHMARKS.md), and for models with buffers (BatchNorm's
-            in-place running statistics cannot be updated under ``vmap``).
+            ``False`` forces the loop, ``None`` chooses by measurement (BENCHMARKS.md):
+            stacked on CUDA, where one batched kernel replaces many launch-bound small ones,
+            and on CPU for models without convolutions (a sinusoid MLP meta-step measured
+            tens of times faster stacked); the loop on CPU for convolutional models, whose
+            vmapped convolutions measured slower there; the loop for models with buffers
+            (BatchNorm's in-place running statistics cannot be updated under ``vmap``) and
+            for tasks of different sizes.
         tasks: this rank's tasks.
         model: the network.
     """
@@ -164,4 +167,6 @@ def use_batched(batched: bool | None, tasks: Sequence[Task], model: nn.Module) -
         return True
     if why is not None or any(True for _ in model.buffers()):
         return False
-    return tasks[0].support.x.device.type == "cuda"
+    if tasks[0].support.x.device.type == "cuda":
+        return True
+    return not any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())

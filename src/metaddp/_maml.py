@@ -85,7 +85,7 @@ class MAML(nn.Module):
         first_order: drop second-order terms (first-order MAML).
         optimizer: a differentiable inner optimizer (``metaddp.sgd`` ...) replacing SGD.
         batched: run a rank's tasks stacked along a task dimension (``True``), one by one
-            (``False``), or choose by device (``None``: stacked on CUDA); same meta-gradient.
+            (``False``), or choose (``None``: by device and model, see ``use_batched``); same result.
     """
 
     def __init__(
