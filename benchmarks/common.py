@@ -280,7 +280,7 @@ def max_rel_diff(got: dict[str, Tensor], want: dict[str, Tensor]) -> float:
     return max(float((got[k].double() - want[k]).abs().max()) for k in want) / scale
 
 
-def time_round_robin(steps: dict[str, Step], repeats: int, warmup: int = 2) -> dict[str, list[float]]:
+def time_round_robin(steps: dict[str, Step], repeats: int, warmup: int = 1) -> dict[str, list[float]]:
     """Seconds per call of every step, interleaved: round r runs every implementation once.
 
     Interleaving spreads the load of anything else running on the machine over all rows
