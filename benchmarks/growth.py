@@ -2,8 +2,9 @@
 
 Time: median over ``--repeats`` rounds, implementations interleaved round-robin at every
 point. Memory: each (implementation, point) runs once in a fresh process, which reports its
-peak resident memory minus its resident memory just before the step (model, data and
-libraries already loaded): the memory the meta-step itself needed, graph included.
+peak resident memory during the step minus its resident memory just before it (model, data
+and libraries already loaded, the peak reset): the memory the meta-step itself needed,
+graph included, up to what the allocator reuses from the warm-up step.
 
     python benchmarks/growth.py --repeats 7 --json benchmarks/results/growth.json
 """
@@ -18,8 +19,10 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SINE, available, current_rss_mib, machine, median_ms, peak_rss_mib, time_round_robin  # noqa: E402
+from common import SINE, available, current_rss_mib, machine, median_ms, peak_rss_mib, reset_peak_rss, time_round_robin  # noqa: E402
 
 IMPLS = ["metaddp", "torch.func grad+vmap (hand-written)", "per-task autograd loop", "higher", "TorchOpt MetaSGD"]
 STEPS = (1, 2, 5, 10)
@@ -27,10 +30,17 @@ TASKS = (5, 25, 100)
 
 
 def one_memory(impl: str, steps: int, n_tasks: int) -> float:
-    """Run in a fresh process: peak extra resident MiB of one meta-step."""
-    case = dataclasses.replace(SINE, steps=steps, n_tasks=n_tasks)
+    """Run in a fresh process: peak extra resident MiB of one meta-step.
+
+    A meta-step of one task and one inner step first loads every library and kernel; then
+    the peak is reset (Linux ``/proc/self/clear_refs``) and the real step measured.
+    """
     impls, _ = available([impl])
+    tiny = dataclasses.replace(SINE, steps=1, n_tasks=1)
+    impls[impl](tiny, tiny.build(), tiny.tasks())()
+    case = dataclasses.replace(SINE, steps=steps, n_tasks=n_tasks)
     step = impls[impl](case, case.build(), case.tasks())
+    reset_peak_rss()
     before = current_rss_mib()
     step()
     return peak_rss_mib() - before
@@ -49,8 +59,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1: steadier on a machine shared with other work)")
     ap.add_argument("--one", nargs=3, metavar=("IMPL", "STEPS", "TASKS"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
     if args.one:
         print(one_memory(args.one[0], int(args.one[1]), int(args.one[2])))
         return 0

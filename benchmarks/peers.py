@@ -60,7 +60,10 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--cases", default="conv,sine")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1: steadier on a machine shared with other work)")
     args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
     cases = {"conv": CONV, "sine": SINE}
     out = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), machine=machine(),
                command="python " + " ".join(sys.argv), results=[])
