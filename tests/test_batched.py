@@ -179,3 +179,29 @@ def test_batched_across_world_sizes(dist_results, references):
             # Float64; the world size only regroups sums (see RTOL).
             assert loss == pytest.approx(loss_r, rel=RTOL), where
             assert rel_diff(grads, g_r) < RTOL, where
+
+
+class _DoubledTaskLoss(metaddp.MAML):
+    """A subclass with its own task loss: stacking MAML's loss would silently change it."""
+
+    def task_loss(self, task, loss_fn, *, reduce=metaddp._maml.identity_reduce):
+        return 2.0 * super().task_loss(task, loss_fn, reduce=reduce)
+
+
+def test_subclasses_with_their_own_task_loss_keep_the_loop():
+    problem = S.Problem(model="mlp", steps=2)
+    loss_ref, _ = reference_meta_grad(problem.build_model(), problem.tasks(), problem.loss_fn,
+                                      problem.inner_lr, problem.steps, problem.first_order)
+    m = _DoubledTaskLoss(problem.build_model(), problem.inner_lr, problem.steps)  # automatic choice
+    loss = float(m.meta_loss(problem.tasks(), problem.loss_fn, problem.n_tasks).detach())
+    assert loss == pytest.approx(2.0 * loss_ref, rel=RTOL)  # the subclass's loss, not MAML's
+    forced = _DoubledTaskLoss(problem.build_model(), problem.inner_lr, problem.steps, batched=True)
+    with pytest.raises(ValueError, match="overrides"):
+        forced.meta_loss(problem.tasks(), problem.loss_fn, problem.n_tasks)
+
+
+def test_batch_norm_models_keep_the_loop_automatically():
+    mlp = S.Problem(model="mlp")
+    bn = nn.Sequential(nn.Linear(1, 4), nn.BatchNorm1d(4, track_running_stats=False), nn.Linear(4, 1))
+    assert not any(True for _ in bn.buffers())
+    assert not use_batched(None, mlp.tasks(), bn)

@@ -149,8 +149,8 @@ def use_batched(batched: bool | None, tasks: Sequence[Task], model: nn.Module) -
             and on CPU for models without convolutions (a sinusoid MLP meta-step measured
             tens of times faster stacked); the loop on CPU for convolutional models, whose
             vmapped convolutions measured slower there; the loop for models with buffers
-            (BatchNorm's in-place running statistics cannot be updated under ``vmap``) and
-            for tasks of different sizes.
+            (BatchNorm's in-place running statistics cannot be updated under ``vmap``) or
+            any BatchNorm layer, and for tasks of different sizes.
         tasks: this rank's tasks.
         model: the network.
     """
@@ -166,6 +166,10 @@ def use_batched(batched: bool | None, tasks: Sequence[Task], model: nn.Module) -
             )
         return True
     if why is not None or any(True for _ in model.buffers()):
+        return False
+    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        # Batch statistics are per task under vmap, but a synchronised BatchNorm reduces them
+        # over ranks with a collective that vmap cannot batch: keep such models on the loop.
         return False
     if tasks[0].support.x.device.type == "cuda":
         return True

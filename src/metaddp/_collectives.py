@@ -182,7 +182,7 @@ class PendingSum:
             parts.append(torch.full((1,), tag, dtype=dtype, device=parts[0].device))
         flat = torch.cat(parts).to(device)
         if _strict:
-            _check_header(group, seq, flat.numel(), 1, what, device)
+            _check_header(group, seq, numel, 1, what, device)
         _record(flat.numel(), flat.numel() * flat.element_size())
         work = _guard(lambda: dist.all_reduce(flat, group=group, async_op=True), what)
         self._launched.append((idx, flat, work, tag, seq, numel))

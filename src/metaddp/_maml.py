@@ -135,7 +135,12 @@ class MAML(nn.Module):
         # then still gives every parameter a (zero) gradient, and the gradient sum over ranks
         # sees the same tensors everywhere.
         total = sum(p.sum() * 0.0 for p in self.parameters())
-        if use_batched(self.batched, tasks, self.model):
+        # Stacking reproduces MAML's own adapt + task_loss; a subclass overriding them loops.
+        own = type(self).task_loss is MAML.task_loss and type(self).adapt is MAML.adapt
+        if (own or self.batched) and use_batched(self.batched, tasks, self.model):
+            if not own:
+                raise ValueError(f"batched=True runs MAML's own task loss, which "
+                                 f"{type(self).__name__} overrides: use batched=None or False")
             return total + batched_meta_loss(
                 self.model, self.fast_weights(), tasks, loss_fn, n_tasks, steps=self.steps,
                 optimizer=self.optimizer, first_order=self.first_order, reduce=reduce)

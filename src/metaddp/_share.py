@@ -33,7 +33,6 @@ def share(per_sample: Tensor, n_global: int) -> Tensor:
     n_local = per_sample.shape[0]
     if n_local > n_global:
         raise ValueError(f"{n_local} local samples cannot be a share of {n_global} global ones")
-    # flatten(1), not reshape(n_local, -1): the latter is ambiguous for an empty shard.
     per = per_sample.flatten(1).mean(dim=1) if per_sample.dim() > 1 else per_sample
     return per.sum() / n_global
 
