@@ -205,3 +205,29 @@ def test_batch_norm_models_keep_the_loop_automatically():
     bn = nn.Sequential(nn.Linear(1, 4), nn.BatchNorm1d(4, track_running_stats=False), nn.Linear(4, 1))
     assert not any(True for _ in bn.buffers())
     assert not use_batched(None, mlp.tasks(), bn)
+
+
+def _normalized_sgd_with_counter(lr: float) -> metaddp.InnerOptimizer:
+    """Per-tensor normalised steps shrinking with a step counter: state with an int and a
+    tensor, and an update that is not elementwise (a norm over the whole tensor)."""
+
+    def init(params):
+        return {"t": 0, "last": {k: torch.zeros_like(p) for k, p in params.items()}}
+
+    def update(grads, state, params):
+        t = state["t"] + 1
+        ups = {k: -lr / t * g / (g.norm() + 1e-12) + 0.5 * state["last"][k] for k, g in grads.items()}
+        return ups, {"t": t, "last": ups}
+
+    return metaddp.InnerOptimizer(init, update)
+
+
+def test_optimizer_state_and_whole_tensor_updates_stay_per_task():
+    problem = S.Problem(model="mlp", steps=3)
+    out = {}
+    for batched in (True, False):
+        net = problem.build_model()
+        maml = metaddp.MAML(net, steps=3, optimizer=_normalized_sgd_with_counter(0.3), batched=batched)
+        maml.meta_loss(problem.tasks(), problem.loss_fn, problem.n_tasks).backward()
+        out[batched] = {n: p.grad.clone() for n, p in net.named_parameters()}
+    assert rel_diff(out[True], out[False]) < RTOL

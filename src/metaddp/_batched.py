@@ -24,10 +24,11 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._data import Batch, Task
 from ._functional import Params, call
-from ._inner import InnerOptimizer, apply_updates
+from ._inner import InnerOptimizer, State, apply_updates
 from ._share import share
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
@@ -76,6 +77,46 @@ def stacked_shares(
     return torch.vmap(one)(dict(params), x, y)
 
 
+_TENSOR = object()  # marks where a state's tensor leaves go back
+
+
+def per_task(optimizer: InnerOptimizer, n: int) -> InnerOptimizer:
+    """``optimizer`` applied to each task's row of stacked ``[n, *shape]`` weights.
+
+    ``update`` runs under ``torch.vmap``, so the optimizer sees one task's shapes: a
+    per-entry learning rate of the parameter's shape, a shape check, or a norm over a whole
+    tensor mean what they mean in the loop. Tensor leaves of the state get the task
+    dimension; other leaves (step counters) are shared, as they are equal for every task.
+    """
+
+    def init(params: Params) -> State:
+        # Every task starts from the same weights, so task 0's state is every task's.
+        state = optimizer.init({k: v[0] for k, v in params.items()})
+        leaves, spec = tree_flatten(state)
+        return tree_unflatten([l.unsqueeze(0).expand(n, *l.shape) if isinstance(l, Tensor) else l
+                               for l in leaves], spec)
+
+    def update(grads: Params, state: State, params: Params) -> tuple[Params, State]:
+        leaves, spec = tree_flatten(state)
+        tensor_leaves = [l for l in leaves if isinstance(l, Tensor)]
+        out: dict = {}
+
+        def one(g: Params, p: Params, ts: list[Tensor]):
+            it = iter(ts)
+            st = tree_unflatten([next(it) if isinstance(l, Tensor) else l for l in leaves], spec)
+            updates, new = optimizer.update(g, st, p)
+            new_leaves, out["spec"] = tree_flatten(new)
+            out["other"] = [_TENSOR if isinstance(l, Tensor) else l for l in new_leaves]
+            return updates, [l for l in new_leaves if isinstance(l, Tensor)]
+
+        updates, new_tensors = torch.vmap(one)(dict(grads), dict(params), tensor_leaves)
+        it = iter(new_tensors)
+        new = tree_unflatten([next(it) if l is _TENSOR else l for l in out["other"]], out["spec"])
+        return updates, new
+
+    return InnerOptimizer(init, update)
+
+
 def batched_meta_loss(
     model: nn.Module,
     params: Mapping[str, Tensor],
@@ -100,8 +141,7 @@ def batched_meta_loss(
         loss_fn: per-sample loss, ``reduction='none'``.
         n_tasks: tasks in the global meta-batch.
         steps: inner steps.
-        optimizer: differentiable inner optimizer; it sees stacked ``[T, ...]`` tensors, which
-            elementwise optimizers (SGD, per-parameter learning rates) handle unchanged.
+        optimizer: differentiable inner optimizer, applied to each task (:func:`per_task`).
         first_order: treat inner gradients as constants.
         reduce: differentiable SUM of the inner gradients over the ranks sharing the tasks'
             samples (identity on one process); called once per inner step for all tasks.
@@ -119,6 +159,7 @@ def batched_meta_loss(
     # expand() is a view: every task starts from the meta-parameters, and the gradient flowing
     # back through it into params[k] is the sum over tasks, as in the loop.
     fast: Params = {k: params[k].unsqueeze(0).expand(n_local, *params[k].shape) for k in names}
+    optimizer = per_task(optimizer, n_local)
     state = optimizer.init(fast)
     with torch.enable_grad():
         for step in range(steps):
