@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test verify clean
+.PHONY: demo test verify bench clean
 
 $(STAMP): pyproject.toml requirements-ci.txt
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,14 @@ verify: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The CPU benchmark set (BENCHMARKS.md): peers side by side, scaling, cost growth, plots.
+bench: $(STAMP)
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) benchmarks/peers.py --json benchmarks/results/peers.json
+	$(PY) benchmarks/scaling.py --json benchmarks/results/scaling.json
+	$(PY) benchmarks/growth.py --json benchmarks/results/growth.json
+	$(PY) benchmarks/plots.py benchmarks/results
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

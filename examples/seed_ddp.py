@@ -8,6 +8,8 @@ backward runs through tensors DDP has no hooks on, so each rank keeps its own sh
     python examples/seed_ddp.py
 """
 
+import gc
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -76,7 +78,14 @@ def train() -> float:
     net2 = get_updated_network(net, net2, 1)
     l2 = net2(data).mean()
     l2.backward()
-    return float(net.module.conv[0].weight.grad[0, 0])
+    grad2 = float(net.module.conv[0].weight.grad[0, 0])
+    # The recipe leaves net2's reducer waiting for a gradient reduction that never comes;
+    # release both modules on every rank before the process group goes away, or gloo can
+    # abort at exit ("terminate called without an active exception").
+    del net, net2
+    gc.collect()
+    dist.barrier()
+    return grad2
 
 
 if __name__ == "__main__":

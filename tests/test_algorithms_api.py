@@ -30,7 +30,7 @@ def fresh():
 
 def test_clone_adapt_equals_meta_loss_and_leaves_module_alone():
     tasks = problem_tasks()
-    m_a, m_b = MAML(fresh(), 0.1, 2), MAML(fresh(), 0.1, 2)
+    m_a, m_b = MAML(fresh(), 0.1, 2, batched=False), MAML(fresh(), 0.1, 2)
     before = {k: v.detach().clone() for k, v in m_b.model.named_parameters()}
     ref = m_a.meta_loss(tasks, mse, len(tasks))
     ref.backward()

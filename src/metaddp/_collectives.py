@@ -157,15 +157,21 @@ def _plan(tensors: Sequence[Tensor], bucket_bytes: int) -> list[list[int]]:
     return buckets
 
 
-def _reduce_sum(tensors: Sequence[Tensor], group: Group, bucket_bytes: int, what: str) -> list[Tensor]:
-    """SUM over ``group`` of each tensor; returns new tensors (inputs untouched). Not differentiable."""
-    tensors = list(tensors)
-    world = group_size(group)
-    if world == 1 or not tensors:
-        return [t.clone() for t in tensors]
-    device = comm_device(group)
-    launched = []
-    for idx in _plan(tensors, bucket_bytes):
+class PendingSum:
+    """SUM all-reduces launched asynchronously; :meth:`wait` returns the reduced tensors.
+
+    Made by :func:`launch_sum`. Until :meth:`wait`, the inputs may change freely: each bucket
+    was copied into its own flat buffer at launch.
+    """
+
+    def __init__(self, tensors: list[Tensor], group: Group, world: int, what: str) -> None:
+        self._tensors, self._group, self._world, self._what = tensors, group, world, what
+        self._launched: list[tuple] = []
+        self._out: list[Tensor] | None = None
+
+    def _launch(self, idx: list[int]) -> None:
+        tensors, group, what = self._tensors, self._group, self._what
+        device = comm_device(group)
         parts = [tensors[i].detach().reshape(-1) for i in idx]
         dtype = parts[0].dtype
         numel = sum(p.numel() for p in parts)
@@ -179,25 +185,60 @@ def _reduce_sum(tensors: Sequence[Tensor], group: Group, bucket_bytes: int, what
             _check_header(group, seq, numel, 1, what, device)
         _record(flat.numel(), flat.numel() * flat.element_size())
         work = _guard(lambda: dist.all_reduce(flat, group=group, async_op=True), what)
-        launched.append((idx, flat, work, tag, seq, numel))
-    out: list[Tensor | None] = [None] * len(tensors)
-    for idx, flat, work, tag, seq, numel in launched:
-        _guard(work.wait, what)
-        if tag is not None:
-            got = flat[-1].item()
-            if got != world * tag:
-                raise CollectiveError(
-                    f"ranks are out of step at {_describe(what, seq, numel)} on rank "
-                    f"{group_rank()}: the sequence tag summed to {got}, expected {world * tag}. "
-                    "Every rank must run the same collectives in the same order: check that "
-                    "inner-step counts and meta-batch layouts agree on all ranks."
-                )
-        offset = 0
-        for i in idx:
-            t = tensors[i]
-            out[i] = flat[offset : offset + t.numel()].view(t.shape).to(t.device)
-            offset += t.numel()
-    return out  # type: ignore[return-value]
+        self._launched.append((idx, flat, work, tag, seq, numel))
+
+    def wait(self) -> list[Tensor]:
+        """Wait for every bucket, check its tag, and return the sums (new tensors), in order."""
+        if self._out is not None:
+            return self._out
+        tensors, world = self._tensors, self._world
+        out: list[Tensor | None] = [None] * len(tensors)
+        for idx, flat, work, tag, seq, numel in self._launched:
+            _guard(work.wait, self._what)
+            if tag is not None:
+                got = flat[-1].item()
+                if got != world * tag:
+                    raise CollectiveError(
+                        f"ranks are out of step at {_describe(self._what, seq, numel)} on rank "
+                        f"{group_rank()}: the sequence tag summed to {got}, expected "
+                        f"{world * tag}. Every rank must run the same collectives in the same "
+                        "order: check that inner-step counts and meta-batch layouts agree on "
+                        "all ranks."
+                    )
+            offset = 0
+            for i in idx:
+                t = tensors[i]
+                out[i] = flat[offset : offset + t.numel()].view(t.shape).to(t.device)
+                offset += t.numel()
+        self._out = out  # type: ignore[assignment]
+        self._tensors = []
+        return self._out  # type: ignore[return-value]
+
+
+def launch_sum(
+    tensors: Sequence[Tensor], group: Group = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    what: str = "all-reduce",
+) -> PendingSum:
+    """Start the SUM over ``group`` of each tensor, bucketed, without waiting. Not differentiable.
+
+    Every bucket (at most ``bucket_bytes``, one dtype and device) is one asynchronous
+    all-reduce; the caller overlaps other work and then calls :meth:`PendingSum.wait`.
+    On one rank nothing is launched and ``wait`` returns clones.
+    """
+    tensors = list(tensors)
+    world = group_size(group)
+    pending = PendingSum(tensors, group, world, what)
+    if world == 1 or not tensors:
+        pending._out = [t.detach().clone() for t in tensors]
+        return pending
+    for idx in _plan(tensors, bucket_bytes):
+        pending._launch(idx)
+    return pending
+
+
+def _reduce_sum(tensors: Sequence[Tensor], group: Group, bucket_bytes: int, what: str) -> list[Tensor]:
+    """SUM over ``group`` of each tensor; returns new tensors (inputs untouched). Not differentiable."""
+    return launch_sum(tensors, group, bucket_bytes, what).wait()
 
 
 class _AllReduceSum(torch.autograd.Function):

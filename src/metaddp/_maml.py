@@ -17,6 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
+from ._batched import batched_meta_loss, use_batched
+from ._batched import batched_meta_loss, use_batched
 from ._data import Batch, Task
 from ._functional import Params, call, params_of
 from ._inner import InnerOptimizer, LearningRate, apply_updates, sgd
@@ -137,18 +139,21 @@ class MAML(nn.Module):
         learn_lr: train the inner learning rate in the outer loop: ``"scalar"``,
             ``"tensor"`` (one per parameter tensor) or ``"parameter"`` (one per entry, as
             Meta-SGD). The rates are parameters of this module, kept in :attr:`lr`.
+        batched: run a rank's tasks stacked along a task dimension (``True``), one by one
+            (``False``), or choose (``None``: by device and model, see ``use_batched``); same result.
     """
 
     def __init__(
         self, model: nn.Module, inner_lr: float = 0.01, steps: int = 1,
         first_order: bool = False, optimizer: InnerOptimizer | OptimizerFactory | None = None,
-        learn_lr: str | None = None,
+        learn_lr: str | None = None, batched: bool | None = None,
     ) -> None:
         super().__init__()
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
         self.model = model
         self.inner_lr, self.steps, self.first_order = inner_lr, steps, first_order
+        self.batched = batched
         self.lr: LearnedLR | None = None
         if learn_lr is not None:
             if isinstance(optimizer, InnerOptimizer):
@@ -208,6 +213,15 @@ class MAML(nn.Module):
         # then still gives every parameter a (zero) gradient, and the gradient sum over ranks
         # sees the same tensors everywhere.
         total = sum(p.sum() * 0.0 for p in self.parameters())
+        # Stacking reproduces MAML's own adapt + task_loss; a subclass overriding them loops.
+        own = type(self).task_loss is MAML.task_loss and type(self).adapt is MAML.adapt
+        if (own or self.batched) and use_batched(self.batched, tasks, self.model):
+            if not own:
+                raise ValueError(f"batched=True runs MAML's own task loss, which "
+                                 f"{type(self).__name__} overrides: use batched=None or False")
+            return total + batched_meta_loss(
+                self.model, self.fast_weights(), tasks, loss_fn, n_tasks, steps=self.steps,
+                optimizer=self.inner_optimizer(), first_order=self.first_order, reduce=reduce)
         for task in tasks:
             total = total + self.task_loss(task, loss_fn, reduce=reduce)
         return total / n_tasks

@@ -5,16 +5,23 @@ size, and cannot be differentiated through. Here the module runs untouched; the 
 reductions are differentiable collectives the algorithm calls through :attr:`reduce`; and
 after the outer backward :meth:`sync_grads` SUM-reduces every leaf's ``.grad``. Because every
 rank's loss is its share of the global mean, that sum *is* the global meta-gradient.
+With ``overlap`` (the default on more than one rank) that sum starts during the outer backward,
+one bucket as soon as its gradients are final (:class:`metaddp._overlap.GradReducer`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ._collectives import DEFAULT_BUCKET_BYTES, all_reduce_sum, all_reduce_sum_, broadcast_, max_abs_difference
+from ._collectives import (
+    DEFAULT_BUCKET_BYTES, all_reduce_sum, all_reduce_sum_, broadcast_, group_size, max_abs_difference,
+)
+from ._overlap import GradReducer
 from ._world import Mesh
 
 
@@ -30,11 +37,15 @@ class MetaDDP(nn.Module):
         allow_unused: leave ``.grad`` as ``None`` for a parameter that got no gradient on any
             rank, instead of raising.
         bucket_bytes: size of the flattened buckets each collective moves.
+        overlap: start each bucket's gradient all-reduce during the outer backward, as soon as
+            its gradients are final, and only wait for them in :meth:`sync_grads`. Then
+            backward() must run once per sync_grads() (accumulate inside :meth:`no_sync`).
     """
 
     def __init__(
         self, module: nn.Module, mesh: Mesh | None = None, *, broadcast: bool = True,
         allow_unused: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        overlap: bool = True,
     ) -> None:
         super().__init__()
         if isinstance(module, (DistributedDataParallel, nn.DataParallel)):
@@ -54,6 +65,12 @@ class MetaDDP(nn.Module):
             broadcast_(state, src=0, group=self.mesh.group)
         else:
             self.check_in_sync()
+        # Hooks only where there is something to overlap with: on one rank the sum is a copy.
+        self._reducer: GradReducer | None = None
+        if overlap and group_size(self.mesh.group) > 1:
+            trained = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+            if trained:
+                self._reducer = GradReducer(trained, self.mesh.group, bucket_bytes)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -63,6 +80,16 @@ class MetaDDP(nn.Module):
         """Differentiable SUM over the ranks that share a task's samples (for the inner loop)."""
         return functools.partial(all_reduce_sum, group=self.mesh.sample_group,
                                  bucket_bytes=self.bucket_bytes)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally; the next one outside, followed
+        by :meth:`sync_grads`, sums the accumulated gradients (as ``DDP.no_sync``)."""
+        if self._reducer is None:
+            yield
+            return
+        with self._reducer.paused():
+            yield
 
     def check_in_sync(self) -> None:
         """Raise if any parameter or buffer differs between ranks (one collective)."""
@@ -84,6 +111,11 @@ class MetaDDP(nn.Module):
         no gradient on some ranks counts as zero there; one with no gradient on any rank is
         an error unless ``allow_unused``.
         """
+        if self._reducer is not None:
+            missing = self._reducer.finish()
+            self._check_trained_unchanged()
+            self._raise_missing(missing)
+            return
         params = [p for p in self.module.parameters() if p.requires_grad]
         if not params:
             return
@@ -93,6 +125,22 @@ class MetaDDP(nn.Module):
         all_reduce_sum_(grads + [flags], group=self.mesh.group, bucket_bytes=self.bucket_bytes)
         names = {id(p): n for n, p in self.module.named_parameters()}
         missing = [names[id(p)] for p, f in zip(params, flags.tolist()) if f == 0]
+        self._raise_missing(missing)
+        for p, g, f in zip(params, grads, flags.tolist()):
+            if f > 0:
+                p.grad = g
+
+    def _check_trained_unchanged(self) -> None:
+        assert self._reducer is not None
+        now = [p for p in self.module.parameters() if p.requires_grad]
+        if len(now) != len(self._reducer.params) or any(a is not b for a, b in zip(now, self._reducer.params)):
+            raise ValueError(
+                "the set of trained parameters (requires_grad=True) changed after MetaDDP was "
+                "built; freeze or add parameters before wrapping the module, or build MetaDDP "
+                "with overlap=False."
+            )
+
+    def _raise_missing(self, missing: list[str]) -> None:
         if missing and not self.allow_unused:
             raise ValueError(
                 "no rank produced a gradient for: " + ", ".join(missing[:5])
@@ -101,6 +149,3 @@ class MetaDDP(nn.Module):
                 "are not meant to train, set requires_grad=False or build MetaDDP with "
                 "allow_unused=True."
             )
-        for p, g, f in zip(params, grads, flags.tolist()):
-            if f > 0:
-                p.grad = g

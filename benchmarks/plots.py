@@ -1,0 +1,85 @@
+"""PNG plots from the JSON the benchmark scripts wrote (matplotlib, no display needed).
+
+    python benchmarks/plots.py benchmarks/results
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def growth(results: Path) -> Path | None:
+    src = results / "growth.json"
+    if not src.exists():
+        return None
+    data = json.loads(src.read_text())
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
+    impls = sorted({r["impl"] for r in data["rows"]})
+    for impl in impls:
+        rows = sorted((r for r in data["rows"] if r["impl"] == impl and r["axis"] == "steps"),
+                      key=lambda r: r["value"])
+        xs = [r["value"] for r in rows]
+        ax_t.plot(xs, [r["median_ms"] for r in rows], marker="o", label=impl)
+        ax_m.plot(xs, [r["peak_extra_mib"] or float("nan") for r in rows], marker="o", label=impl)
+    for ax, label in ((ax_t, "median ms per meta-step"), (ax_m, "peak extra resident MiB")):
+        ax.set_xlabel("inner steps")
+        ax.set_ylabel(label)
+        ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+    ax_t.legend(fontsize=7)
+    fig.suptitle(f"{data['case']}, second order; {data['date']}", fontsize=9)
+    fig.tight_layout()
+    out = results / "growth_steps.png"
+    fig.savefig(out, dpi=110)
+    return out
+
+
+def scaling(results: Path) -> Path | None:
+    src = results / "scaling.json"
+    if not src.exists():
+        return None
+    data = json.loads(src.read_text())
+    fig, ax = plt.subplots(figsize=(8, 4))
+    groups = []
+    for r in data["rows"]:
+        key = (r["case"].split(",")[0], r["layout"])
+        if key not in groups:
+            groups.append(key)
+    configs = [(1, 1), (1, 2), (2, 1)]
+    width = 0.25
+    for j, (nproc, threads) in enumerate(configs):
+        vals = []
+        for case, layout in groups:
+            match = [r for r in data["rows"] if r["case"].startswith(case) and r["layout"] == layout
+                     and r["nproc"] == nproc and r["threads"] == threads]
+            vals.append(match[0]["throughput_vs_1x1"] if match else 0.0)
+        ax.bar([i + (j - 1) * width for i in range(len(groups))], vals, width,
+               label=f"{nproc} process(es) x {threads} thread(s)")
+    ax.axhline(1.6, color="gray", linestyle="--", linewidth=1, label="target 1.6x")
+    ax.set_xticks(range(len(groups)), [f"{c}\n{layout}-parallel" for c, layout in groups], fontsize=8)
+    ax.set_ylabel("throughput vs 1 process x 1 thread")
+    ax.legend(fontsize=7)
+    ax.set_title(f"gloo on CPU, fixed global meta-batch; {data['date']}", fontsize=9)
+    fig.tight_layout()
+    out = results / "scaling.png"
+    fig.savefig(out, dpi=110)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    results = Path(argv[0]) if argv else Path(__file__).resolve().parent / "results"
+    for made in (growth(results), scaling(results)):
+        if made:
+            print(made)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

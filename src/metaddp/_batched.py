@@ -1,0 +1,217 @@
+"""MAML over a whole meta-batch at once: fast weights stacked along a leading task dimension.
+
+The per-task loop runs ``T`` small forwards and ``T`` inner ``autograd.grad`` calls per inner
+step. Here the fast weights of the ``T`` tasks are one tensor per parameter, of shape
+``[T, *shape]``; the forward is ``torch.vmap`` of :func:`metaddp.call` over tasks; and one
+``autograd.grad`` of the *sum* of the per-task support shares gives every task's inner
+gradient at once. That is exact, not an approximation: task ``t``'s share depends only on
+row ``t`` of the stacked weights, so
+
+    d(sum_u share_u) / d W[t] = d share_t / d W[t],
+
+the same per-task gradient the loop computes (with ``create_graph=True`` the second-order
+terms are kept too). The sample-axis ``reduce`` then runs once per inner step on the stacked
+gradients of all tasks, instead of once per task. Rows are independent, so a SUM over ranks
+of the stacked gradients is each task's SUM.
+
+Finn, Abbeel & Levine, "Model-Agnostic Meta-Learning", ICML 2017, arXiv:1703.03400.
+``torch.vmap``: https://pytorch.org/docs/stable/generated/torch.vmap.html
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ._data import Batch, Task
+from ._functional import Params, call
+from ._inner import InnerOptimizer, State, apply_updates
+from ._share import share
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+Reduce = Callable[[list[Tensor]], list[Tensor]]
+
+
+def _signature(batch: Batch) -> tuple:
+    return (tuple(batch.x.shape), batch.x.dtype, tuple(batch.y.shape), batch.y.dtype, batch.n)
+
+
+def batchable(tasks: Sequence[Task]) -> str | None:
+    """``None`` when ``tasks`` can be stacked along a task dimension, else the reason why not.
+
+    Stacking needs every task's local support shard to have one shape, dtype and global size,
+    and likewise every query shard (true whenever the global tasks share their sizes).
+    """
+    if not tasks:
+        return "there are no tasks"
+    s0, q0 = _signature(tasks[0].support), _signature(tasks[0].query)
+    for i, t in enumerate(tasks[1:], 1):
+        if _signature(t.support) != s0:
+            return f"task {i}'s support shard {_signature(t.support)} differs from task 0's {s0}"
+        if _signature(t.query) != q0:
+            return f"task {i}'s query shard {_signature(t.query)} differs from task 0's {q0}"
+    return None
+
+
+def _stack(batches: Sequence[Batch]) -> tuple[Tensor, Tensor, int]:
+    return torch.stack([b.x for b in batches]), torch.stack([b.y for b in batches]), batches[0].n
+
+
+def stacked_shares(
+    model: nn.Module, params: Mapping[str, Tensor], x: Tensor, y: Tensor, n: int,
+    loss_fn: LossFn, buffers: Mapping[str, Tensor] | None = None,
+) -> Tensor:
+    """Per-task shares ``[T]`` of stacked weights ``params[k]: [T, ...]`` on ``x: [T, n_local, ...]``.
+
+    Returns:
+        ``out[t] = sum_i loss(f(W[t], x[t, i]), y[t, i]) / n`` (this rank's share of task t's
+        mean over its ``n`` global samples).
+    """
+
+    def one(p: Mapping[str, Tensor], xt: Tensor, yt: Tensor) -> Tensor:
+        return share(loss_fn(call(model, p, xt, buffers=buffers), yt), n)
+
+    return torch.vmap(one)(dict(params), x, y)
+
+
+_TENSOR = object()  # marks where a state's tensor leaves go back
+
+
+def per_task(optimizer: InnerOptimizer, n: int) -> InnerOptimizer:
+    """``optimizer`` applied to each task's row of stacked ``[n, *shape]`` weights.
+
+    ``update`` runs under ``torch.vmap``, so the optimizer sees one task's shapes: a
+    per-entry learning rate of the parameter's shape, a shape check, or a norm over a whole
+    tensor mean what they mean in the loop. Tensor leaves of the state get the task
+    dimension; other leaves (step counters) are shared, as they are equal for every task.
+    """
+
+    def init(params: Params) -> State:
+        # Every task starts from the same weights, so task 0's state is every task's.
+        state = optimizer.init({k: v[0] for k, v in params.items()})
+        leaves, spec = tree_flatten(state)
+        return tree_unflatten([l.unsqueeze(0).expand(n, *l.shape) if isinstance(l, Tensor) else l
+                               for l in leaves], spec)
+
+    def update(grads: Params, state: State, params: Params) -> tuple[Params, State]:
+        leaves, spec = tree_flatten(state)
+        tensor_leaves = [l for l in leaves if isinstance(l, Tensor)]
+        out: dict = {}
+
+        def one(g: Params, p: Params, ts: list[Tensor]):
+            it = iter(ts)
+            st = tree_unflatten([next(it) if isinstance(l, Tensor) else l for l in leaves], spec)
+            updates, new = optimizer.update(g, st, p)
+            new_leaves, out["spec"] = tree_flatten(new)
+            out["other"] = [_TENSOR if isinstance(l, Tensor) else l for l in new_leaves]
+            return updates, [l for l in new_leaves if isinstance(l, Tensor)]
+
+        updates, new_tensors = torch.vmap(one)(dict(grads), dict(params), tensor_leaves)
+        it = iter(new_tensors)
+        new = tree_unflatten([next(it) if l is _TENSOR else l for l in out["other"]], out["spec"])
+        return updates, new
+
+    return InnerOptimizer(init, update)
+
+
+def batched_meta_loss(
+    model: nn.Module,
+    params: Mapping[str, Tensor],
+    tasks: Sequence[Task],
+    loss_fn: LossFn,
+    n_tasks: int,
+    *,
+    steps: int,
+    optimizer: InnerOptimizer,
+    first_order: bool = False,
+    reduce: Reduce,
+) -> Tensor:
+    """Sum over ``tasks`` of their query shares after ``steps`` inner steps, divided by ``n_tasks``.
+
+    The same value and the same meta-gradient as adapting each task in a loop
+    (:func:`metaddp.inner_loop` then a query share), computed with the tasks stacked.
+
+    Args:
+        model: the network, evaluated functionally (never mutated).
+        params: the meta-parameters (the weights every task starts from).
+        tasks: this rank's tasks; :func:`batchable` must accept them.
+        loss_fn: per-sample loss, ``reduction='none'``.
+        n_tasks: tasks in the global meta-batch.
+        steps: inner steps.
+        optimizer: differentiable inner optimizer, applied to each task (:func:`per_task`).
+        first_order: treat inner gradients as constants.
+        reduce: differentiable SUM of the inner gradients over the ranks sharing the tasks'
+            samples (identity on one process); called once per inner step for all tasks.
+
+    Returns:
+        A scalar: this rank's share of the meta-batch's mean query loss.
+    """
+    why = batchable(tasks)
+    if why is not None:
+        raise ValueError(f"cannot stack these tasks along a task dimension: {why}")
+    names = list(params)
+    n_local = len(tasks)
+    sx, sy, sn = _stack([t.support for t in tasks])
+    qx, qy, qn = _stack([t.query for t in tasks])
+    # expand() is a view: every task starts from the meta-parameters, and the gradient flowing
+    # back through it into params[k] is the sum over tasks, as in the loop.
+    fast: Params = {k: params[k].unsqueeze(0).expand(n_local, *params[k].shape) for k in names}
+    optimizer = per_task(optimizer, n_local)
+    state = optimizer.init(fast)
+    with torch.enable_grad():
+        for step in range(steps):
+            total = stacked_shares(model, fast, sx, sy, sn, loss_fn).sum()
+            grads = torch.autograd.grad(
+                total, [fast[k] for k in names], create_graph=not first_order,
+                allow_unused=True, materialize_grads=True,
+            )
+            grads = reduce(list(grads))
+            for k, g in zip(names, grads):
+                if not torch.isfinite(g).all():
+                    raise FloatingPointError(
+                        f"inner step {step}: the gradient of {k!r} is not finite; lower the "
+                        "inner learning rate or check the support data"
+                    )
+            updates, state = optimizer.update(dict(zip(names, grads)), state, fast)
+            fast = apply_updates(fast, updates)
+        return stacked_shares(model, fast, qx, qy, qn, loss_fn).sum() / n_tasks
+
+
+def use_batched(batched: bool | None, tasks: Sequence[Task], model: nn.Module) -> bool:
+    """Whether to run ``tasks`` stacked (:func:`batched_meta_loss`) or one by one.
+
+    Args:
+        batched: ``True`` forces stacking (an error if the tasks cannot be stacked),
+            ``False`` forces the loop, ``None`` chooses by measurement (BENCHMARKS.md):
+            stacked on CUDA, where one batched kernel replaces many launch-bound small ones,
+            and on CPU for models without convolutions (a sinusoid MLP meta-step measured
+            tens of times faster stacked); the loop on CPU for convolutional models, whose
+            vmapped convolutions measured slower there; the loop for models with buffers
+            (BatchNorm's in-place running statistics cannot be updated under ``vmap``) or
+            any BatchNorm layer, and for tasks of different sizes.
+        tasks: this rank's tasks.
+        model: the network.
+    """
+    if batched is False or not tasks:
+        return False
+    why = batchable(tasks)
+    if batched:
+        if why is not None:
+            raise ValueError(
+                f"batched=True, but these tasks cannot be stacked along a task dimension: {why}. "
+                "Give every task the same support and query sizes, or use batched=None to fall "
+                "back to the per-task loop automatically."
+            )
+        return True
+    if why is not None or any(True for _ in model.buffers()):
+        return False
+    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        # Batch statistics are per task under vmap, but a synchronised BatchNorm reduces them
+        # over ranks with a collective that vmap cannot batch: keep such models on the loop.
+        return False
+    if tasks[0].support.x.device.type == "cuda":
+        return True
+    return not any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())

@@ -1,0 +1,173 @@
+"""Leaf-gradient SUM all-reduces that start during the backward pass, bucket by bucket.
+
+Parameters are grouped into buckets of at most ``bucket_bytes``, in reverse registration order
+(the order a backward pass usually finishes them, as in DDP). A hook on every parameter
+(``Tensor.register_post_accumulate_grad_hook``) fires once its ``.grad`` is final for this
+backward; when every parameter of a bucket is final the bucket's all-reduce is launched
+asynchronously, while autograd keeps working on the rest of the graph. :meth:`finish` launches
+what is left (parameters that got no gradient on this rank count as zero), waits, and writes
+the sums back.
+
+Buckets are launched strictly in bucket order, so that every rank issues the same collectives
+in the same order even when a parameter has a gradient on some ranks and not on others: a
+bucket waiting for such a parameter holds back the later ones until :meth:`finish`.
+
+Each bucket carries one has-gradient flag per parameter; after the SUM a zero flag means no
+rank produced a gradient for that parameter.
+
+Launching early is only right when every rank runs one backward pass per :meth:`finish`: a
+second pass would change gradients already on their way. Code that calls ``backward()`` once
+per task (the learn2learn style) accumulates instead. So every bucket also carries a
+"single pass" vote about the previous step: each rank votes 1 if no gradient of that step
+was accumulated twice. Buckets launch early only after two consecutive steps in which every
+rank voted 1 (an agreement all ranks see alike, from the same sums); until then, and for
+good once any rank accumulates, everything launches in :meth:`finish`. A rank that
+accumulates after early launching has begun gets a clear error instead of stale sums.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ._collectives import DEFAULT_BUCKET_BYTES, Group, PendingSum, _plan, group_size, launch_sum
+
+# One launch_sum call per bucket must be exactly one collective: a bucket is already at most
+# bucket_bytes, so it is never split again.
+_ONE_BUCKET = 2**62
+
+
+class GradReducer:
+    """SUM of ``params``' ``.grad`` over ``group``, overlapped with the backward that makes them.
+
+    Args:
+        params: ``(name, parameter)`` pairs, the parameters whose gradients are summed.
+        group: the process group to sum over.
+        bucket_bytes: the largest bucket (gradients plus flags) one collective moves.
+    """
+
+    def __init__(self, params: Sequence[tuple[str, nn.Parameter]], group: Group = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        self.names = [n for n, _ in params]
+        self.params = [p for _, p in params]
+        self.group = group
+        order = list(range(len(self.params)))[::-1]
+        plan = _plan([self.params[i] for i in order], bucket_bytes)
+        self.buckets: list[list[int]] = [[order[j] for j in b] for b in plan]
+        self.bucket_of = {i: b for b, members in enumerate(self.buckets) for i in members}
+        self.enabled = True
+        self.early = False  # launch during backward (agreed by all ranks, see the module doc)
+        # Consecutive steps in which every rank voted "single pass"; -1: the first step's
+        # votes carry no evidence (there was no previous step).
+        self._agreed_single = -1
+        self._my_vote = 1.0  # this rank's vote about its last step
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook(i))
+                         for i, p in enumerate(self.params)]
+        self._reset()
+
+    def _reset(self) -> None:
+        self._ready: list[set[int]] = [set() for _ in self.buckets]
+        self._pending: list[PendingSum | None] = [None] * len(self.buckets)
+        self._next = 0
+        self._stale: list[str] = []
+        self._fired: set[int] = set()
+        self._repeated = False
+
+    def remove(self) -> None:
+        """Detach the hooks (the reducer does nothing afterwards)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Let gradients accumulate locally (several backward passes) without launching."""
+        before, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = before
+
+    def _hook(self, i: int):
+        def hook(p: Tensor) -> None:
+            if not self.enabled:
+                return
+            if i in self._fired:
+                self._repeated = True
+            self._fired.add(i)
+            if not self.early:
+                return
+            b = self.bucket_of[i]
+            if self._pending[b] is not None:
+                # A second backward changed a gradient that is already on its way.
+                self._stale.append(self.names[i])
+                return
+            self._ready[b].add(i)
+            self._launch_ready()
+
+        return hook
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and len(self._ready[self._next]) == len(self.buckets[self._next]):
+            self._launch(self._next)
+
+    def _launch(self, b: int) -> None:
+        members = [self.params[i] for i in self.buckets[b]]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in members]
+        flags = torch.tensor([float(p.grad is not None) for p in members] + [self._my_vote],
+                             dtype=members[0].dtype, device=members[0].device)
+        self._pending[b] = launch_sum(grads + [flags], self.group, _ONE_BUCKET, "gradient all-reduce")
+        self._next = b + 1
+
+    def finish(self) -> list[str]:
+        """Launch the remaining buckets, wait for all, write the sums into ``.grad``.
+
+        Returns:
+            The names of the parameters no rank produced a gradient for (their ``.grad`` is
+            left as it was, ``None``).
+
+        Raises:
+            RuntimeError: a gradient changed after its bucket was launched (two backward
+                passes before one :meth:`finish` without :meth:`paused`).
+        """
+        try:
+            while self._next < len(self.buckets):
+                self._launch(self._next)
+            missing: list[str] = []
+            votes = []
+            for b, pending in enumerate(self._pending):
+                assert pending is not None
+                sums = pending.wait()
+                members = self.buckets[b]
+                flags = sums[-1].tolist()
+                votes.append(flags.pop())
+                with torch.no_grad():
+                    for i, g, f in zip(members, sums, flags):
+                        p = self.params[i]
+                        if f == 0:
+                            missing.append(self.names[i])
+                        elif p.grad is None:
+                            p.grad = g
+                        else:
+                            p.grad.copy_(g)
+            stale = self._stale
+            # Every bucket carried the same votes, so every rank reads the same total.
+            world = group_size(self.group)
+            everyone_single = bool(votes) and votes[0] == world
+            self._agreed_single = self._agreed_single + 1 if everyone_single else -(2**30)
+            self.early = self._agreed_single >= 2
+            self._my_vote = 0.0 if (self._repeated or stale) else 1.0
+        finally:
+            self._reset()
+        if stale:
+            raise RuntimeError(
+                f"the gradient of {stale[0]!r} changed after its all-reduce had started: "
+                "backward() ran more than once before sync_grads(), after earlier steps ran it "
+                "once on every rank (so gradient sums had started during the backward). Run "
+                "all but the last backward inside `with model.no_sync():`, or build MetaDDP "
+                "with overlap=False. Later steps no longer start sums early."
+            )
+        return missing
