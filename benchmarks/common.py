@@ -343,3 +343,21 @@ def machine() -> str:
         pass
     return (f"{cpu}, {os.cpu_count()} logical cores, torch {torch.__version__}, "
             f"{torch.get_num_threads()} threads, Python {platform.python_version()}")
+
+
+def run_record(**fields) -> dict:
+    """A result record stamped with the date, the machine and the command that made it."""
+    import sys
+
+    return dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), machine=machine(),
+                command="python " + " ".join(sys.argv), **fields)
+
+
+def save_json(path, record: dict) -> None:
+    """Write ``record`` to ``path`` (if given), creating its folder."""
+    import json
+
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1))

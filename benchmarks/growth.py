@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SINE, available, current_rss_mib, machine, median_ms, peak_rss_mib, reset_peak_rss, time_round_robin  # noqa: E402
+from common import run_record, save_json, SINE, available, current_rss_mib, median_ms, peak_rss_mib, reset_peak_rss, time_round_robin  # noqa: E402
 
 IMPLS = ["metaddp", "torch.func grad+vmap (hand-written)", "per-task autograd loop", "higher", "TorchOpt MetaSGD"]
 STEPS = (1, 2, 5, 10)
@@ -81,11 +79,8 @@ def main(argv=None) -> int:
             rows.append(row)
             print(f"{axis}={value:<4d} {name:40s} {row['median_ms']:9.1f} ms  "
                   f"{row['peak_extra_mib'] if row['peak_extra_mib'] is not None else float('nan'):7.1f} MiB", flush=True)
-    out = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), machine=machine(),
-               command="python " + " ".join(sys.argv), case=SINE.name, rows=rows, skipped=skipped)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=1))
+    out = run_record(case=SINE.name, rows=rows, skipped=skipped)
+    save_json(args.json, out)
     return 0
 
 

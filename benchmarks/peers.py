@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from metaddp._batched import use_batched  # noqa: E402
-from common import CONV, IMPLEMENTATIONS, SINE, available, machine, max_rel_diff, median_ms, reference_grads, time_round_robin  # noqa: E402
+from common import run_record, save_json, CONV, IMPLEMENTATIONS, SINE, available, max_rel_diff, median_ms, reference_grads, time_round_robin  # noqa: E402
 
 
 def run_case(case, repeats: int) -> dict:
@@ -65,16 +63,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     cases = {"conv": CONV, "sine": SINE}
-    out = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), machine=machine(),
-               command="python " + " ".join(sys.argv), results=[])
+    out = run_record(results=[])
     for key in args.cases.split(","):
         res = run_case(cases[key], args.repeats)
         out["results"].append(res)
         print(markdown(res), end="\n\n", flush=True)
     print(f"{out['date']}; {out['machine']}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=1))
+    save_json(args.json, out)
     return 0
 
 

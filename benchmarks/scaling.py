@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -24,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import metaddp  # noqa: E402
-from common import CONV, SINE, Case, machine, peak_rss_mib  # noqa: E402
+from common import run_record, save_json, CONV, SINE, Case, peak_rss_mib  # noqa: E402
 from metaddp.launch import run_local  # noqa: E402
 
 
@@ -78,11 +77,8 @@ def main(argv=None) -> int:
                 print(f"{case.name:38s} {layout:6s} {nproc}x{threads} thr  {1e3 * r['median_s']:8.1f} ms  "
                       f"x{base / r['median_s']:.2f}  {r['bytes']:>10d} B (min {r['min_bytes']}) "
                       f"{r['calls']} calls  peak {r['peak_rss_mib']:.0f} MiB", flush=True)
-    out = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), machine=machine(),
-               command="python " + " ".join(sys.argv), rows=rows)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=1))
+    out = run_record(rows=rows)
+    save_json(args.json, out)
     return 0
 
 
