@@ -155,6 +155,18 @@ def reference(p: S.Problem) -> dict[str, torch.Tensor]:
     raise AssertionError(a)
 
 
+
+def unrolled_maml(p: S.Problem, theta, loss) -> tuple[torch.Tensor, ...]:
+    """Second-order MAML meta-gradient w.r.t. ``theta`` with ``loss(params, batch)``."""
+    total = 0.0
+    for t in p.tasks():
+        fast = theta
+        for _ in range(p.steps):
+            g = torch.autograd.grad(loss(fast, t.support), fast, create_graph=True)
+            fast = [f - p.inner_lr * gi for f, gi in zip(fast, g)]
+        total = total + loss(fast, t.query)
+    return torch.autograd.grad(total / p.n_tasks, theta)
+
 def reference_bn(p: S.Problem) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """MAML on the BatchNorm conv model, PyTorch's BatchNorm on each whole batch."""
     net = p.build_model().train()
@@ -165,14 +177,7 @@ def reference_bn(p: S.Problem) -> tuple[dict[str, torch.Tensor], dict[str, torch
         out = torch.func.functional_call(net, dict(zip(names, params)), (b.x,))
         return F.cross_entropy(out, b.y)
 
-    total = 0.0
-    for t in p.tasks():
-        fast = theta
-        for _ in range(p.steps):
-            g = torch.autograd.grad(loss(fast, t.support), fast, create_graph=True)
-            fast = [f - p.inner_lr * gi for f, gi in zip(fast, g)]
-        total = total + loss(fast, t.query)
-    grads = torch.autograd.grad(total / p.n_tasks, theta)
+    grads = unrolled_maml(p, theta, loss)
     bufs = {k: b.detach().clone() for k, b in net.named_buffers()}
     return dict(zip(names, grads)), bufs
 
@@ -233,14 +238,7 @@ def half_batch_statistics(p: S.Problem) -> dict[str, torch.Tensor]:
                  for x in (b.x[:m], b.x[m:])]
         return F.cross_entropy(torch.cat(parts), b.y)
 
-    total = 0.0
-    for t in p.tasks():
-        fast = theta
-        for _ in range(p.steps):
-            g = torch.autograd.grad(loss(fast, t.support), fast, create_graph=True)
-            fast = [f - p.inner_lr * gi for f, gi in zip(fast, g)]
-        total = total + loss(fast, t.query)
-    return dict(zip(names, torch.autograd.grad(total / p.n_tasks, theta)))
+    return dict(zip(names, unrolled_maml(p, theta, loss)))
 
 
 def test_clone_adapt_on_many_ranks_matches_single_process(results):
