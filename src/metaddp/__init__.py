@@ -1,41 +1,36 @@
-"""metaddp: exact meta-gradients on torch.distributed, whatever the number of ranks.
+"""metaddp: exact meta-gradients on torch.distributed, whatever the number of processes.
 
-Every rank computes its *share* of each global mean loss; inner-loop gradients pass through a
-differentiable SUM all-reduce; meta-gradients are SUM-reduced. The result is the meta-gradient
-one process would compute on the whole meta-batch, first or second order.
+Every process computes its *share* of each global mean loss; inner-loop gradients pass through
+a differentiable SUM all-reduce; meta-gradients are SUM-reduced. The result is the
+meta-gradient one process would compute on the whole meta-batch, first or second order.
+
+The layers, bottom up: the core (``Batch``, ``share``, ``call``, the inner step) and
+``metaddp.inner`` (differentiable inner optimizers); ``metaddp.algorithms`` (MAML and its
+family, over a ``reduce`` function) beside ``metaddp.distributed`` (collectives, mesh, the
+``MetaDDP`` wrapper); ``metaddp.tasks``, ``metaddp.train`` and ``metaddp.cli`` on top.
 """
 
-from ._collectives import (
-    CollectiveError,
-    CollectiveStats,
-    all_reduce_counts,
-    all_reduce_sum,
-    counting,
-    set_strict,
-)
-from ._data import Batch, ShardSampler, Task, generator_for, seed_for, shard, shard_range
+from ._adapt import batch_share, grad, inner_loop, inner_step
+from ._data import Batch, MetaBatch, ShardSampler, Task, generator_for, seed_for, shard, shard_range
 from ._functional import buffers_of, call, params_of
-from ._anil import ANIL
-from ._batchnorm import sync_batchnorm
-from ._imaml import IMAML, ConvergenceWarning, conjugate_gradient
-from ._inner import InnerOptimizer, adam, apply_updates, sgd
-from ._learned_lr import LearnedLR
-from ._learner import Learner
-from ._maml import MAML, batch_share, inner_loop
-from ._metasgd import MetaSGD
-from ._reptile import Reptile
-from ._share import global_count, global_value, share
-from ._world import Mesh, init, rank, shutdown, world_size
-from ._wrapper import MetaDDP
+from ._share import share
+from ._types import LossFn, MetaAlgorithm, Params, Reduce, identity_reduce
+from .algorithms import (ANIL, IMAML, MAML, ConvergenceWarning, Learner, MetaSGD, Reptile,
+                         conjugate_gradient)
+from .distributed import (CollectiveError, CollectiveStats, Mesh, MetaDDP, OutOfSyncError,
+                          all_reduce_counts, all_reduce_sum, counting, global_count, global_value,
+                          init, rank, set_strict, shutdown, sync_batchnorm, world_size)
+from .inner import InnerOptimizer, LearnedLR, adam, apply_updates, sgd
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
-    "ANIL", "ConvergenceWarning", "IMAML", "LearnedLR", "Learner", "MetaSGD", "Reptile", "adam",
-    "conjugate_gradient", "sync_batchnorm",
-    "Batch", "CollectiveError", "CollectiveStats", "InnerOptimizer", "MAML", "Mesh", "MetaDDP",
-    "ShardSampler", "Task", "all_reduce_counts", "all_reduce_sum", "apply_updates",
-    "batch_share", "buffers_of", "call", "counting", "generator_for", "global_count",
-    "global_value", "init", "inner_loop", "params_of", "rank", "seed_for", "set_strict", "sgd",
-    "shard", "shard_range", "share", "shutdown", "world_size",
+    "ANIL", "Batch", "CollectiveError", "CollectiveStats", "ConvergenceWarning", "IMAML",
+    "InnerOptimizer", "LearnedLR", "Learner", "LossFn", "MAML", "Mesh", "MetaAlgorithm",
+    "MetaBatch", "MetaDDP", "MetaSGD", "OutOfSyncError", "Params", "Reduce", "Reptile",
+    "ShardSampler", "Task", "adam", "all_reduce_counts", "all_reduce_sum", "apply_updates",
+    "batch_share", "buffers_of", "call", "conjugate_gradient", "counting", "generator_for",
+    "global_count", "global_value", "grad", "identity_reduce", "init", "inner_loop", "inner_step",
+    "params_of", "rank", "seed_for", "set_strict", "sgd", "shard", "shard_range", "share",
+    "shutdown", "sync_batchnorm", "world_size",
 ]

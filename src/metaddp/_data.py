@@ -8,8 +8,8 @@ meta-batch sees is the same for any number of processes.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
-from typing import NamedTuple
+from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple, overload
 
 import torch
 from torch import Tensor
@@ -75,6 +75,65 @@ class Task(NamedTuple):
         if s.x.shape[0] != s.n or q.x.shape[0] != q.n:
             raise ValueError("only a whole task (not a shard of one) can be split")
         return Task(Batch.split(s.x, s.y, index, parts), Batch.split(q.x, q.y, index, parts))
+
+
+class MetaBatch(Sequence[Task]):
+    """This process's tasks of a global meta-batch of :attr:`n` tasks.
+
+    It carries the global task count with it, so that nothing downstream has to be told it
+    (and nobody can pass a local count where the global one is meant). Build it with
+    :meth:`shard`, or ``MetaDDP.shard`` which fills in the mesh.
+
+    Attributes:
+        n: tasks in the global meta-batch.
+        indices: the global positions (``0 .. n-1``) of this process's tasks.
+    """
+
+    def __init__(self, tasks: Sequence[Task], n: int, indices: range) -> None:
+        if n < 0 or len(tasks) != len(indices) or (len(indices) and not 0 <= indices[0] <= indices[-1] < n):
+            raise ValueError(f"{len(tasks)} task(s) at positions {indices} cannot be part of a "
+                             f"meta-batch of {n}")
+        self.tasks, self.n, self.indices = tuple(tasks), int(n), indices
+
+    @classmethod
+    def shard(cls, tasks: int | Sequence[Task], make_task: Callable[[int], Task] | None = None,
+              *, task_index: int = 0, task_parts: int = 1, sample_index: int = 0,
+              sample_parts: int = 1) -> "MetaBatch":
+        """Part ``task_index`` of the meta-batch's tasks, each cut to part ``sample_index``.
+
+        Args:
+            tasks: the global meta-batch (a sequence of whole tasks), or its size ``n`` with
+                ``make_task(i)`` building whole task ``i`` (then only this part is built).
+            make_task: builds global task ``i`` in ``0 .. n-1`` (from a seed and ``i`` alone).
+            task_index, task_parts: which of the groups that hold different tasks this is.
+            sample_index, sample_parts: which shard of every task's samples this is.
+        """
+        if isinstance(tasks, int):
+            if make_task is None:
+                raise TypeError("MetaBatch.shard(n, make_task): give make_task(i) to build task i")
+            n, build = tasks, make_task
+        else:
+            if make_task is not None:
+                raise TypeError("give either the tasks or their number and make_task, not both")
+            whole = list(tasks)
+            n, build = len(whole), whole.__getitem__
+        if n < 1:
+            raise ValueError(f"a meta-batch needs at least one task, got {n}")
+        mine = shard_range(n, task_index, task_parts)
+        return cls([build(i).split(sample_index, sample_parts) for i in mine], n, mine)
+
+    @overload
+    def __getitem__(self, i: int) -> Task: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[Task]: ...
+    def __getitem__(self, i):
+        return self.tasks[i]
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def __repr__(self) -> str:
+        return f"MetaBatch({len(self.tasks)} of {self.n} tasks, positions {self.indices.start}..{self.indices.stop - 1})"
 
 
 def seed_for(seed: int, *index: int) -> int:

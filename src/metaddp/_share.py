@@ -8,21 +8,22 @@ empty shards included, so every cross-rank reduction is a plain SUM, never a mea
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-import torch
 from torch import Tensor
 
-from ._collectives import Group, all_reduce_counts, all_reduce_sum
+from ._data import Batch
 
 
-def share(per_sample: Tensor, n_global: int) -> Tensor:
+def share(per_sample: Tensor, n_global: int | Batch) -> Tensor:
     """This rank's share of the mean over ``n_global`` samples.
 
     ``per_sample`` holds one loss per local sample along dimension 0 (``reduction='none'``);
     any further dimensions are averaged per sample first, so that for ``mse_loss`` the shares
-    add up to ``mse_loss(..., reduction='mean')`` on the whole batch.
+    add up to ``mse_loss(..., reduction='mean')`` on the whole batch. ``n_global`` is the
+    global sample count, or the :class:`metaddp.Batch` the losses come from (its own global
+    size, so no count is written by hand).
     """
+    if isinstance(n_global, Batch):
+        n_global = n_global.n
     if per_sample.dim() == 0:
         raise ValueError(
             "expected one loss per sample (shape [n, ...]), got a scalar: compute the loss "
@@ -35,15 +36,3 @@ def share(per_sample: Tensor, n_global: int) -> Tensor:
         raise ValueError(f"{n_local} local samples cannot be a share of {n_global} global ones")
     per = per_sample.flatten(1).mean(dim=1) if per_sample.dim() > 1 else per_sample
     return per.sum() / n_global
-
-
-def global_count(n_local: int, group: Group = None) -> int:
-    """Total number of samples (or tasks) over ``group``: an exact integer all-reduce."""
-    return all_reduce_counts([n_local], group)[0]
-
-
-def global_value(shares: Tensor | Sequence[Tensor], group: Group = None) -> Tensor:
-    """The global value of a share (for logging): SUM over ranks, detached."""
-    if isinstance(shares, Tensor):
-        return all_reduce_sum([shares.detach()], group)[0].detach()
-    return torch.stack(all_reduce_sum([s.detach() for s in shares], group)).detach()

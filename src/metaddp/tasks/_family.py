@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, ClassVar
 
+import torch
 from torch import Tensor, nn
 
 from .._data import Task, generator_for
+from .._types import MetaAlgorithm
 
 SPLITS = ("train", "test")
 
@@ -28,6 +31,8 @@ class TaskFamily(abc.ABC):
     name: ClassVar[str]
     classification: ClassVar[bool]
     defaults: ClassVar[Mapping[str, Any]] = {}
+    metric: ClassVar[str] = "loss"
+    """What :meth:`loss` measures, as the run's metrics and plots name it ("MSE", "loss")."""
 
     def task(self, seed: int, index: int, split: str = "train") -> Task:
         """Task number ``index`` of ``split`` ("train" or "test") for ``seed``: whole, unsplit.
@@ -61,3 +66,20 @@ class TaskFamily(abc.ABC):
     def describe(self) -> dict[str, Any]:
         """The options that define the task stream (checked when a run is resumed)."""
         return {}
+
+    def plots(self, algorithm: MetaAlgorithm, *, seed: int, folder: Path,
+              dtype: torch.dtype = torch.float32,
+              device: torch.device = torch.device("cpu")) -> list[Path]:
+        """Figures of this family that a run draws after training (none by default).
+
+        Args:
+            algorithm: the trained algorithm (``adapt`` and ``forward(x, fast)``), run on one
+                process with whole tasks.
+            seed: the run's seed (held-out tasks are ``task(seed, i, "test")``).
+            folder: where to write PNG files.
+            dtype, device: the algorithm's.
+
+        Returns:
+            The paths written.
+        """
+        return []

@@ -23,7 +23,7 @@ def load() -> tuple[torch.Tensor, torch.Tensor]:
     try:
         from sklearn.datasets import load_digits
     except ImportError as e:
-        raise SystemExit(
+        raise ImportError(
             "the digits task needs scikit-learn: pip install 'metaddp[digits]'") from e
     data = load_digits()
     images = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0

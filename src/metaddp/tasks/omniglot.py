@@ -52,7 +52,7 @@ def load_character(folder: Path) -> torch.Tensor:
     try:
         from PIL import Image
     except ImportError as e:
-        raise SystemExit("the omniglot task needs Pillow: pip install 'metaddp[images]'") from e
+        raise ImportError("the omniglot task needs Pillow: pip install 'metaddp[images]'") from e
     images = []
     for path in sorted(folder.glob("*.png")):
         try:

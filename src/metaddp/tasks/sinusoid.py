@@ -8,6 +8,8 @@ mean squared error. The network is the paper's: two hidden layers of 40 ReLU uni
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -15,6 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._data import Batch, Task
+from .._plotting import pyplot
+from .._types import MetaAlgorithm
 from ._family import TaskFamily
 
 AMPLITUDE = (0.1, 5.0)
@@ -33,6 +37,7 @@ class Sinusoid(TaskFamily):
 
     name: ClassVar[str] = "sinusoid"
     classification: ClassVar[bool] = False
+    metric: ClassVar[str] = "MSE"
     defaults: ClassVar[dict[str, Any]] = dict(
         shots=10, query=10, inner_lr=0.01, outer_lr=0.001, meta_batch=25, inner_steps=1,
         eval_steps=10, hidden=40,
@@ -76,3 +81,44 @@ class Sinusoid(TaskFamily):
 
     def describe(self) -> dict[str, Any]:
         return {"shots": self.shots, "query": self.query, "hidden": self.hidden}
+
+    def plots(self, algorithm: MetaAlgorithm, *, seed: int, folder: Path,
+              dtype: torch.dtype = torch.float32,
+              device: torch.device = torch.device("cpu")) -> list[Path]:
+        """Finn et al. 2017, fig. 2, on held-out task 0 (``adaptation.png``)."""
+        path = Path(folder) / "adaptation.png"
+        adaptation_figure(algorithm, self, seed=seed, index=0, steps=(1, 10), path=path,
+                          dtype=dtype, device=device)
+        return [path]
+
+
+def adaptation_figure(algorithm: MetaAlgorithm, family: "Sinusoid", *, seed: int, index: int,
+                      steps: Sequence[int], path: Path, dtype: torch.dtype,
+                      device: torch.device) -> None:
+    """Finn et al. 2017, fig. 2: the true curve, the K support points, and the prediction of
+    the meta-learned initialisation before and after a few inner steps on those points
+    (taken by ``algorithm.adapt``, so with the run's own inner optimizer). The support batch
+    is whole here, so one process draws it (``MetaDDP.local()`` around the call)."""
+    plt = pyplot()
+    task: Task = family.task(seed, index, "test")
+    support = type(task.support)(task.support.x.to(device, dtype), task.support.y.to(device, dtype),
+                                 task.support.n)
+    grid = torch.linspace(-5, 5, 200, dtype=dtype, device=device).unsqueeze(1)
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    grid_cpu = grid.squeeze(1).cpu()
+    ax.plot(grid_cpu, family.truth(seed, index, "test", grid_cpu), "k-", lw=2,
+            label="true function")
+    ax.plot(support.x.squeeze(1).cpu(), support.y.squeeze(1).cpu(), "^", color="purple", ms=8,
+            label=f"{support.n} support points")
+    for k in (0, *steps):
+        fast = {n: p.detach() for n, p in algorithm.adapt(support, family.loss, steps=k).items()}
+        with torch.no_grad():
+            pred = algorithm(grid, fast)
+        ax.plot(grid_cpu, pred.squeeze(1).cpu(), "--" if k == 0 else "-",
+                label="meta-learned init." if k == 0 else f"after {k} grad step{'s' if k > 1 else ''}")
+    ax.set(xlabel="x", ylabel="y", title="sinusoid: adaptation to a held-out task")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+

@@ -7,7 +7,6 @@ test suite call it at several world sizes and compare.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable
 
@@ -15,35 +14,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._anil import ANIL
-from ._batchnorm import sync_batchnorm
-from ._data import Batch, Task, generator_for, shard_range
-from ._imaml import IMAML
-from ._maml import MAML
-from ._metasgd import MetaSGD
-from ._reptile import Reptile
-from ._share import global_value, share
-from ._functional import call, params_of
-from ._world import Mesh
-from ._wrapper import MetaDDP
+from .._data import Batch, Task, generator_for, shard_range
+from .._functional import call
+from .._share import share
+from ..algorithms import ALGORITHMS as REGISTRY
+from ..algorithms import Algorithm, Settings, build
+from ..distributed import LAYOUTS, Mesh, MetaDDP, global_value
 
-LAYOUTS = ("sample", "task", "hybrid")
-ALGORITHMS = ("maml", "fomaml", "metasgd", "anil", "reptile", "imaml")
+ALGORITHMS = tuple(REGISTRY)
 
 
 def mesh_for(layout: str) -> Mesh:
-    """``sample``: every rank splits every task; ``task``: tasks split over ranks; ``hybrid``:
-    two task groups (when the world size is even), each splitting its tasks' samples."""
-    from ._world import world_size
-
-    world = world_size()
-    if layout == "sample":
-        return Mesh.create(tasks=1)
-    if layout == "task":
-        return Mesh.create(tasks=world)
-    if layout == "hybrid":
-        return Mesh.create(tasks=2 if world % 2 == 0 else 1)
-    raise ValueError(f"unknown layout {layout!r}; choose from {', '.join(LAYOUTS)}")
+    """The mesh of a named layout (:meth:`metaddp.Mesh.for_layout`)."""
+    return Mesh.for_layout(layout)
 
 
 def mse_per_sample(pred: Tensor, y: Tensor) -> Tensor:
@@ -75,6 +58,11 @@ class SmallConv(nn.Module):
         return self.head(self.features(x))
 
 
+    def split_head(self) -> tuple[nn.Module, nn.Module]:
+        """The split ANIL needs: the layers below the head (shared, not copied), the head."""
+        return ConvBody(self), self.head
+
+
 class ConvBody(nn.Module):
     """The layers of a :class:`SmallConv` below its head (shared with it, not copied)."""
 
@@ -83,15 +71,6 @@ class ConvBody(nn.Module):
         self.conv1, self.conv2, self.bn1, self.bn2 = net.conv1, net.conv2, net.bn1, net.bn2
 
     forward = SmallConv.features
-
-
-def body_and_head(net: nn.Module) -> tuple[nn.Module, nn.Module]:
-    """The split ANIL needs: everything but the last layer, and the last layer."""
-    if isinstance(net, nn.Sequential):
-        return net[:-1], net[-1]
-    if isinstance(net, SmallConv):
-        return ConvBody(net), net.head
-    raise ValueError(f"no body/head split known for {type(net).__name__}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,47 +129,34 @@ class Problem:
     def tasks(self) -> list[Task]:
         return [self.task(i) for i in range(self.n_tasks)]
 
-    def build_algorithm(self) -> MAML:
+    def build_algorithm(self) -> Algorithm:
         """The algorithm module around a fresh model (its parameters are the meta-parameters)."""
         if self.batchnorm and self.model != "conv":
             raise ValueError("batchnorm scenarios use the conv model")
-        net = self.build_model()
-        a = self.algorithm
-        if a in ("maml", "fomaml"):
-            return MAML(net, self.inner_lr, self.steps, self.first_order or a == "fomaml")
-        if a == "metasgd":
-            return MetaSGD(net, self.inner_lr, self.steps, self.first_order).to(self.dtype)
-        if a == "anil":
-            body, head = body_and_head(net)
-            return ANIL(body, head, self.inner_lr, self.steps, self.first_order)
-        if a == "reptile":
-            return Reptile(net, self.inner_lr, self.steps)
-        if a == "imaml":
-            # cg_tol 1e-13: converged far below the 1e-10 agreement checked between world sizes.
-            return IMAML(net, self.lam, self.inner_lr, self.steps, cg_steps=self.cg_steps, cg_tol=1e-13)
-        raise ValueError(f"unknown algorithm {a!r}; choose from {', '.join(ALGORITHMS)}")
+        # iMAML's cg_tol 1e-13: converged far below the 1e-10 agreement checked between
+        # world sizes.
+        settings = Settings(inner_lr=self.inner_lr, steps=self.steps, first_order=self.first_order,
+                            lam=self.lam, cg_steps=self.cg_steps, cg_tol=1e-13)
+        return build(self.algorithm, self.build_model(), settings).to(self.dtype)
 
 
 def run(problem: Problem) -> dict:
     """One meta-step of ``problem`` on this rank: the global loss, the meta-gradient (see
     :func:`meta_gradient`) and the model's buffers after the step."""
-    mesh = mesh_for(problem.layout)
-    maml = MetaDDP(problem.build_algorithm(), mesh)
-    mine = shard_range(problem.n_tasks, mesh.task_index, mesh.tasks)
-    tasks = [problem.task(i).split(mesh.sample_index, mesh.samples) for i in mine]
-    synced = sync_batchnorm(maml.module, maml.reduce) if problem.batchnorm else contextlib.nullcontext()
-    with synced:
-        loss = maml.module.meta_loss(tasks, problem.loss_fn, problem.n_tasks, reduce=maml.reduce)
+    learner = MetaDDP(problem.build_algorithm(), Mesh.for_layout(problem.layout))
+    loss = learner.meta_loss(learner.shard(problem.n_tasks, problem.task), problem.loss_fn)
     loss.backward()
-    maml.sync_grads()
+    learner.sync_grads()
+    algorithm = learner.module
+    assert isinstance(algorithm, Algorithm)
     return {
-        "loss": float(global_value(loss, mesh.group)),
-        "grads": meta_gradient(maml.module),
-        "buffers": {k: b.detach().clone() for k, b in maml.module.model.named_buffers()},
+        "loss": float(learner.global_value(loss)),
+        "grads": meta_gradient(algorithm),
+        "buffers": {k: b.detach().clone() for k, b in algorithm.model.named_buffers()},
     }
 
 
-def meta_gradient(algorithm: nn.Module) -> dict[str, Tensor]:
+def meta_gradient(algorithm: Algorithm) -> dict[str, Tensor]:
     """Every meta-parameter's gradient: the model's by their names in the model, any other
     (learned learning rates) by their names in the algorithm module (``lr.rates.0``...)."""
     in_model = {id(p): k for k, p in algorithm.model.named_parameters()}
@@ -243,12 +209,11 @@ def run_seed(problem: SeedProblem) -> dict:
         r = shard_range(len(batch), mesh.sample_index, mesh.samples)
         x, n = batch[r.start : r.stop], len(batch)
         opt.zero_grad()
-        params = params_of(net.module)
-        l1 = share(call(net.module, params, x), n)
+        l1 = share(net(x), n)
         # l1's graph is kept: the objective backpropagates through l1 itself a second time.
-        (g,) = net.reduce(list(torch.autograd.grad(
-            l1, [w], retain_graph=True, create_graph=problem.second_order)))
-        l2 = share(call(net.module, {"conv.0.weight": w - problem.inner_lr * g}, x), n)
+        g = net.grad(l1, {"conv.0.weight": w}, retain_graph=True,
+                     create_graph=problem.second_order)
+        l2 = share(call(net.module, {k: w - problem.inner_lr * g[k] for k in g}, x), n)
         (l1 + l2).backward()
         net.sync_grads()
         out["grad2"].append(float(w.grad[0, 0]))

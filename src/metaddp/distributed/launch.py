@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from ._world import init, shutdown
+from ._mesh import init, shutdown
 
 
 def free_port() -> int:

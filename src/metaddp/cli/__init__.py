@@ -1,4 +1,4 @@
-"""The ``metaddp`` command line: one sub-command per module under ``metaddp.commands``."""
+"""The ``metaddp`` command line: one sub-command per module of this package."""
 
 from __future__ import annotations
 
@@ -14,11 +14,13 @@ COMMANDS = ["verify", "train"]
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="metaddp",
-        description="Exact meta-learning on many processes: train, verify invariance, benchmark.",
+        description="Meta-learning on many processes whose meta-gradients do not depend on the "
+                    "number of processes. Commands: train (meta-train on a task family) and "
+                    "verify (compare results at several process counts with one process).",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
-        importlib.import_module(f"metaddp.commands.{name}").add_parser(sub)
+        importlib.import_module(f"metaddp.cli.{name}").add_parser(sub)
     return parser
 
 

@@ -20,15 +20,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .. import _checkpoint, _train
-from .._runconfig import DTYPES, LAYOUTS, TrainConfig, read_toml
+from .. import train as _train
+from ..train import DTYPES, LAYOUTS, TrainConfig, read_toml
+from ..train import _checkpoint
 from ..tasks import FAMILIES
 
 S = argparse.SUPPRESS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from .._algorithms import ALGORITHMS
+    from ..algorithms import ALGORITHMS
 
     p = sub.add_parser("train", help="meta-train on a task family (sinusoid, digits, omniglot)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -118,7 +119,7 @@ def worker(cfg_dict: dict, out: str, resume: bool, force: bool, backend: str | N
     import torch
     import torch.distributed as dist
 
-    from .._world import default_backend, init, rank, shutdown
+    from ..distributed._mesh import default_backend, init, rank, shutdown
 
     if threads:
         torch.set_num_threads(threads)
@@ -159,7 +160,7 @@ def report(summary: dict, cfg: TrainConfig, out: Path) -> None:
     if "test_acc_after" in summary:
         print(f"  accuracy before adaptation {summary['test_acc_before']:.4f}, after "
               f"{summary['test_acc_after']:.4f} ± {summary['test_acc_after_ci']:.4f}")
-    name = "MSE" if cfg.task == "sinusoid" else "loss"
+    name = summary.get("metric", "loss")
     print(f"  query {name} before adaptation {summary['test_before']:.4f}, after "
           f"{summary['test_after']:.4f} ± {summary['test_after_ci']:.4f}")
     for p in summary.get("plots", []):
@@ -173,7 +174,7 @@ def torchrun_main(args: argparse.Namespace) -> int:
     and tells every rank the outcome (so no rank sees the folder rank 0 is writing)."""
     import torch.distributed as dist
 
-    from .._world import default_backend, init, rank, shutdown
+    from ..distributed._mesh import default_backend, init, rank, shutdown
 
     backend = args.backend or default_backend()
     init(backend)
@@ -184,7 +185,7 @@ def torchrun_main(args: argparse.Namespace) -> int:
                 raise UsageError("already started by torchrun; drop --nproc")
             cfg, out, resume = settings(args)
             message = [("ok", cfg.to_dict(), str(out), resume)]
-        except (UsageError, ValueError, SystemExit) as e:
+        except (UsageError, ValueError, ImportError) as e:
             message = [("error", str(e))]
     dist.broadcast_object_list(message, src=0)
     if message[0][0] == "error":
@@ -204,7 +205,7 @@ def main(args: argparse.Namespace) -> int:
         return torchrun_main(args)
     try:
         cfg, out, resume = settings(args)
-    except (UsageError, ValueError, SystemExit) as e:
+    except (UsageError, ValueError, ImportError) as e:
         print(f"metaddp train: error: {e}", file=sys.stderr)
         return 2
     progress = not args.no_progress

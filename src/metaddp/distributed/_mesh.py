@@ -13,6 +13,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ._collectives import Group, group_rank, group_size
 
@@ -60,13 +61,18 @@ def world_size() -> int:
     return group_size(None)
 
 
+LAYOUTS = ("sample", "task", "hybrid")
+
+
 @dataclasses.dataclass(frozen=True)
 class Mesh:
-    """How the ranks share the work of one meta-batch.
+    """How the ranks share the work of one meta-batch: a 2-D ``task x sample`` device mesh.
 
     ``tasks`` ranks hold different tasks; within each of those, ``samples`` ranks split every
-    task's batch. ``tasks * samples`` must equal the world size. Give one of the two and the
-    other follows; give neither and every rank splits every task's batch (sample-parallel).
+    task's batch. ``tasks * samples`` must equal the world size. The groups come from
+    ``torch.distributed.device_mesh.init_device_mesh`` with the dimension names ``"task"``
+    and ``"sample"`` (:attr:`device_mesh`, ``None`` on one plain process), so the mesh
+    composes with other parallelisms built on it.
     """
 
     tasks: int
@@ -74,41 +80,57 @@ class Mesh:
     task_group: Group
     sample_group: Group
     group: Group  # every rank of the mesh: where meta-gradients are summed
+    device_mesh: DeviceMesh | None = dataclasses.field(default=None, compare=False)
 
     @classmethod
     def create(cls, tasks: int | None = None, samples: int | None = None) -> "Mesh":
+        """The mesh with ``tasks`` task groups of ``samples`` ranks (give one or neither).
+
+        With neither, every rank splits every task's batch (``tasks=1``, sample-parallel).
+        """
         world = world_size()
         if tasks is None and samples is None:
-            tasks, samples = 1, world
+            tasks = 1
         for axis, size in (("task", tasks), ("sample", samples)):
             if size is not None and (size < 1 or world % size):
                 raise ValueError(
                     f"{size} {axis} group(s) do not fit a world of {world} process(es): the "
                     f"{axis} axis must be a positive divisor of the world size"
                 )
-        tasks = world // samples if tasks is None else tasks
+        if tasks is None:
+            assert samples is not None
+            tasks = world // samples
         samples = world // tasks if samples is None else samples
         if tasks * samples != world:
             raise ValueError(
                 f"a mesh of {tasks} task group(s) x {samples} sample rank(s) does not fit a "
                 f"world of {world} process(es): tasks * samples must equal the world size"
             )
-        if world == 1:
+        if not dist.is_initialized():
             return cls(1, 1, None, None, None)
-        # Every rank creates every subgroup, in the same order (torch.distributed requires it).
-        task_group = sample_group = None
-        me = rank()
-        for t in range(tasks):
-            ranks = [t * samples + s for s in range(samples)]
-            g = dist.new_group(ranks)
-            if me in ranks:
-                sample_group = g
-        for s in range(samples):
-            ranks = [t * samples + s for t in range(tasks)]
-            g = dist.new_group(ranks)
-            if me in ranks:
-                task_group = g
-        return cls(tasks, samples, task_group, sample_group, None)
+        # Ranks are laid out task-major (rank = task_index * samples + sample_index): the
+        # sample axis, which carries the inner loop's collectives, is innermost, so it stays
+        # on one machine when ``samples`` divides the processes per machine.
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        dm = init_device_mesh(device_type, (tasks, samples), mesh_dim_names=("task", "sample"))
+        return cls(tasks, samples, dm.get_group("task"), dm.get_group("sample"), None, dm)
+
+    @classmethod
+    def for_layout(cls, layout: str) -> "Mesh":
+        """The mesh of a named layout.
+
+        ``sample``: every rank splits every task; ``task``: tasks split over ranks; ``hybrid``:
+        two task groups (when the world size is even, else one), each splitting its tasks'
+        samples.
+        """
+        world = world_size()
+        if layout == "sample":
+            return cls.create(tasks=1)
+        if layout == "task":
+            return cls.create(tasks=world)
+        if layout == "hybrid":
+            return cls.create(tasks=2 if world % 2 == 0 else 1)
+        raise ValueError(f"unknown layout {layout!r}; choose from {', '.join(LAYOUTS)}")
 
     @property
     def task_index(self) -> int:

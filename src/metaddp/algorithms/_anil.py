@@ -9,12 +9,16 @@ features (to second order unless ``first_order``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from torch import Tensor, nn
 
-from ._data import Batch, Task
-from ._functional import Params, call, params_of
-from ._inner import InnerOptimizer
-from ._maml import MAML, LossFn, OptimizerFactory, Reduce, batch_share, identity_reduce, inner_loop
+from .._adapt import batch_share, inner_loop
+from .._data import Batch, Task
+from .._functional import call
+from .._types import LossFn, Params, Reduce
+from ..inner import InnerOptimizer
+from ._base import Algorithm, OptimizerFactory
 
 
 class BodyHead(nn.Module):
@@ -28,54 +32,50 @@ class BodyHead(nn.Module):
         return self.head(self.body(x))
 
 
-class ANIL(MAML):
-    """MAML that adapts only ``head`` on features of ``body``.
+class ANIL(Algorithm):
+    """Meta-learning that adapts only ``head``, on features of ``body``.
 
     Args:
         body: the feature extractor (meta-trained, never adapted).
         head: the part adapted in the inner loop (usually the last linear layer).
         inner_lr, steps, first_order, optimizer, learn_lr: as :class:`metaddp.MAML`; learned
             rates cover the head's parameters only.
+
+    Fast weights are the head's, named relative to the head (``"weight"``, ``"bias"``).
     """
 
     def __init__(
-        self, body: nn.Module, head: nn.Module, inner_lr: float = 0.01, steps: int = 1,
+        self, body: nn.Module, head: nn.Module, *, inner_lr: float = 0.01, steps: int = 1,
         first_order: bool = False, optimizer: InnerOptimizer | OptimizerFactory | None = None,
         learn_lr: str | None = None,
     ) -> None:
-        super().__init__(BodyHead(body, head), inner_lr, steps, first_order, optimizer, learn_lr)
+        super().__init__(BodyHead(body, head), inner_lr=inner_lr, steps=steps,
+                         first_order=first_order, optimizer=optimizer, learn_lr=learn_lr)
 
     def adapted_module(self) -> nn.Module:
         return self.model.head
 
-    def adapt_features(self, features: Batch, loss_fn: LossFn, *,
-                       reduce: Reduce = identity_reduce, steps: int | None = None) -> Params:
+    def adapt_features(self, features: Batch, loss_fn: LossFn, *, steps: int | None = None,
+                       reduce: Reduce | None = None) -> Params:
         """Head weights after the inner loop on precomputed support ``features``."""
         return inner_loop(
-            self.model.head, params_of(self.model.head), features, loss_fn,
-            steps=self.steps if steps is None else steps,
-            optimizer=self.inner_optimizer(), first_order=self.first_order, reduce=reduce,
+            self.model.head, self.fast_weights(), features, loss_fn,
+            steps=self.steps if steps is None else steps, optimizer=self.inner_optimizer(),
+            first_order=self.first_order, reduce=self.collectives(reduce).reduce,
         )
 
-    def adapt(self, support: Batch, loss_fn: LossFn, *, reduce: Reduce = identity_reduce,
-              steps: int | None = None) -> Params:
+    def adapt(self, support: Batch, loss_fn: LossFn, *, steps: int | None = None,
+              reduce: Reduce | None = None) -> Params:
         """Head weights (names relative to ``head``) after adapting on ``support``."""
         feats = Batch(self.model.body(support.x), support.y, support.n)
-        return self.adapt_features(feats, loss_fn, reduce=reduce, steps=steps)
+        return self.adapt_features(feats, loss_fn, steps=steps, reduce=reduce)
 
-    def forward(self, x: Tensor, params: Params | None = None) -> Tensor:
-        """``head(body(x))`` with the head on ``params`` (names relative to the head)."""
+    def forward(self, x: Tensor, fast: Mapping[str, Tensor] | None = None) -> Tensor:
+        """``head(body(x))`` with the head on ``fast`` (names relative to the head)."""
         head = self.model.head
-        return call(head, params if params is not None else params_of(head), self.model.body(x))
+        return call(head, fast if fast is not None else self.fast_weights(), self.model.body(x))
 
-    def task_loss(self, task: Task, loss_fn: LossFn, *, reduce: Reduce = identity_reduce) -> Tensor:
-        body = self.model.body
+    def task_loss(self, task: Task, loss_fn: LossFn, *, reduce: Reduce) -> Tensor:
         head_fast = self.adapt(task.support, loss_fn, reduce=reduce)
-        query = Batch(body(task.query.x), task.query.y, task.query.n)
+        query = Batch(self.model.body(task.query.x), task.query.y, task.query.n)
         return batch_share(self.model.head, head_fast, query, loss_fn)
-
-    def clone(self, reduce: Reduce = identity_reduce):
-        raise TypeError(
-            "ANIL has no clone(): adapt the head with `ANIL.adapt_features` on features "
-            "`anil.model.body(x)`, or use MAML(...).clone() on the head module"
-        )

@@ -14,16 +14,15 @@ Nothing here knows about meta-learning: ``reduce`` is any differentiable SUM (e.
 
 from __future__ import annotations
 
-import contextlib
 import types
-from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-Reduce = Callable[[list[Tensor]], list[Tensor]]
+from .._types import Reduce
+
 
 
 def synced_batch_norm(bn: _BatchNorm, x: Tensor, reduce: Reduce) -> Tensor:
@@ -72,41 +71,64 @@ def synced_batch_norm(bn: _BatchNorm, x: Tensor, reduce: Reduce) -> Tensor:
     return y
 
 
-@contextlib.contextmanager
-def sync_batchnorm(module: nn.Module, reduce: Reduce) -> Iterator[nn.Module]:
-    """Make every BatchNorm layer of ``module`` use global batch statistics inside the block.
+def has_batchnorm(module: nn.Module) -> bool:
+    return any(isinstance(m, _BatchNorm) for m in module.modules())
 
-    Args:
-        module: any module containing ``nn.BatchNorm1d/2d/3d`` layers (others are untouched).
-        reduce: a differentiable SUM over the ranks that split each batch, e.g.
-            ``MetaDDP.reduce``. Every such rank must run the same forward passes in the same
-            order (a rank with an empty shard still takes part).
 
-    Yields:
-        ``module``. On exit the layers get their own ``forward`` back; nothing else of the
-        module is changed (running statistics are updated as a BatchNorm layer would).
+class BatchNormSync:
+    """Every BatchNorm layer of a module takes global batch statistics until :meth:`remove`.
 
-    Example::
-
-        with metaddp.sync_batchnorm(ddp.module, ddp.reduce):
-            loss = ddp.module.meta_loss(tasks, loss_fn, n_tasks, reduce=ddp.reduce)
-        loss.backward()   # the reductions' backward needs no context
+    Made by :func:`sync_batchnorm`; also a context manager that removes itself on exit.
     """
-    layers = [m for m in module.modules() if isinstance(m, _BatchNorm)]
-    saved = [m.__dict__.get("forward") for m in layers]
-    if any(getattr(m.forward, "_metaddp_synced", False) for m in layers):
-        raise RuntimeError("sync_batchnorm is already active on this module; do not nest it")
-    try:
-        for m in layers:
+
+    def __init__(self, module: nn.Module, reduce: Reduce) -> None:
+        self.module = module
+        self.layers = [m for m in module.modules() if isinstance(m, _BatchNorm)]
+        if any(getattr(m.__dict__.get("forward"), "_metaddp_synced", False) for m in self.layers):
+            raise RuntimeError(
+                "the BatchNorm layers of this module are already synchronized (MetaDDP does "
+                "it when it wraps a module, or an enclosing sync_batchnorm); do not nest it")
+        self._saved = [m.__dict__.get("forward") for m in self.layers]
+        self.reduce = reduce  # read at every call: MetaDDP.local() swaps it for the identity
+        sync = self
+        for m in self.layers:
             def forward(self: _BatchNorm, x: Tensor) -> Tensor:
-                return synced_batch_norm(self, x, reduce)
+                return synced_batch_norm(self, x, sync.reduce)
 
             forward._metaddp_synced = True  # type: ignore[attr-defined]
-            m.forward = types.MethodType(forward, m)
-        yield module
-    finally:
-        for m, f in zip(layers, saved):
+            m.forward = types.MethodType(forward, m)  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        """Give every layer its own ``forward`` back."""
+        for m, f in zip(self.layers, self._saved):
             if f is None:
                 m.__dict__.pop("forward", None)
             else:
-                m.forward = f
+                m.forward = f  # type: ignore[method-assign]
+        self.layers, self._saved = [], []
+
+    def __enter__(self) -> nn.Module:
+        return self.module
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def sync_batchnorm(module: nn.Module, reduce: Reduce) -> BatchNormSync:
+    """Make every BatchNorm layer of ``module`` use global batch statistics.
+
+    :class:`metaddp.MetaDDP` does this itself for the module it wraps; call it directly only
+    for hand-made set-ups without the wrapper.
+
+    Args:
+        module: any module containing ``nn.BatchNorm1d/2d/3d`` layers (others are untouched).
+        reduce: a differentiable SUM over the ranks that split each batch. Every such rank
+            must run the same forward passes in the same order (a rank with an empty shard
+            still takes part).
+
+    Returns:
+        A handle: ``.remove()`` restores the layers; ``with sync_batchnorm(m, reduce):``
+        restores them on exit. Nothing else of the module is changed (running statistics
+        are updated as a BatchNorm layer would, from the global statistics).
+    """
+    return BatchNormSync(module, reduce)

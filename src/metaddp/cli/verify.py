@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import sys
 import time
 
 import torch
 
-from .. import scenarios as S
-from .._collectives import set_strict
-from ..launch import run_local
+from ..distributed import set_strict
+from ..distributed.launch import run_local
+from ..testing import scenarios as S
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +84,8 @@ def run_checks(todo: list[Check]) -> list[dict]:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("verify", help="check that results do not depend on the number of processes",
+    p = sub.add_parser("verify", help="run one meta-step of each scenario at several process counts and compare "
+                            "the meta-gradients with the first count's (default 1,2,4 vs 1)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenario", nargs="+", choices=SCENARIOS + ("all",), default=["all"],
                    help="what to run (default: all)")
@@ -96,14 +98,18 @@ def parse_world_sizes(text: str) -> list[int]:
     try:
         sizes = [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
-        raise SystemExit(f"metaddp verify: --world-sizes must be integers like 1,2,4, got {text!r}")
+        raise ValueError(f"--world-sizes must be integers like 1,2,4, got {text!r}") from None
     if not sizes or min(sizes) < 1:
-        raise SystemExit(f"metaddp verify: --world-sizes needs positive integers, got {text!r}")
+        raise ValueError(f"--world-sizes needs positive integers, got {text!r}")
     return sizes
 
 
 def main(args: argparse.Namespace) -> int:
-    sizes = parse_world_sizes(args.world_sizes)
+    try:
+        sizes = parse_world_sizes(args.world_sizes)
+    except ValueError as e:
+        print(f"metaddp verify: error: {e}", file=sys.stderr)
+        return 2
     names = SCENARIOS if "all" in args.scenario else tuple(dict.fromkeys(args.scenario))
     todo = [c for n in names for c in checks(n)]
     print(f"metaddp verify: {', '.join(names)} at world sizes {', '.join(map(str, sizes))} "

@@ -7,37 +7,33 @@ one SUM all-reduce (every rank fills only its own tasks' shares, zeros elsewhere
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
-from ._collectives import all_reduce_sum
-from ._data import shard_range
-from ._maml import Reduce
+from .._data import Task, shard_range
+from .._share import share
+from .._types import MetaAlgorithm
+from ..distributed import Mesh, all_reduce_sum
+from ..tasks import TaskFamily
 from ._metrics import mean_ci95
-from ._share import share
-from ._world import Mesh
-from .tasks import TaskFamily
 
 
-def to(task, dtype: torch.dtype, device: torch.device):
+def to(task: Task, dtype: torch.dtype, device: torch.device) -> Task:
     """A task's floating tensors cast to ``dtype`` and every tensor moved to ``device``."""
     def cast(t: Tensor) -> Tensor:
         return t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
-    return type(task)(*(type(b)(cast(b.x), cast(b.y), b.n) for b in task))
+    return Task(*(type(b)(cast(b.x), cast(b.y), b.n) for b in task))
 
 
-def evaluate(algorithm: Any, family: TaskFamily, mesh: Mesh, reduce: Reduce, *, seed: int,
+def evaluate(algorithm: MetaAlgorithm, family: TaskFamily, mesh: Mesh, *, seed: int,
              n_tasks: int, steps: int, dtype: torch.dtype, device: torch.device) -> dict[str, float]:
     """Query loss (and accuracy) on ``n_tasks`` held-out tasks, before and after ``steps``.
 
     Args:
-        algorithm: a module with ``adapt(support, loss_fn, reduce=, steps=)`` whose
-            ``forward(x, fast)`` runs the adapted model.
+        algorithm: the algorithm, wrapped in the :class:`metaddp.MetaDDP` of ``mesh`` (its
+            ``adapt`` reduces over a task's sample group without being told).
         family: the task family; tasks come from its "test" split.
         mesh: how processes share the tasks.
-        reduce: the differentiable SUM over a task's sample group (``MetaDDP.reduce``).
         seed, n_tasks, steps: which tasks, how many, adaptation steps.
 
     Returns:
@@ -48,7 +44,7 @@ def evaluate(algorithm: Any, family: TaskFamily, mesh: Mesh, reduce: Reduce, *, 
     for i in shard_range(n_tasks, mesh.task_index, mesh.tasks):
         task = to(family.task(seed, i, "test").split(mesh.sample_index, mesh.samples), dtype, device)
         for col, k in enumerate((0, steps)):
-            fast = algorithm.adapt(task.support, family.loss, reduce=reduce, steps=k)
+            fast = algorithm.adapt(task.support, family.loss, steps=k)
             fast = {name: p.detach() for name, p in fast.items()}
             with torch.no_grad():
                 out = algorithm(task.query.x, fast)  # the algorithm reads its own fast weights

@@ -323,3 +323,15 @@ def max_abs_difference(tensors: Sequence[Tensor], group: Group = None) -> list[f
         out.append(float(spread[offset : offset + t.numel()].max()) if t.numel() else 0.0)
         offset += t.numel()
     return out
+
+
+def global_count(n_local: int, group: Group = None) -> int:
+    """Total number of samples (or tasks) over ``group``: an exact integer all-reduce."""
+    return all_reduce_counts([n_local], group)[0]
+
+
+def global_value(shares: Tensor | Sequence[Tensor], group: Group = None) -> Tensor:
+    """The global value of a share (for logging): SUM over ranks, detached."""
+    if isinstance(shares, Tensor):
+        return all_reduce_sum([shares.detach()], group)[0].detach()
+    return torch.stack(all_reduce_sum([s.detach() for s in shares], group)).detach()

@@ -26,13 +26,12 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ._data import Batch, Task
-from ._functional import Params, call
-from ._inner import InnerOptimizer, State, apply_updates
-from ._share import share
-
-LossFn = Callable[[Tensor, Tensor], Tensor]
-Reduce = Callable[[list[Tensor]], list[Tensor]]
+from .._adapt import inner_step
+from .._data import Batch, Task
+from .._functional import call
+from .._share import share
+from .._types import LossFn, Params, Reduce
+from ..inner import InnerOptimizer, State
 
 
 def _signature(batch: Batch) -> tuple:
@@ -117,19 +116,18 @@ def per_task(optimizer: InnerOptimizer, n: int) -> InnerOptimizer:
     return InnerOptimizer(init, update)
 
 
-def batched_meta_loss(
+def stacked_task_losses(
     model: nn.Module,
     params: Mapping[str, Tensor],
     tasks: Sequence[Task],
     loss_fn: LossFn,
-    n_tasks: int,
     *,
     steps: int,
     optimizer: InnerOptimizer,
     first_order: bool = False,
     reduce: Reduce,
 ) -> Tensor:
-    """Sum over ``tasks`` of their query shares after ``steps`` inner steps, divided by ``n_tasks``.
+    """Sum over ``tasks`` of their query shares after ``steps`` inner steps.
 
     The same value and the same meta-gradient as adapting each task in a loop
     (:func:`metaddp.inner_loop` then a query share), computed with the tasks stacked.
@@ -139,7 +137,6 @@ def batched_meta_loss(
         params: the meta-parameters (the weights every task starts from).
         tasks: this rank's tasks; :func:`batchable` must accept them.
         loss_fn: per-sample loss, ``reduction='none'``.
-        n_tasks: tasks in the global meta-batch.
         steps: inner steps.
         optimizer: differentiable inner optimizer, applied to each task (:func:`per_task`).
         first_order: treat inner gradients as constants.
@@ -147,7 +144,7 @@ def batched_meta_loss(
             samples (identity on one process); called once per inner step for all tasks.
 
     Returns:
-        A scalar: this rank's share of the meta-batch's mean query loss.
+        A scalar: the sum of this rank's query shares of its tasks.
     """
     why = batchable(tasks)
     if why is not None:
@@ -163,25 +160,16 @@ def batched_meta_loss(
     state = optimizer.init(fast)
     with torch.enable_grad():
         for step in range(steps):
+            # Task t's share depends on row t only, so the gradient of the sum is every
+            # task's own gradient, row by row (module docstring).
             total = stacked_shares(model, fast, sx, sy, sn, loss_fn).sum()
-            grads = torch.autograd.grad(
-                total, [fast[k] for k in names], create_graph=not first_order,
-                allow_unused=True, materialize_grads=True,
-            )
-            grads = reduce(list(grads))
-            for k, g in zip(names, grads):
-                if not torch.isfinite(g).all():
-                    raise FloatingPointError(
-                        f"inner step {step}: the gradient of {k!r} is not finite; lower the "
-                        "inner learning rate or check the support data"
-                    )
-            updates, state = optimizer.update(dict(zip(names, grads)), state, fast)
-            fast = apply_updates(fast, updates)
-        return stacked_shares(model, fast, qx, qy, qn, loss_fn).sum() / n_tasks
+            fast, state = inner_step(total, fast, state, optimizer, step=step, reduce=reduce,
+                                     first_order=first_order)
+        return stacked_shares(model, fast, qx, qy, qn, loss_fn).sum()
 
 
 def use_batched(batched: bool | None, tasks: Sequence[Task], model: nn.Module) -> bool:
-    """Whether to run ``tasks`` stacked (:func:`batched_meta_loss`) or one by one.
+    """Whether to run ``tasks`` stacked (:func:`stacked_task_losses`) or one by one.
 
     Args:
         batched: ``True`` forces stacking (an error if the tasks cannot be stacked),

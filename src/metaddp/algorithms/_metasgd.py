@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from ._maml import MAML, OptimizerFactory
+from ._base import OptimizerFactory
+from ._maml import MAML
 
 
 class MetaSGD(MAML):
@@ -23,9 +24,11 @@ class MetaSGD(MAML):
         first_order: drop second-order terms (the rates still get their gradient).
         optimizer: a factory taking the learning rate (default :func:`metaddp.sgd`).
         per: ``"parameter"`` (Meta-SGD), ``"tensor"`` or ``"scalar"``.
+        batched: as :class:`MAML`.
     """
 
-    def __init__(self, model: nn.Module, inner_lr: float = 0.01, steps: int = 1,
+    def __init__(self, model: nn.Module, *, inner_lr: float = 0.01, steps: int = 1,
                  first_order: bool = False, optimizer: OptimizerFactory | None = None,
-                 per: str = "parameter") -> None:
-        super().__init__(model, inner_lr, steps, first_order, optimizer, learn_lr=per)
+                 per: str = "parameter", batched: bool | None = None) -> None:
+        super().__init__(model, inner_lr=inner_lr, steps=steps, first_order=first_order,
+                         optimizer=optimizer, learn_lr=per, batched=batched)

@@ -8,9 +8,12 @@ import json
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .tasks import family_class
+from ..tasks import family_class
+
+if TYPE_CHECKING:
+    from ..algorithms import Settings
 
 DTYPES = ("float32", "float64")
 LAYOUTS = ("sample", "task", "hybrid")
@@ -98,7 +101,7 @@ class TrainConfig:
         return cfg
 
     def check(self) -> None:
-        from ._algorithms import ALGORITHMS
+        from ..algorithms import ALGORITHMS
 
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {self.algorithm!r}; choose from "
@@ -117,6 +120,15 @@ class TrainConfig:
         for k in ("inner_lr", "outer_lr", "lam"):
             if not getattr(self, k) > 0:
                 raise ValueError(f"{k} must be positive, got {getattr(self, k)!r}")
+
+    def algorithm_settings(self) -> "Settings":
+        """What the algorithm registry builds this run's algorithm with."""
+        from ..algorithms import Settings
+
+        assert self.inner_lr is not None and self.inner_steps is not None
+        # iMAML's CG residual cannot fall far below the dtype's precision.
+        return Settings(inner_lr=self.inner_lr, steps=self.inner_steps, lam=self.lam,
+                        cg_steps=25, cg_tol=1e-10 if self.dtype == "float64" else 1e-6)
 
     def identity(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.IDENTITY}

@@ -25,11 +25,11 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from ._data import Task
-from ._functional import Params
-from ._inner import InnerOptimizer
-from ._maml import (MAML, LossFn, OptimizerFactory, Reduce, batch_share, identity_reduce, inner_loop,
-                    local_fraction)
+from .._adapt import batch_share, inner_loop
+from .._data import Task
+from .._types import LossFn, Params, Reduce
+from ..inner import InnerOptimizer
+from ._base import Algorithm, OptimizerFactory, local_fraction
 
 Vectors = list[Tensor]
 
@@ -94,7 +94,7 @@ def conjugate_gradient(
     return x, residual, it
 
 
-class IMAML(MAML):
+class IMAML(Algorithm):
     """Implicit MAML around any ``nn.Module``.
 
     Args:
@@ -110,21 +110,23 @@ class IMAML(MAML):
     latest solve.
     """
 
-    def __init__(self, model: nn.Module, lam: float = 1.0, inner_lr: float = 0.01, steps: int = 5,
+    def __init__(self, model: nn.Module, *, lam: float = 1.0, inner_lr: float = 0.01, steps: int = 5,
                  optimizer: InnerOptimizer | OptimizerFactory | None = None, cg_steps: int = 10,
                  cg_tol: float = 1e-10) -> None:
         if lam <= 0:
             raise ValueError(f"the proximal strength lam must be positive, got {lam}")
         if cg_steps < 1:
             raise ValueError(f"cg_steps must be >= 1, got {cg_steps}")
-        super().__init__(model, inner_lr, steps, True, optimizer, None)
+        super().__init__(model, inner_lr=inner_lr, steps=steps, first_order=True,
+                         optimizer=optimizer)
         self.lam, self.cg_steps, self.cg_tol = float(lam), int(cg_steps), float(cg_tol)
         self.last_cg: tuple[float, int] = (0.0, 0)
 
-    def solve(self, task: Task, loss_fn: LossFn, *, reduce: Reduce = identity_reduce
+    def solve(self, task: Task, loss_fn: LossFn, *, reduce: Reduce | None = None
               ) -> tuple[Params, Tensor]:
         """The implicit meta-gradient of one task (global, identical on every rank) and this
         rank's share of its query loss (detached)."""
+        reduce = self.collectives(reduce).reduce
         theta = {k: p.detach() for k, p in self.fast_weights().items()}
         names = list(theta)
         lam = self.lam
@@ -163,7 +165,7 @@ class IMAML(MAML):
         self.last_cg = (residual, iters)
         return dict(zip(names, v)), q.detach()
 
-    def task_loss(self, task: Task, loss_fn: LossFn, *, reduce: Reduce = identity_reduce) -> Tensor:
+    def task_loss(self, task: Task, loss_fn: LossFn, *, reduce: Reduce) -> Tensor:
         grad, q = self.solve(task, loss_fn, reduce=reduce)
         w = local_fraction(task.query)
         theta = self.fast_weights()

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from ._data import Task
-from ._inner import InnerOptimizer
-from ._maml import MAML, LossFn, OptimizerFactory, Reduce, identity_reduce, inner_loop, local_fraction
+from .._adapt import inner_loop
+from .._data import Task
+from .._types import LossFn, Reduce
+from ..inner import InnerOptimizer
+from ._base import Algorithm, OptimizerFactory, local_fraction
 
 
-class Reptile(MAML):
+class Reptile(Algorithm):
     """Reptile around any ``nn.Module`` (always first order).
 
     Args:
@@ -36,14 +38,15 @@ class Reptile(MAML):
     gradients over ranks counts every task once.
     """
 
-    def __init__(self, model: nn.Module, inner_lr: float = 0.01, steps: int = 5,
+    def __init__(self, model: nn.Module, *, inner_lr: float = 0.01, steps: int = 5,
                  optimizer: InnerOptimizer | OptimizerFactory | None = None,
                  learn_lr: str | None = None) -> None:
         if learn_lr is not None:
             raise ValueError("Reptile's meta-gradient does not depend on the inner learning rate; learn_lr cannot be trained")
-        super().__init__(model, inner_lr, steps, True, optimizer, None)
+        super().__init__(model, inner_lr=inner_lr, steps=steps, first_order=True,
+                         optimizer=optimizer)
 
-    def task_loss(self, task: Task, loss_fn: LossFn, *, reduce: Reduce = identity_reduce) -> Tensor:
+    def task_loss(self, task: Task, loss_fn: LossFn, *, reduce: Reduce) -> Tensor:
         theta = self.fast_weights()
         start = {k: p.detach().requires_grad_() for k, p in theta.items()}
         phi = inner_loop(self.model, start, task.support, loss_fn, steps=self.steps,

@@ -1,0 +1,147 @@
+"""The one differentiable inner step, shared by the per-task loop, the stacked executor and
+the stateful learner.
+
+A step takes this process's *share* of a support loss, differentiates it with respect to the
+fast weights (keeping the graph for second order), passes the gradients through ``reduce``
+(a differentiable SUM over the processes that split the task's samples, so the result is the
+gradient of the global loss), and applies a pure inner optimizer out of place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import overload
+
+import torch
+from torch import Tensor, nn
+
+from ._data import Batch
+from ._functional import call
+from ._share import share
+from .inner import InnerOptimizer, apply_updates
+from .inner import State
+from ._types import LossFn, Params, Reduce, identity_reduce
+
+
+@overload
+def grad(loss: Tensor, params: Mapping[str, Tensor], *, reduce: Reduce = ...,
+         create_graph: bool = ..., retain_graph: bool | None = ...) -> Params: ...
+@overload
+def grad(loss: Tensor, params: Sequence[Tensor], *, reduce: Reduce = ...,
+         create_graph: bool = ..., retain_graph: bool | None = ...) -> list[Tensor]: ...
+def grad(loss, params, *, reduce=identity_reduce, create_graph=True, retain_graph=None):
+    """The gradient of the *global* loss: ``torch.autograd.grad`` of a share, then ``reduce``.
+
+    Args:
+        loss: this process's share of a global mean loss (:func:`metaddp.share`).
+        params: the tensors to differentiate by, as a dict (returns a dict with the same keys)
+            or a sequence (returns a list).
+        reduce: the SUM over the processes that split the batch (``MetaDDP.reduce``).
+        create_graph: keep the graph of the gradient (second-order meta-gradients).
+        retain_graph: keep ``loss``'s graph for a later backward. Defaults to
+            ``create_graph``; a first-order step whose loss is used again (the question's
+            ``(l1 + l2).backward()``) needs ``retain_graph=True``.
+
+    Tensors that do not influence ``loss`` get a zero gradient (a process with an empty
+    shard still takes part in the SUM).
+    """
+    named = isinstance(params, Mapping)
+    tensors = list(params.values()) if named else list(params)
+    if loss.dim() != 0:
+        raise ValueError(
+            f"expected a scalar loss, got shape {tuple(loss.shape)}: on several processes "
+            "pass metaddp.share(per_sample_losses, batch), this process's share of the mean"
+        )
+    with torch.enable_grad():
+        grads = torch.autograd.grad(loss, tensors, create_graph=create_graph,
+                                    retain_graph=retain_graph, allow_unused=True,
+                                    materialize_grads=True)
+    reduced = reduce(list(grads))
+    return dict(zip(params, reduced)) if named else reduced
+
+
+def check_finite(grads: Mapping[str, Tensor], step: int) -> None:
+    """Raise :class:`FloatingPointError` naming the first non-finite gradient."""
+    for k, g in grads.items():
+        if not torch.isfinite(g).all():
+            raise FloatingPointError(
+                f"inner step {step}: the gradient of {k!r} is not finite (NaN or Inf); lower "
+                "the inner learning rate, check the support data, or use adam(eps_root>0) if "
+                "a second-order step divides by a zero second moment"
+            )
+
+
+def inner_step(
+    loss: Tensor, fast: Params, state: State, optimizer: InnerOptimizer, *, step: int,
+    reduce: Reduce = identity_reduce, first_order: bool = False,
+    extra_grad: Callable[[Params], Params] | None = None,
+) -> tuple[Params, State]:
+    """One differentiable optimizer step on ``loss``; returns the next fast weights and state.
+
+    Args:
+        loss: this process's share of the support loss, computed from ``fast``.
+        fast: the current fast weights (a dict of tensors on the meta-parameters' graph).
+        state: the inner optimizer's state for ``fast``.
+        optimizer: a differentiable inner optimizer (:func:`metaddp.sgd`, :func:`metaddp.adam`).
+        step: the step's number, for error messages.
+        reduce: SUM of gradients over the processes that split the task's samples.
+        first_order: treat the gradients as constants (no second-order terms).
+        extra_grad: a term added after the reduction, a function of the fast weights that
+            every process computes in full (iMAML's proximal term).
+    """
+    grads = grad(loss, fast, reduce=reduce, create_graph=not first_order)
+    if extra_grad is not None:
+        extra = extra_grad(fast)
+        grads = {k: g + extra[k] for k, g in grads.items()}
+    check_finite(grads, step)
+    updates, state = optimizer.update(grads, state, fast)
+    return apply_updates(fast, updates), state
+
+
+def batch_share(
+    model: nn.Module, params: Mapping[str, Tensor], batch: Batch, loss_fn: LossFn,
+    buffers: Mapping[str, Tensor] | None = None,
+) -> Tensor:
+    """This process's share of the mean loss of ``params`` over the whole (global) ``batch``."""
+    return share(loss_fn(call(model, params, batch.x, buffers=buffers), batch.y), batch.n)
+
+
+def inner_loop(
+    model: nn.Module,
+    params: Mapping[str, Tensor],
+    support: Batch,
+    loss_fn: LossFn,
+    *,
+    steps: int,
+    optimizer: InnerOptimizer,
+    first_order: bool = False,
+    reduce: Reduce = identity_reduce,
+    buffers: Mapping[str, Tensor] | None = None,
+    extra_grad: Callable[[Params], Params] | None = None,
+) -> Params:
+    """``steps`` differentiable optimizer steps on the support loss; returns the fast weights.
+
+    Args:
+        model: the network, called functionally on the fast weights.
+        params: the weights to start from (names missing here keep the model's own).
+        support: this process's shard of the support batch.
+        loss_fn: per-sample loss (``reduction='none'``).
+        steps: number of inner steps.
+        optimizer: a differentiable inner optimizer (:func:`metaddp.sgd`, :func:`metaddp.adam`).
+        first_order: treat inner gradients as constants (first-order MAML); otherwise they
+            are built with ``create_graph=True`` and the meta-gradient is exact to second order.
+        reduce: SUM of gradients over the processes sharing this task's samples.
+        buffers: buffers to run the model with (default: its own).
+        extra_grad: see :func:`inner_step`.
+
+    Returns:
+        The adapted fast weights.
+    """
+    fast: Params = dict(params)
+    state = optimizer.init(fast)
+    with torch.enable_grad():
+        for step in range(steps):
+            loss = batch_share(model, fast, support, loss_fn, buffers)
+            fast, state = inner_step(loss, fast, state, optimizer, step=step, reduce=reduce,
+                                     first_order=first_order, extra_grad=extra_grad)
+    return fast

@@ -1,0 +1,77 @@
+"""Which reductions an algorithm uses when it is not told: the ones of the wrapper around it.
+
+An algorithm never knows about ranks; it asks :func:`collectives_for` for the
+:class:`Collectives` bound to its modules. :class:`metaddp.MetaDDP` binds its own (the mesh's
+sample-axis SUM and the global task count) to every module it wraps, so that
+``wrapper.module.meta_loss(tasks, loss_fn)`` and ``wrapper.module.clone()`` reduce across ranks
+without a keyword. With no binding, one process gets the identity, and a multi-process run
+gets an error instead of rank-local gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable
+
+import torch.distributed as dist
+from torch import nn
+
+from ._types import Reduce, identity_reduce
+
+
+@dataclasses.dataclass(frozen=True)
+class Collectives:
+    """What an algorithm may ask of the processes it runs on.
+
+    Attributes:
+        reduce: differentiable SUM over the processes that split one task's samples.
+        count_tasks: the number of tasks in the global meta-batch, from this process's count.
+        where: a description for error messages.
+    """
+
+    reduce: Reduce
+    count_tasks: Callable[[int], int]
+    where: str
+
+
+LOCAL = Collectives(identity_reduce, int, "one process")
+
+_bound: weakref.WeakKeyDictionary[nn.Module, Collectives] = weakref.WeakKeyDictionary()
+
+
+def bind(module: nn.Module, collectives: Collectives) -> None:
+    """Make ``collectives`` the default of ``module`` and of every module inside it."""
+    for m in module.modules():
+        _bound[m] = collectives
+
+
+def unbind(module: nn.Module) -> None:
+    for m in module.modules():
+        _bound.pop(m, None)
+
+
+def several_processes() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def collectives_for(*modules: nn.Module) -> Collectives:
+    """The collectives bound to the first of ``modules`` that has any.
+
+    Raises:
+        RuntimeError: none is bound, and this process is one of several: the algorithm would
+            otherwise adapt on its own shard only and sum meta-gradients of a different problem.
+    """
+    for m in modules:
+        found = _bound.get(m)
+        if found is not None:
+            return found
+    if several_processes():
+        raise RuntimeError(
+            f"{type(modules[0]).__name__} runs on {dist.get_world_size()} processes but is not "
+            "wrapped in metaddp.MetaDDP, so it cannot know which processes split a task's "
+            "samples or how many tasks the meta-batch holds. Wrap it: "
+            "`learner = metaddp.MetaDDP(algorithm, mesh)`, then call `learner.meta_loss(...)` "
+            "(or pass reduce= explicitly and a metaddp.MetaBatch, for hand-made set-ups)."
+        )
+    return LOCAL

@@ -1,0 +1,49 @@
+"""The vocabulary every layer shares: weights by name, per-sample losses, reductions, and the
+interface every meta-learning algorithm offers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from ._data import Batch, Task
+
+Params = dict[str, Tensor]
+"""Weights by qualified parameter name (``"net.0.weight"``), as ``named_parameters`` gives them."""
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+"""``loss_fn(prediction, target)``: one loss per sample (``reduction='none'``)."""
+
+Reduce = Callable[[list[Tensor]], list[Tensor]]
+"""A differentiable SUM of each tensor over the processes that split one task's samples."""
+
+
+def identity_reduce(tensors: list[Tensor]) -> list[Tensor]:
+    """The ``reduce`` of one process: every gradient is already global."""
+    return tensors
+
+
+@runtime_checkable
+class MetaAlgorithm(Protocol):
+    """What a meta-learning algorithm offers (MAML, Meta-SGD, ANIL, Reptile, iMAML...).
+
+    ``reduce`` is optional everywhere: by default an algorithm uses the reduction of the
+    :class:`metaddp.MetaDDP` that wraps it (the identity on one process).
+    """
+
+    def meta_loss(self, tasks: Sequence[Task], loss_fn: LossFn, *,
+                  reduce: Reduce | None = None) -> Tensor:
+        """This process's share of the meta-batch's mean query loss after adaptation."""
+        ...
+
+    def adapt(self, support: Batch, loss_fn: LossFn, *, steps: int | None = None,
+              reduce: Reduce | None = None) -> Params:
+        """The fast weights after adapting to ``support``."""
+        ...
+
+    def forward(self, x: Tensor, fast: Mapping[str, Tensor] | None = None) -> Tensor:
+        """The model on ``x`` with the fast weights ``fast`` (default: the meta-parameters)."""
+        ...

@@ -1,0 +1,13 @@
+"""Meta-learning algorithms over a ``reduce`` function; none of them knows about ranks."""
+
+from ._anil import ANIL, BodyHead
+from ._base import Algorithm
+from ._imaml import IMAML, ConvergenceWarning, conjugate_gradient
+from ._learner import Learner
+from ._maml import MAML
+from ._metasgd import MetaSGD
+from ._reptile import Reptile
+from .registry import ALGORITHMS, Settings, build
+
+__all__ = ["ALGORITHMS", "ANIL", "Algorithm", "BodyHead", "ConvergenceWarning", "IMAML",
+           "Learner", "MAML", "MetaSGD", "Reptile", "Settings", "build", "conjugate_gradient"]

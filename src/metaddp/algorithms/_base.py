@@ -1,0 +1,172 @@
+"""What every meta-learning algorithm shares: the model, the inner optimizer (with learned
+rates), the reductions it uses, and the meta-batch's bookkeeping.
+
+Rank-agnostic by construction: every gradient of a support loss passes through a ``reduce``
+function. By default that is the one bound by the :class:`metaddp.MetaDDP` wrapping the
+algorithm (the identity on one process); ``reduce=`` overrides it. The losses are shares
+(:func:`metaddp.share`), so reduced gradients are gradients of the global mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .._adapt import inner_loop
+from .._binding import Collectives, collectives_for
+from .._data import Batch, MetaBatch, Task
+from .._functional import call, params_of
+from .._types import LossFn, Params, Reduce
+from ..inner import InnerOptimizer, LearnedLR, LearningRate, sgd
+from ._learner import Learner
+
+OptimizerFactory = Callable[[LearningRate], InnerOptimizer]
+
+
+def _unknown_count(n_local: int) -> int:
+    raise RuntimeError(
+        "the number of tasks in the global meta-batch is unknown: this algorithm runs on "
+        "several processes with an explicit reduce= but is not wrapped in metaddp.MetaDDP. "
+        "Pass the tasks as a metaddp.MetaBatch (MetaBatch.shard(...)), which carries the "
+        "global count, or wrap the algorithm in MetaDDP.")
+
+
+def local_fraction(batch: Batch) -> float:
+    """The fraction of ``batch``'s global samples this rank holds.
+
+    Over the ranks that split a batch these fractions add up to one, so a quantity every
+    one of them holds in full (a displacement, an implicit gradient) weighted by it becomes
+    a share, and the usual SUM of meta-gradients counts it once.
+    """
+    return batch.x.shape[0] / batch.n
+
+
+class Algorithm(nn.Module):
+    """The base of MAML, Meta-SGD, ANIL, Reptile and iMAML (see :class:`metaddp.MAML`).
+
+    Subclasses implement :meth:`task_loss`; those that adapt only part of the model override
+    :meth:`adapted_module` and :meth:`forward`.
+    """
+
+    def __init__(
+        self, model: nn.Module, *, inner_lr: float = 0.01, steps: int = 1,
+        first_order: bool = False, optimizer: InnerOptimizer | OptimizerFactory | None = None,
+        learn_lr: str | None = None,
+    ) -> None:
+        super().__init__()
+        if steps < 0:
+            raise ValueError(f"steps must be >= 0, got {steps}")
+        self.model = model
+        self.inner_lr, self.steps, self.first_order = inner_lr, steps, first_order
+        self.lr: LearnedLR | None = None
+        self._factory: OptimizerFactory | None = None
+        self.optimizer: InnerOptimizer | None = None
+        if learn_lr is not None:
+            if isinstance(optimizer, InnerOptimizer):
+                raise TypeError(
+                    "with learn_lr the optimizer must be a factory taking the learning rate "
+                    "(e.g. metaddp.sgd or functools.partial(metaddp.adam, b1=0.5)), not a built optimizer"
+                )
+            self.lr = LearnedLR(params_of(self.adapted_module()), inner_lr, learn_lr)
+            self._factory = optimizer or sgd
+        else:
+            if optimizer is not None and not isinstance(optimizer, InnerOptimizer):
+                optimizer = optimizer(inner_lr)
+            self.optimizer = optimizer or sgd(inner_lr)
+
+    # --- what subclasses change ------------------------------------------------------------
+
+    def adapted_module(self) -> nn.Module:
+        """The module whose parameters the inner loop adapts (the whole model here)."""
+        return self.model
+
+    def task_loss(self, task: Task, loss_fn: LossFn, *, reduce: Reduce) -> Tensor:
+        """This rank's share of one task's contribution to the meta-loss."""
+        raise NotImplementedError
+
+    def forward(self, x: Tensor, fast: Mapping[str, Tensor] | None = None) -> Tensor:
+        """The model on ``x`` with fast weights ``fast`` (default: the meta-parameters)."""
+        return call(self.model, fast if fast is not None else self.fast_weights(), x)
+
+    # --- shared -----------------------------------------------------------------------------
+
+    def inner_optimizer(self) -> InnerOptimizer:
+        """The inner optimizer, built on the current learned rates when they are learned."""
+        if self.lr is not None:
+            assert self._factory is not None
+            return self._factory(self.lr.as_dict())
+        assert self.optimizer is not None
+        return self.optimizer
+
+    def fast_weights(self) -> Params:
+        """The weights adaptation starts from (the meta-parameters themselves)."""
+        return params_of(self.adapted_module())
+
+    def collectives(self, reduce: Reduce | None = None) -> Collectives:
+        """The reductions to use: those of the wrapping :class:`metaddp.MetaDDP`, with
+        ``reduce`` in place of its sample-axis SUM when given."""
+        if reduce is None:
+            return collectives_for(self, self.model)
+        try:
+            bound = collectives_for(self, self.model)
+        except RuntimeError:
+            return Collectives(reduce, _unknown_count, "an explicit reduce")
+        return Collectives(reduce, bound.count_tasks, "an explicit reduce")
+
+    def adapt(self, support: Batch, loss_fn: LossFn, *, steps: int | None = None,
+              reduce: Reduce | None = None) -> Params:
+        """Fast weights after ``steps`` (default: the algorithm's) inner steps on ``support``."""
+        return inner_loop(
+            self.adapted_module(), self.fast_weights(), support, loss_fn,
+            steps=self.steps if steps is None else steps, optimizer=self.inner_optimizer(),
+            first_order=self.first_order, reduce=self.collectives(reduce).reduce,
+        )
+
+    def task_losses(self, tasks: Sequence[Task], loss_fn: LossFn, reduce: Reduce) -> Tensor:
+        """The sum of :meth:`task_loss` over ``tasks`` (one by one)."""
+        losses = [self.task_loss(task, loss_fn, reduce=reduce) for task in tasks]
+        total = losses[0]
+        for loss in losses[1:]:
+            total = total + loss
+        return total
+
+    def meta_loss(self, tasks: Sequence[Task], loss_fn: LossFn, *,
+                  reduce: Reduce | None = None) -> Tensor:
+        """This rank's share of the meta-batch loss: its tasks' query shares over the global
+        number of tasks.
+
+        Args:
+            tasks: the tasks this rank works on (possibly none), each cut to this rank's
+                samples. A :class:`metaddp.MetaBatch` carries the global task count; for a
+                plain list it is one integer SUM over the task axis.
+            loss_fn: per-sample loss (``reduction='none'``).
+            reduce: the sample-axis SUM, when not the wrapping MetaDDP's.
+        """
+        c = self.collectives(reduce)
+        n_tasks = tasks.n if isinstance(tasks, MetaBatch) else c.count_tasks(len(tasks))
+        if n_tasks <= 0:
+            raise ValueError("a meta-batch needs at least one task, and no rank holds any")
+        # Start from an exact zero that touches every meta-parameter: a rank holding no task
+        # then still gives every parameter a (zero) gradient, and the gradient sum over ranks
+        # sees the same tensors everywhere.
+        zero = sum(p.sum() * 0.0 for p in self.parameters())
+        if not tasks:
+            return zero  # type: ignore[return-value]
+        return zero + self.task_losses(tasks, loss_fn, c.reduce) / n_tasks
+
+    def clone(self, *, reduce: Reduce | None = None) -> Learner:
+        """A learner holding its own fast weights, in the style of learn2learn's ``clone``.
+
+        ``learner.adapt(loss)`` takes one inner step on a loss computed with ``learner(x)``;
+        ``learner(x)`` runs the model on the current fast weights. The module is never
+        modified. Inner gradients are reduced like :meth:`meta_loss`'s, so on several ranks
+        the loss given to ``adapt`` must be this rank's share (:func:`metaddp.share`).
+        """
+        return Learner(self._run, self.fast_weights(), self.inner_optimizer(),
+                       first_order=self.first_order, reduce=self.collectives(reduce).reduce)
+
+    def _run(self, fast: Params, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, fast=fast, **kwargs)

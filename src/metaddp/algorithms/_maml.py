@@ -1,0 +1,60 @@
+"""MAML: adapt fast weights on a task's support set, score them on its query set.
+
+Finn, Abbeel & Levine, "Model-Agnostic Meta-Learning", ICML 2017, arXiv:1703.03400.
+A rank's tasks run stacked along a task dimension (:mod:`metaddp.algorithms._stacked`) or one
+by one, with the same meta-gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor, nn
+
+from .._adapt import batch_share
+from .._data import Task
+from .._types import LossFn, Reduce
+from ..inner import InnerOptimizer
+from ._base import Algorithm, OptimizerFactory
+from ._stacked import stacked_task_losses, use_batched
+
+
+class MAML(Algorithm):
+    """Model-agnostic meta-learning around any ``nn.Module``, which it never mutates.
+
+    Args:
+        model: the network; its parameters are the meta-parameters.
+        inner_lr: step size of the inner optimizer (its initial value when learned).
+        steps: inner steps per task.
+        first_order: drop second-order terms (first-order MAML).
+        optimizer: a differentiable inner optimizer (``metaddp.sgd(0.1, momentum=0.9)``...)
+            replacing SGD; with ``learn_lr``, a factory taking the learning rate instead
+            (``metaddp.sgd``, ``functools.partial(metaddp.adam, b1=0.5)``).
+        learn_lr: train the inner learning rate in the outer loop: ``"scalar"``,
+            ``"tensor"`` (one per parameter tensor) or ``"parameter"`` (one per entry, as
+            Meta-SGD). The rates are parameters of this module, kept in :attr:`lr`.
+        batched: run a rank's tasks stacked along a task dimension (``True``), one by one
+            (``False``), or choose (``None``: by device and model, see ``use_batched``); same
+            result.
+    """
+
+    def __init__(
+        self, model: nn.Module, *, inner_lr: float = 0.01, steps: int = 1,
+        first_order: bool = False, optimizer: InnerOptimizer | OptimizerFactory | None = None,
+        learn_lr: str | None = None, batched: bool | None = None,
+    ) -> None:
+        super().__init__(model, inner_lr=inner_lr, steps=steps, first_order=first_order,
+                         optimizer=optimizer, learn_lr=learn_lr)
+        self.batched = batched
+
+    def task_loss(self, task: Task, loss_fn: LossFn, *, reduce: Reduce) -> Tensor:
+        """This rank's share of one task's query loss after adaptation."""
+        fast = self.adapt(task.support, loss_fn, reduce=reduce)
+        return batch_share(self.model, fast, task.query, loss_fn)
+
+    def task_losses(self, tasks: Sequence[Task], loss_fn: LossFn, reduce: Reduce) -> Tensor:
+        if use_batched(self.batched, tasks, self.model):
+            return stacked_task_losses(
+                self.model, self.fast_weights(), tasks, loss_fn, steps=self.steps,
+                optimizer=self.inner_optimizer(), first_order=self.first_order, reduce=reduce)
+        return super().task_losses(tasks, loss_fn, reduce)

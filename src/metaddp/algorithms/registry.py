@@ -1,0 +1,79 @@
+"""Meta-learning algorithms by name: the one registry the training command, ``metaddp
+verify`` and the tests build from. A new algorithm is one more entry in :data:`ALGORITHMS`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from torch import nn
+
+from ._anil import ANIL
+from ._base import Algorithm
+from ._imaml import IMAML
+from ._maml import MAML
+from ._metasgd import MetaSGD
+from ._reptile import Reptile
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What an algorithm is built with (each takes the settings it has a use for).
+
+    Args:
+        inner_lr: inner learning rate (the initial value of learned rates).
+        steps: inner steps per task.
+        first_order: drop second-order terms (MAML, Meta-SGD, ANIL).
+        lam: iMAML's proximal strength.
+        cg_steps: iMAML's conjugate-gradient budget.
+        cg_tol: iMAML's relative residual to stop at. It cannot fall far below the dtype's
+            precision: 1e-6 suits float32, 1e-10 float64.
+    """
+
+    inner_lr: float = 0.01
+    steps: int = 1
+    first_order: bool = False
+    lam: float = 1.0
+    cg_steps: int = 25
+    cg_tol: float = 1e-6
+
+
+Builder = Callable[[nn.Module, Settings], Algorithm]
+
+ALGORITHMS: dict[str, Builder] = {
+    # Finn, Abbeel & Levine 2017: second-order meta-gradient through the inner loop.
+    "maml": lambda m, s: MAML(m, inner_lr=s.inner_lr, steps=s.steps, first_order=s.first_order),
+    # The same with the inner gradients held constant (first-order MAML, ibid. sec. 5.2).
+    "fomaml": lambda m, s: MAML(m, inner_lr=s.inner_lr, steps=s.steps, first_order=True),
+    # Li et al. 2017: a learned learning rate per parameter entry, initialised at inner_lr.
+    "metasgd": lambda m, s: MetaSGD(m, inner_lr=s.inner_lr, steps=s.steps,
+                                    first_order=s.first_order),
+    # Raghu et al. 2020: only the last layer adapts, on features of the rest computed once.
+    "anil": lambda m, s: ANIL(*split_head(m), inner_lr=s.inner_lr, steps=s.steps,
+                              first_order=s.first_order),
+    # Nichol et al. 2018: the meta-gradient is the mean displacement theta - phi.
+    "reptile": lambda m, s: Reptile(m, inner_lr=s.inner_lr, steps=s.steps),
+    # Rajeswaran et al. 2019: implicit gradient by conjugate gradient on I + H / lam.
+    "imaml": lambda m, s: IMAML(m, lam=s.lam, inner_lr=s.inner_lr, steps=s.steps,
+                                cg_steps=s.cg_steps, cg_tol=s.cg_tol),
+}
+
+
+def split_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """(body, head) for ANIL: the model's own ``split_head()`` when it has one; for a
+    sequential network, everything but the last layer, and the last."""
+    own = getattr(model, "split_head", None)
+    if callable(own):
+        body, head = own()
+        return body, head
+    if isinstance(model, nn.Sequential) and len(model) >= 2:
+        return model[:-1], model[-1]
+    raise ValueError(f"ANIL needs a body/head split: {type(model).__name__} is not a sequential "
+                     "network with at least two layers and has no split_head() method")
+
+
+def build(name: str, model: nn.Module, settings: Settings) -> Algorithm:
+    """The algorithm ``name`` around ``model``."""
+    if name not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {name!r}; choose from {', '.join(ALGORITHMS)}")
+    return ALGORITHMS[name](model, settings)

@@ -1,0 +1,312 @@
+"""``MetaDDP``: the place ``DistributedDataParallel`` had, for meta-learning.
+
+DDP reduces gradients with hooks on the leaves' gradient accumulators, divides by the world
+size, and cannot be differentiated through. Here the module runs untouched; the inner-loop
+reductions are differentiable collectives (:meth:`MetaDDP.reduce`) that the wrapped algorithm
+uses without being told; and after the outer backward :meth:`MetaDDP.sync_grads` SUM-reduces
+every leaf's ``.grad``. Because every rank's loss is its share of the global mean, that sum
+*is* the global meta-gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, overload
+
+import torch
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .._adapt import grad
+from .._binding import LOCAL, Collectives, bind, unbind
+from .._data import Batch, MetaBatch, Task
+from .._types import LossFn, MetaAlgorithm, Params, identity_reduce
+from ._batchnorm import BatchNormSync, has_batchnorm, sync_batchnorm
+from ._check import OutOfSyncError, WeightCheck, from_env
+from ._collectives import (
+    DEFAULT_BUCKET_BYTES, all_reduce_counts, all_reduce_sum, all_reduce_sum_, broadcast_,
+    global_count, global_value, group_size, max_abs_difference,
+)
+from ._mesh import Mesh
+from ._overlap import GradReducer
+
+
+class MetaDDP(nn.Module):
+    """Keep a module's meta-parameters identical on every rank and sum their gradients.
+
+    Args:
+        module: a meta-learning algorithm (:class:`metaddp.MAML`, ``MetaSGD``, ``ANIL``,
+            ``Reptile``, ``IMAML``) holding the model, or any ``nn.Module``.
+        mesh: how ranks share the work (:class:`metaddp.Mesh`); default: sample-parallel.
+        broadcast: copy rank 0's parameters and buffers to every rank at construction. With
+            ``False``, the ranks' weights are compared instead and a difference is an error.
+        allow_unused: leave ``.grad`` as ``None`` for a parameter that got no gradient on any
+            rank, instead of raising.
+        bucket_bytes: size of the flattened buckets each collective moves.
+        overlap: start each bucket's gradient SUM during the outer backward, as soon as its
+            gradients are final, and wait for them in :meth:`sync_grads`. Early starts begin
+            only after every rank ran exactly one backward per ``sync_grads()`` for two steps
+            in a row. A loop that calls ``backward()`` once per task (the ``clone()`` /
+            ``adapt()`` style) is seen, and its sums then start in ``sync_grads()``: the same
+            result, without the overlap. ``with learner.no_sync():`` accumulates explicitly.
+        check: check mode (default: the ``METADDP_CHECK`` environment variable). Before every
+            forward of a module with parameters, the weights it runs on must be identical on
+            the ranks that split a task's samples, and :meth:`meta_loss` checks that every
+            task's shards add up to its global sizes; a difference raises
+            :class:`metaddp.OutOfSyncError` naming the tensor. Costs nothing when off.
+
+    What the wrapper does to the module, so that results never depend on the world size:
+
+    - It binds its reductions to the module: ``learner.meta_loss(tasks, loss_fn)`` (or
+      ``learner.module.meta_loss(...)``), ``clone()`` and ``adapt()`` reduce inner gradients
+      over the sample axis and count the meta-batch's tasks globally, without a keyword.
+    - Every BatchNorm layer takes the statistics of the task's whole batch, summed over the
+      ranks that split it (the identity on one rank). Per-shard statistics would make the
+      result depend on the split, so they are never used; the cost is one small
+      differentiable SUM per BatchNorm layer per forward.
+    """
+
+    def __init__(
+        self, module: nn.Module, mesh: Mesh | None = None, *, broadcast: bool = True,
+        allow_unused: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        overlap: bool = True, check: bool | None = None,
+    ) -> None:
+        super().__init__()
+        if isinstance(module, (DistributedDataParallel, nn.DataParallel)):
+            raise TypeError(
+                f"MetaDDP takes the place of {type(module).__name__}: pass the bare module "
+                "(`model.module`) and let MetaDDP keep ranks in sync. DDP's gradient hooks "
+                "neither reduce autograd.grad results nor let autograd see the reduction."
+            )
+        if isinstance(module, MetaDDP):
+            raise TypeError("this module is already wrapped in MetaDDP")
+        self.module = module
+        self.mesh = mesh if mesh is not None else Mesh.create()
+        self.allow_unused = allow_unused
+        self.bucket_bytes = bucket_bytes
+        state = list(module.parameters()) + list(module.buffers())
+        if broadcast:
+            broadcast_(state, src=0, group=self.mesh.group)
+        else:
+            self.check_in_sync()
+        # Hooks only where there is something to overlap with: on one rank the sum is a copy.
+        self._reducer: GradReducer | None = None
+        if overlap and group_size(self.mesh.group) > 1:
+            trained = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+            if trained:
+                self._reducer = GradReducer(trained, self.mesh.group, bucket_bytes)
+        self._collectives = Collectives(self.reduce, self._count_tasks, repr(self.mesh))
+        bind(module, self._collectives)
+        self._batchnorm: BatchNormSync | None = (
+            sync_batchnorm(module, self.reduce) if has_batchnorm(module) else None)
+        self.checking = from_env() if check is None else bool(check)
+        self._weight_check = WeightCheck(module, self.mesh.sample_group) if self.checking else None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def reduce(self, tensors: list[Tensor]) -> list[Tensor]:
+        """Differentiable SUM over the ranks that share a task's samples (for inner loops)."""
+        return all_reduce_sum(tensors, group=self.mesh.sample_group, bucket_bytes=self.bucket_bytes)
+
+    def _count_tasks(self, n_local: int) -> int:
+        # Ranks of one sample group hold the same tasks; the task axis holds different ones.
+        return global_count(n_local, self.mesh.task_group)
+
+    def release(self) -> None:
+        """Undo what the wrapper did to the module (bindings, BatchNorm, hooks)."""
+        unbind(self.module)
+        if self._batchnorm is not None:
+            self._batchnorm.remove()
+            self._batchnorm = None
+        if self._weight_check is not None:
+            self._weight_check.remove()
+            self._weight_check = None
+        if self._reducer is not None:
+            self._reducer.remove()
+            self._reducer = None
+
+    @contextlib.contextmanager
+    def local(self) -> Iterator[nn.Module]:
+        """Run the module on this process alone inside the block (whole tasks, no collective):
+        identity reductions, plain batch statistics, no check. For work one rank does by
+        itself, such as drawing a figure after training."""
+        bind(self.module, LOCAL)
+        if self._batchnorm is not None:
+            self._batchnorm.reduce = identity_reduce
+        if self._weight_check is not None:
+            self._weight_check.enabled = False
+        try:
+            yield self.module
+        finally:
+            bind(self.module, self._collectives)
+            if self._batchnorm is not None:
+                self._batchnorm.reduce = self.reduce
+            if self._weight_check is not None:
+                self._weight_check.enabled = True
+
+    # --- the front door ---------------------------------------------------------------
+
+    def _algorithm(self, what: str) -> MetaAlgorithm:
+        if not isinstance(self.module, MetaAlgorithm):
+            raise TypeError(
+                f"MetaDDP.{what} needs a meta-learning algorithm, but this wraps a "
+                f"{type(self.module).__name__}: wrap metaddp.MAML(model, ...) (or MetaSGD, "
+                "ANIL, Reptile, IMAML) instead of the bare model")
+        return self.module
+
+    def shard(self, tasks: int | Sequence[Task],
+              make_task: Callable[[int], Task] | None = None) -> MetaBatch:
+        """This rank's part of a global meta-batch: its task group's tasks, each cut to its
+        share of the samples. ``tasks`` is the whole meta-batch, or its size with
+        ``make_task(i)`` building global task ``i`` (then only this rank's tasks are built)."""
+        m = self.mesh
+        return MetaBatch.shard(tasks, make_task, task_index=m.task_index, task_parts=m.tasks,
+                               sample_index=m.sample_index, sample_parts=m.samples)
+
+    def meta_loss(self, tasks: Sequence[Task], loss_fn: LossFn) -> Tensor:
+        """This rank's share of the meta-batch's mean query loss, through the wrapped algorithm.
+
+        Args:
+            tasks: this rank's tasks, each cut to this rank's samples: a
+                :class:`metaddp.MetaBatch` (from :meth:`shard`), or a list (then the
+                global task count is one integer SUM over the task axis).
+            loss_fn: per-sample loss (``reduction='none'``).
+
+        Then ``loss.backward()``, :meth:`sync_grads` and ``optimizer.step()``.
+        """
+        algorithm = self._algorithm("meta_loss")
+        if self.checking:
+            self.check_sizes(tasks)
+        return algorithm.meta_loss(tasks, loss_fn)
+
+    def adapt(self, support: Batch, loss_fn: LossFn, *, steps: int | None = None) -> Params:
+        """The wrapped algorithm's fast weights after adapting to ``support``."""
+        return self._algorithm("adapt").adapt(support, loss_fn, steps=steps)
+
+    def clone(self) -> Any:
+        """A learner with its own fast weights (learn2learn's ``clone()``), reducing its inner
+        gradients over the sample axis: ``learner.adapt(share)``, ``learner(x)``."""
+        algorithm = self._algorithm("clone")
+        clone = getattr(algorithm, "clone", None)
+        if clone is None:
+            raise TypeError(f"{type(algorithm).__name__} has no clone()")
+        return clone()
+
+    @overload
+    def grad(self, loss: Tensor, params: Mapping[str, Tensor], *, create_graph: bool = ...,
+             retain_graph: bool | None = ...) -> Params: ...
+    @overload
+    def grad(self, loss: Tensor, params: Sequence[Tensor], *, create_graph: bool = ...,
+             retain_graph: bool | None = ...) -> list[Tensor]: ...
+    def grad(self, loss, params, *, create_graph=True, retain_graph=None):
+        """For hand-written inner loops: the gradient of the *global* loss.
+
+        ``torch.autograd.grad(loss, params)`` followed by the differentiable SUM over the
+        ranks that split the batch, so every rank gets the same, global gradient.
+        ``loss`` must be this rank's share (:func:`metaddp.share`). ``create_graph=True``
+        keeps second-order terms; a first-order step whose loss is backpropagated again
+        later needs ``retain_graph=True``.
+        """
+        return grad(loss, params, reduce=self.reduce, create_graph=create_graph,
+                    retain_graph=retain_graph)
+
+    def global_value(self, share: Tensor) -> Tensor:
+        """The global value of a share (a loss, for logging): SUM over all ranks, detached."""
+        return global_value(share, self.mesh.group)
+
+    def check_sizes(self, tasks: Sequence[Task]) -> None:
+        """Raise :class:`metaddp.OutOfSyncError` unless every task's shards, summed over the
+        sample axis, are its declared global sizes (two small collectives)."""
+        group = self.mesh.sample_group
+        ranks = group_size(group)
+        if ranks > 1:
+            spread = max_abs_difference([torch.tensor([float(len(tasks))])], group)[0]
+            if spread:
+                raise OutOfSyncError(
+                    "check mode: the ranks that split tasks' samples hold different numbers of "
+                    "tasks; give every rank of a sample group the same tasks (MetaDDP.shard)")
+        batches = [b for t in tasks for b in (t.support, t.query)]
+        local = [b.x.shape[0] for b in batches]
+        total = all_reduce_counts(local + [b.n for b in batches], group)
+        for i, b in enumerate(batches):
+            held, claimed = total[i], total[len(batches) + i]
+            if held * ranks != claimed or claimed != b.n * ranks:
+                which = "support" if i % 2 == 0 else "query"
+                raise OutOfSyncError(
+                    f"check mode: task {i // 2}'s {which} batch says it has {b.n} samples, but "
+                    f"its shards on the {ranks} rank(s) that split it hold {held}. Cut tasks "
+                    "with Task.split / MetaDDP.shard, which record the global size, rather "
+                    "than giving a shard's own length as n")
+
+    # --- gradients ----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally; the next one outside, followed
+        by :meth:`sync_grads`, sums the accumulated gradients (as ``DDP.no_sync``)."""
+        if self._reducer is None:
+            yield
+            return
+        with self._reducer.paused():
+            yield
+
+    def check_in_sync(self) -> None:
+        """Raise if any parameter or buffer differs between ranks (one collective)."""
+        named = list(self.module.named_parameters()) + list(self.module.named_buffers())
+        spread = max_abs_difference([t for _, t in named], group=self.mesh.group)
+        bad = [f"{name} (max difference {d:.3g})" for (name, _), d in zip(named, spread) if d > 0]
+        if bad:
+            raise ValueError(
+                "ranks hold different weights: " + ", ".join(bad[:5])
+                + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+                + ". Seed every rank alike, load the same checkpoint, or build MetaDDP with "
+                "broadcast=True to copy rank 0's weights."
+            )
+
+    def sync_grads(self) -> None:
+        """SUM every meta-parameter's ``.grad`` over all ranks of the mesh (bucketed).
+
+        Call after the outer ``backward()`` and before ``optimizer.step()``. A parameter with
+        no gradient on some ranks counts as zero there; one with no gradient on any rank is
+        an error unless ``allow_unused``.
+        """
+        if self._reducer is not None:
+            missing = self._reducer.finish()
+            self._check_trained_unchanged()
+            self._raise_missing(missing)
+            return
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        if not params:
+            return
+        grads = [p.grad if p.grad is not None else p.detach().new_zeros(p.shape) for p in params]
+        # One has-gradient flag per parameter rides in the same buckets as the gradients.
+        flags = params[0].detach().new_tensor([float(p.grad is not None) for p in params])
+        all_reduce_sum_(grads + [flags], group=self.mesh.group, bucket_bytes=self.bucket_bytes)
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        missing = [names[id(p)] for p, f in zip(params, flags.tolist()) if f == 0]
+        self._raise_missing(missing)
+        for p, g, f in zip(params, grads, flags.tolist()):
+            if f > 0:
+                p.grad = g
+
+    def _check_trained_unchanged(self) -> None:
+        assert self._reducer is not None
+        now = [p for p in self.module.parameters() if p.requires_grad]
+        if len(now) != len(self._reducer.params) or any(a is not b for a, b in zip(now, self._reducer.params)):
+            raise ValueError(
+                "the set of trained parameters (requires_grad=True) changed after MetaDDP was "
+                "built; freeze or add parameters before wrapping the module, or build MetaDDP "
+                "with overlap=False."
+            )
+
+    def _raise_missing(self, missing: list[str]) -> None:
+        if missing and not self.allow_unused:
+            raise ValueError(
+                "no rank produced a gradient for: " + ", ".join(missing[:5])
+                + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+                + ". Call backward() on the meta-loss before sync_grads(); if these parameters "
+                "are not meant to train, set requires_grad=False or build MetaDDP with "
+                "allow_unused=True."
+            )

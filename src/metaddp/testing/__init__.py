@@ -1,0 +1,1 @@
+"""Reproducible problems for checking invariance to the world size (``metaddp verify``, tests)."""

@@ -1,0 +1,188 @@
+"""The training loop behind ``metaddp train``: the same on one process or many.
+
+Outer step ``t`` trains on tasks ``t * B .. t * B + B - 1`` of the training stream (``B`` the
+meta-batch); each process takes its part through the mesh (tasks over the task axis, each
+task's samples over the sample axis), computes its share of the meta-loss, and
+:class:`metaddp.MetaDDP` sums the meta-gradients. Because tasks are functions of their index
+and gradients are exact sums, the run follows the same trajectory on any number of processes
+(to rounding), and a resumed run needs only the step number to continue the task stream.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import _plotting
+from ..algorithms import build
+from ..distributed import Mesh, MetaDDP, rank
+from ..tasks import make
+from . import _checkpoint
+from ._config import TrainConfig
+from ._evaluate import evaluate, to
+from ._folder import CHECKPOINT
+from ._metrics import MetricsLog, read
+from ._plots import training_curves
+
+
+def device_for(backend: str | None) -> torch.device:
+    if backend != "gloo" and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+class Trainer:
+    """One training run on every process of the (already initialised) process group.
+
+    Args:
+        cfg: the resolved settings (:meth:`TrainConfig.resolved`).
+        out: the output folder (prepared by :func:`prepare_folder` on rank 0).
+        resume: continue from ``out/checkpoint.pt``.
+        backend: the process group's backend ("gloo", "nccl") or ``None`` for one process.
+    """
+
+    def __init__(self, cfg: TrainConfig, out: str | Path, *, resume: bool = False,
+                 backend: str | None = None) -> None:
+        self.cfg, self.out = cfg, Path(out)
+        self.device = device_for(backend)
+        self.dtype: torch.dtype = getattr(torch, cfg.dtype)
+        self.family = make(cfg.task, shots=cfg.shots, query=cfg.query, ways=cfg.ways,
+                           hidden=cfg.hidden, data=cfg.data)
+        torch.manual_seed(cfg.seed)
+        algorithm = build(cfg.algorithm, self.family.model(), cfg.algorithm_settings())
+        self.algorithm = algorithm.to(device=self.device, dtype=self.dtype)
+        self.optimizer = torch.optim.Adam(self.algorithm.parameters(), lr=cfg.outer_lr)
+        self.start = 0
+        if resume:
+            state = _checkpoint.load(self.out / CHECKPOINT, cfg.identity(),
+                                     map_location=self.device)
+            self.algorithm.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.start = state["step"]
+            if self.start > cfg.steps:
+                raise _checkpoint.CheckpointError(
+                    f"the checkpoint is at step {self.start}, beyond --steps {cfg.steps}: "
+                    "raise --steps")
+        self.learner = MetaDDP(self.algorithm, Mesh.for_layout(cfg.layout))
+
+    def step(self, step: int) -> float:
+        """Outer step ``step`` (0-based): its meta-batch, one optimizer step; the global loss."""
+        B = self.cfg.meta_batch
+        assert B is not None
+        tasks = self.learner.shard(
+            B, lambda i: to(self.family.task(self.cfg.seed, B * step + i), self.dtype, self.device))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.learner.meta_loss(tasks, self.family.loss)
+        loss.backward()
+        self.learner.sync_grads()
+        self.optimizer.step()
+        return float(self.learner.global_value(loss))
+
+    def evaluate(self) -> dict[str, float]:
+        """Meta-test on held-out tasks (mean query loss and accuracy, with 95% intervals)."""
+        cfg = self.cfg
+        assert cfg.eval_steps is not None
+        return evaluate(self.algorithm, self.family, self.learner.mesh, seed=cfg.seed,
+                        n_tasks=cfg.eval_tasks, steps=cfg.eval_steps, dtype=self.dtype,
+                        device=self.device)
+
+    def save(self, step: int) -> None:
+        """Write the checkpoint (rank 0), atomically."""
+        if rank() == 0:
+            _checkpoint.save(self.out / CHECKPOINT, step=step, config=self.cfg.to_dict(),
+                             model=self.algorithm.state_dict(),
+                             optimizer=self.optimizer.state_dict())
+
+    def plots(self) -> list[str]:
+        """The run's PNG figures (rank 0; none without matplotlib): training curves, then the
+        task family's own."""
+        if not _plotting.available():
+            return []
+        folder = self.out / "plots"
+        paths = [folder / "training.png"]
+        training_curves(read(self.out / "metrics.csv"), paths[0],
+                        classification=self.family.classification, metric=self.family.metric,
+                        title=f"{self.cfg.algorithm} on {self.cfg.task}")
+        with self.learner.local():  # whole held-out tasks on this process alone
+            paths += self.family.plots(self.algorithm, seed=self.cfg.seed, folder=folder,
+                                       dtype=self.dtype, device=self.device)
+        return [str(p) for p in paths]
+
+    def run(self, *, progress: bool = True) -> dict[str, Any]:
+        """Train from the start (or checkpoint) step to ``cfg.steps``.
+
+        Returns:
+            On every rank: ``losses`` (global meta-loss per step trained here), ``final``
+            (last evaluation), ``start`` (first step trained here), ``weights`` (the final
+            meta-parameters, on the CPU) and ``summary``.
+        """
+        cfg, me = self.cfg, rank()
+        log = MetricsLog(self.out, self.start) if me == 0 else None
+        bar = progress_bar(cfg, self.start) if me == 0 and progress else None
+        losses: list[float] = []
+        last_eval: dict[str, float] = {}
+        metric = "test acc" if self.family.classification else f"test {self.family.metric}"
+        # Elapsed seconds continue from the last row kept when resuming.
+        t0 = time.perf_counter() - (log.seconds if log is not None else 0.0)
+        try:
+            for step in range(self.start, cfg.steps):
+                value = self.step(step)
+                losses.append(value)
+                done = step + 1
+                row: dict[str, float] = {"step": done, "meta_loss": value,
+                                         "seconds": time.perf_counter() - t0}
+                if done == cfg.steps or (cfg.eval_every and done % cfg.eval_every == 0):
+                    last_eval = self.evaluate()
+                    row.update(last_eval)
+                if log is not None:
+                    log.write(row)
+                if done == cfg.steps or done % cfg.checkpoint_every == 0:
+                    self.save(done)
+                if bar is not None:
+                    shown = {"loss": f"{value:.4g}"}
+                    if last_eval:
+                        key = "test_acc_after" if self.family.classification else "test_after"
+                        shown[metric] = f"{last_eval[key]:.4g}"
+                    bar.set_postfix(shown, refresh=False)
+                    bar.update(1)
+            if not last_eval:  # resumed at the last step: evaluate what the checkpoint holds
+                last_eval = self.evaluate()
+        finally:  # the progress bar and metrics file close even when a step raises
+            if bar is not None:
+                bar.close()
+            if log is not None:
+                log.close()
+        summary: dict[str, Any] = {"step": cfg.steps, "eval_tasks": cfg.eval_tasks,
+                                   "eval_steps": cfg.eval_steps, "metric": self.family.metric,
+                                   **last_eval}
+        if me == 0:
+            _checkpoint.atomic_write(self.out / "summary.json",
+                                     lambda f: f.write(json.dumps(summary, indent=2).encode()))
+            summary["plots"] = self.plots()
+        if dist.is_initialized():
+            dist.barrier()
+        weights = {k: v.detach().cpu().clone() for k, v in self.algorithm.state_dict().items()}
+        return {"losses": losses, "final": last_eval, "start": self.start, "weights": weights,
+                "summary": summary}
+
+
+def train(cfg: TrainConfig, out: str | Path, *, resume: bool = False, progress: bool = True,
+          backend: str | None = None) -> dict[str, Any]:
+    """Train on every process of the (already initialised) process group (:class:`Trainer`)."""
+    return Trainer(cfg, out, resume=resume, backend=backend).run(progress=progress)
+
+
+def progress_bar(cfg: TrainConfig, start: int) -> Any:
+    """A tqdm bar (steps, rate, ETA) when tqdm is installed (the ``train`` extra), else None."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=cfg.steps, initial=start, desc=f"{cfg.algorithm} {cfg.task}", unit="step",
+                dynamic_ncols=True)
