@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from metaddp._batched import use_batched  # noqa: E402
+from metaddp.algorithms._stacked import use_batched  # noqa: E402
 from common import run_record, save_json, CONV, IMPLEMENTATIONS, SINE, available, max_rel_diff, median_ms, reference_grads, time_round_robin  # noqa: E402
 
 

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import metaddp  # noqa: E402
 from common import run_record, save_json, CONV, SINE, Case, peak_rss_mib  # noqa: E402
-from metaddp.launch import run_local  # noqa: E402
+from metaddp.distributed.launch import run_local  # noqa: E402
 
 
 def worker(case: Case, layout: str, repeats: int) -> dict:

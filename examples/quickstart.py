@@ -29,18 +29,17 @@ def main(steps: int = 20, n_tasks: int = 8) -> list[float]:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(1, 40), nn.ReLU(), nn.Linear(40, 40), nn.ReLU(), nn.Linear(40, 1))
     mesh = md.Mesh.create(tasks=2 if md.world_size() % 2 == 0 else 1)
-    learner = md.MetaDDP(md.MAML(net, inner_lr=0.01, steps=1), mesh)
+    learner = md.MetaDDP(md.MAML(net, inner_lr=0.01), mesh)
     opt = torch.optim.Adam(learner.parameters(), 1e-3)
     losses = []
     for step in range(steps):
-        mine = md.shard_range(n_tasks, mesh.task_index, mesh.tasks)
-        tasks = [task(step * n_tasks + i).split(mesh.sample_index, mesh.samples) for i in mine]
+        tasks = learner.shard(n_tasks, lambda i: task(step * n_tasks + i))  # this rank's part
         opt.zero_grad()
-        loss = learner.module.meta_loss(tasks, per_sample_loss, n_tasks, reduce=learner.reduce)
+        loss = learner.meta_loss(tasks, per_sample_loss)
         loss.backward()
         learner.sync_grads()
         opt.step()
-        losses.append(float(md.global_value(loss, mesh.group)))
+        losses.append(float(learner.global_value(loss)))
     if md.rank() == 0:
         print(f"meta-loss: step 0 {losses[0]:.3f} -> step {steps - 1} {losses[-1]:.3f}")
     return losses

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from metaddp.launch import run_local
+from metaddp.distributed.launch import run_local
 
 
 def put_theta(model, theta):  # the user's helper, unchanged

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 import metaddp as md
-from metaddp.launch import run_local
+from metaddp.distributed.launch import run_local
 
 
 class Net2(nn.Module):
@@ -43,11 +43,11 @@ def train(second_order: bool, iterations: int) -> list[float]:
         x = md.shard(batch, mesh.sample_index, mesh.samples)    # ... this rank's part
         opt.zero_grad()
         w = md.params_of(net.module)
-        l1 = md.share(md.call(net.module, w, x), n_global=8)       # this rank's share of the mean
-        g = md.all_reduce_sum(                                     # differentiable SUM over ranks
-            torch.autograd.grad(l1, list(w.values()), retain_graph=True, create_graph=second_order),
-            group=mesh.sample_group)
-        fast = {k: p - 1.0 * gk for (k, p), gk in zip(w.items(), g)}   # functional fast weights
+        l1 = md.share(net(x), n_global=8)  # this rank's share of the mean over the global batch
+        # The gradient of the global l1 (autograd.grad, then a differentiable SUM over ranks).
+        # First order must keep l1's graph: it is backpropagated again below.
+        g = net.grad(l1, w, create_graph=second_order, retain_graph=True)
+        fast = {k: p - 1.0 * g[k] for k, p in w.items()}           # functional fast weights
         l2 = md.share(md.call(net.module, fast, x), n_global=8)
         (l1 + l2).backward()
         net.sync_grads()                   # SUM of shares = the gradient of the global loss

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from metaddp import scenarios as S
-from metaddp.launch import run_local
+from metaddp.testing import scenarios as S
+from metaddp.distributed.launch import run_local
 
 # Float64 throughout. Between world sizes only the order of floating-point sums changes
 # (partial sums per rank), which moves results by a few ulps per operation: observed <1e-15
@@ -45,15 +45,14 @@ def learner_run(p: S.Problem) -> dict:
     """MAML written learn2learn-style with clone()/adapt(), on this rank's shards."""
     import metaddp
 
-    mesh = S.mesh_for(p.layout)
-    alg = metaddp.MetaDDP(metaddp.MAML(p.build_model(), p.inner_lr), mesh)
-    for i in metaddp.shard_range(p.n_tasks, mesh.task_index, mesh.tasks):
-        t = p.task(i).split(mesh.sample_index, mesh.samples)
-        learner = alg.module.clone(reduce=alg.reduce)
+    alg = metaddp.MetaDDP(metaddp.MAML(p.build_model(), inner_lr=p.inner_lr), S.mesh_for(p.layout))
+    batch = alg.shard(p.n_tasks, p.task)
+    for t in batch:
+        learner = alg.clone()  # reduces over the sample axis without being told
         for _ in range(p.steps):
-            learner.adapt(metaddp.share(p.loss_fn(learner(t.support.x), t.support.y), t.support.n))
-        loss = metaddp.share(p.loss_fn(learner(t.query.x), t.query.y), t.query.n)
-        (loss / p.n_tasks).backward()
+            learner.adapt(metaddp.share(p.loss_fn(learner(t.support.x), t.support.y), t.support))
+        loss = metaddp.share(p.loss_fn(learner(t.query.x), t.query.y), t.query)
+        (loss / batch.n).backward()
     alg.sync_grads()
     return {"grads": S.meta_gradient(alg.module)}
 

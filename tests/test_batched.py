@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import metaddp
-from metaddp import scenarios as S
-from metaddp._batched import batchable, use_batched
-from metaddp.launch import run_local
+from metaddp.testing import scenarios as S
+from metaddp.algorithms._stacked import batchable, use_batched
+from metaddp.distributed.launch import run_local
 
 # Float64 throughout. Stacked and looped runs do the same arithmetic except for how sums are
 # grouped (vmap's batched kernels vs one task at a time, and the order tasks are summed), so
@@ -45,16 +45,15 @@ def reference_meta_grad(net: nn.Module, tasks, loss_fn, lr: float, steps: int, f
 def meta_step(problem: S.Problem, batched: bool | None, tasks=None, mesh=None):
     """One meta-step with metaddp; returns (this rank's loss share, {name: meta-gradient})."""
     net = problem.build_model()
-    maml = metaddp.MAML(net, problem.inner_lr, problem.steps, problem.first_order, batched=batched)
+    maml = metaddp.MAML(net, inner_lr=problem.inner_lr, steps=problem.steps,
+                        first_order=problem.first_order, batched=batched)
     if mesh is None:
         tasks = problem.tasks() if tasks is None else tasks
-        loss = maml.meta_loss(tasks, problem.loss_fn, problem.n_tasks)
+        loss = maml.meta_loss(tasks, problem.loss_fn)
         loss.backward()
     else:
         m = metaddp.MetaDDP(maml, mesh)
-        mine = metaddp.shard_range(problem.n_tasks, mesh.task_index, mesh.tasks)
-        tasks = [problem.task(i).split(mesh.sample_index, mesh.samples) for i in mine]
-        loss = m.module.meta_loss(tasks, problem.loss_fn, problem.n_tasks, reduce=m.reduce)
+        loss = m.meta_loss(m.shard(problem.n_tasks, problem.task), problem.loss_fn)
         loss.backward()
         m.sync_grads()
         loss = metaddp.global_value(loss, mesh.group)
@@ -98,7 +97,7 @@ def test_per_parameter_learning_rates_and_learnable_lr():
             v.grad = None
         net.zero_grad()
         maml = metaddp.MAML(net, steps=2, optimizer=metaddp.sgd(lrs), batched=batched)
-        maml.meta_loss(problem.tasks(), problem.loss_fn, problem.n_tasks).backward()
+        maml.meta_loss(problem.tasks(), problem.loss_fn).backward()
         out[batched] = {**{n: p.grad.clone() for n, p in net.named_parameters()},
                         **{"lr:" + n: v.grad.clone() for n, v in lrs.items()}}
     assert rel_diff(out[True], out[False]) < RTOL
@@ -135,7 +134,8 @@ def test_automatic_choice_on_cpu():
 
 def test_no_tasks_gives_zero_gradients():
     problem = S.Problem(model="mlp")
-    loss, grads = meta_step(problem, batched=True, tasks=[])
+    # A rank that holds none of the meta-batch's 5 tasks (as in task layouts with few tasks).
+    loss, grads = meta_step(problem, batched=True, tasks=metaddp.MetaBatch([], 5, range(0)))
     assert loss == 0.0 and all(float(g.abs().max()) == 0.0 for g in grads.values())
 
 
@@ -184,7 +184,7 @@ def test_batched_across_world_sizes(dist_results, references):
 class _DoubledTaskLoss(metaddp.MAML):
     """A subclass with its own task loss: stacking MAML's loss would silently change it."""
 
-    def task_loss(self, task, loss_fn, *, reduce=metaddp._maml.identity_reduce):
+    def task_loss(self, task, loss_fn, *, reduce):
         return 2.0 * super().task_loss(task, loss_fn, reduce=reduce)
 
 
@@ -192,12 +192,13 @@ def test_subclasses_with_their_own_task_loss_keep_the_loop():
     problem = S.Problem(model="mlp", steps=2)
     loss_ref, _ = reference_meta_grad(problem.build_model(), problem.tasks(), problem.loss_fn,
                                       problem.inner_lr, problem.steps, problem.first_order)
-    m = _DoubledTaskLoss(problem.build_model(), problem.inner_lr, problem.steps)  # automatic choice
-    loss = float(m.meta_loss(problem.tasks(), problem.loss_fn, problem.n_tasks).detach())
+    m = _DoubledTaskLoss(problem.build_model(), inner_lr=problem.inner_lr, steps=problem.steps)  # automatic choice
+    loss = float(m.meta_loss(problem.tasks(), problem.loss_fn).detach())
     assert loss == pytest.approx(2.0 * loss_ref, rel=RTOL)  # the subclass's loss, not MAML's
-    forced = _DoubledTaskLoss(problem.build_model(), problem.inner_lr, problem.steps, batched=True)
+    forced = _DoubledTaskLoss(problem.build_model(), inner_lr=problem.inner_lr, steps=problem.steps,
+                              batched=True)
     with pytest.raises(ValueError, match="overrides"):
-        forced.meta_loss(problem.tasks(), problem.loss_fn, problem.n_tasks)
+        forced.meta_loss(problem.tasks(), problem.loss_fn)
 
 
 def test_batch_norm_models_keep_the_loop_automatically():
@@ -228,6 +229,6 @@ def test_optimizer_state_and_whole_tensor_updates_stay_per_task():
     for batched in (True, False):
         net = problem.build_model()
         maml = metaddp.MAML(net, steps=3, optimizer=_normalized_sgd_with_counter(0.3), batched=batched)
-        maml.meta_loss(problem.tasks(), problem.loss_fn, problem.n_tasks).backward()
+        maml.meta_loss(problem.tasks(), problem.loss_fn).backward()
         out[batched] = {n: p.grad.clone() for n, p in net.named_parameters()}
     assert rel_diff(out[True], out[False]) < RTOL

@@ -77,9 +77,13 @@ def test_module_is_restored_and_nesting_refused():
     bn = model[1]
     with sync_batchnorm(model, identity):
         assert "forward" in bn.__dict__
-        with pytest.raises(RuntimeError, match="already active"):
+        with pytest.raises(RuntimeError, match="already synchronized"):
             with sync_batchnorm(model, identity):
                 pass
+    assert "forward" not in bn.__dict__
+    handle = sync_batchnorm(model, identity)  # without `with`: until remove()
+    assert "forward" in bn.__dict__
+    handle.remove()
     assert "forward" not in bn.__dict__
     with pytest.raises(ValueError, match="boom"):
         with sync_batchnorm(model, identity):

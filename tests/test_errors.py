@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import metaddp as md
-from metaddp.launch import run_local
+from metaddp.distributed.launch import run_local
 
 import workers
 
@@ -46,7 +46,7 @@ def test_non_finite_inner_gradient_is_an_error():
                    md.Batch(torch.ones(1, 1, dtype=torch.float64), torch.zeros(1, 1, dtype=torch.float64), 1))
     maml = md.MAML(net, inner_lr=0.1)
     with pytest.raises(FloatingPointError, match="inner step 0.*not finite"):
-        maml.meta_loss([task], lambda p, y: (p - y) ** 2, n_tasks=1)
+        maml.meta_loss([task], lambda p, y: (p - y) ** 2)
 
 
 def test_wrapping_a_ddp_module_says_what_to_do():

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from metaddp import scenarios as S
-from metaddp.launch import run_local
+from metaddp.testing import scenarios as S
+from metaddp.distributed.launch import run_local
 
 import reference
 import workers

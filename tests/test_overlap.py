@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import metaddp
-from metaddp.launch import run_local
+from metaddp.distributed.launch import run_local
 
 WORLDS = (2, 3)
 N = 7

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from metaddp import _train
-from metaddp._runconfig import TrainConfig
-from metaddp.launch import run_local
+from metaddp import train as _train
+from metaddp.train import TrainConfig
+from metaddp.distributed.launch import run_local
 from metaddp.tasks import Sinusoid
 
 CFG = TrainConfig(task="sinusoid", algorithm="maml", steps=8, meta_batch=5, inner_steps=2,

@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from metaddp import _train
-from metaddp._algorithms import ALGORITHMS
-from metaddp._runconfig import TrainConfig
+from metaddp import train as _train
+from metaddp.algorithms import ALGORITHMS
+from metaddp.train import TrainConfig
 
 CFG = TrainConfig(task="sinusoid", steps=3, meta_batch=3, inner_steps=2, inner_lr=0.05,
                   outer_lr=0.01, shots=6, query=5, hidden=16, dtype="float64", lam=100.0,

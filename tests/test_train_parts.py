@@ -8,8 +8,8 @@ import statistics
 import pytest
 import torch
 
-from metaddp import _checkpoint
-from metaddp._metrics import MetricsLog, mean_ci95, read
+from metaddp.train import _checkpoint
+from metaddp.train._metrics import MetricsLog, mean_ci95, read
 
 
 def test_mean_ci95_is_the_normal_interval():

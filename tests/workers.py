@@ -5,8 +5,8 @@ import torch.distributed as dist
 from torch import nn
 
 import metaddp as md
-from metaddp import scenarios as S
-from metaddp._collectives import _next_sequence
+from metaddp.testing import scenarios as S
+from metaddp.distributed._collectives import _next_sequence
 
 # Exactness cases: (name, Problem). Sizes chosen so that shards are uneven at every world
 # size 2..4, some ranks get empty shards (2 or 3 samples over 3-4 ranks), and task counts do

@@ -8,6 +8,7 @@ by one, with the same meta-gradient.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
@@ -38,6 +39,17 @@ class MAML(Algorithm):
             result.
     """
 
+    stackable: ClassVar[bool] = True
+    """Whether :meth:`task_losses` may run the stacked executor, which computes MAML's own
+    adapt-then-query loss. A subclass that defines its own ``task_loss``, ``adapt`` or
+    ``forward`` is not stackable unless it says so (``stackable = True``)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "stackable" not in cls.__dict__ and any(
+                name in cls.__dict__ for name in ("task_loss", "adapt", "forward")):
+            cls.stackable = False
+
     def __init__(
         self, model: nn.Module, *, inner_lr: float = 0.01, steps: int = 1,
         first_order: bool = False, optimizer: InnerOptimizer | OptimizerFactory | None = None,
@@ -53,7 +65,12 @@ class MAML(Algorithm):
         return batch_share(self.model, fast, task.query, loss_fn)
 
     def task_losses(self, tasks: Sequence[Task], loss_fn: LossFn, reduce: Reduce) -> Tensor:
-        if use_batched(self.batched, tasks, self.model):
+        if self.batched and not self.stackable:
+            raise ValueError(
+                f"batched=True runs MAML's own task loss, which {type(self).__name__} "
+                "overrides: use batched=None or False (or set stackable = True on the class "
+                "if the override keeps MAML's loss)")
+        if self.stackable and use_batched(self.batched, tasks, self.model):
             return stacked_task_losses(
                 self.model, self.fast_weights(), tasks, loss_fn, steps=self.steps,
                 optimizer=self.inner_optimizer(), first_order=self.first_order, reduce=reduce)
