@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test verify bench clean
+.PHONY: demo test lint verify bench clean
 
 $(STAMP): pyproject.toml requirements-ci.txt
 	$(PYTHON) -m venv $(VENV)
@@ -25,12 +25,19 @@ verify: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# ruff (lint rules and formatting) and mypy, on src/ (settings in pyproject.toml).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src
+	$(VENV)/bin/ruff format --check src
+	$(VENV)/bin/mypy
+
 # The CPU benchmark set (BENCHMARKS.md): peers side by side, scaling, cost growth, plots.
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) benchmarks/peers.py --json benchmarks/results/peers.json
 	$(PY) benchmarks/scaling.py --json benchmarks/results/scaling.json
 	$(PY) benchmarks/growth.py --json benchmarks/results/growth.json
+	$(PY) benchmarks/check_cost.py --json benchmarks/results/check_cost.json
 	$(PY) benchmarks/plots.py benchmarks/results
 
 clean:

@@ -117,11 +117,11 @@ def _grads(net: nn.Module) -> dict[str, Tensor]:
 
 
 def make_metaddp(case: Case, net: nn.Module, tasks, batched: bool | None = None) -> Step:
-    maml = metaddp.MAML(net, case.inner_lr, case.steps, batched=batched)
+    maml = metaddp.MAML(net, inner_lr=case.inner_lr, steps=case.steps, batched=batched)
 
     def step():
         net.zero_grad(set_to_none=True)
-        maml.meta_loss(tasks, case.loss_fn, len(tasks)).backward()
+        maml.meta_loss(tasks, case.loss_fn).backward()
         return _grads(net)
 
     return step

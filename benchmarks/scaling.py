@@ -31,13 +31,12 @@ def worker(case: Case, layout: str, repeats: int) -> dict:
     world = metaddp.world_size()
     mesh = metaddp.Mesh.create(tasks=1 if layout == "sample" else world)
     net = case.build()
-    m = metaddp.MetaDDP(metaddp.MAML(net, case.inner_lr, case.steps), mesh)
-    mine = metaddp.shard_range(case.n_tasks, mesh.task_index, mesh.tasks)
-    tasks = [t.split(mesh.sample_index, mesh.samples) for i, t in enumerate(case.tasks()) if i in mine]
+    m = metaddp.MetaDDP(metaddp.MAML(net, inner_lr=case.inner_lr, steps=case.steps), mesh)
+    tasks = m.shard(case.tasks())
 
     def step():
         net.zero_grad(set_to_none=True)
-        m.module.meta_loss(tasks, case.loss_fn, case.n_tasks, reduce=m.reduce).backward()
+        m.meta_loss(tasks, case.loss_fn).backward()
         m.sync_grads()
 
     with metaddp.counting() as stats:

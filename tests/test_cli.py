@@ -29,3 +29,15 @@ def test_verify_rejects_bad_world_sizes():
 def test_unknown_scenario_is_rejected_by_name():
     run = metaddp("verify", "--scenario", "nope")
     assert run.returncode == 2 and "invalid choice: 'nope'" in run.stderr
+
+
+def test_help_lists_only_the_commands_that_exist():
+    run = metaddp("--help")
+    assert run.returncode == 0
+    # argparse lists sub-commands indented by four spaces; wrapped help lines by more.
+    listed = {line.split()[0] for line in run.stdout.splitlines()
+              if line.startswith("    ") and not line.startswith("     ")}
+    assert listed == {"train", "verify"}
+    assert "bench" not in run.stdout.lower()
+    for command in listed:  # and each of them answers --help
+        assert metaddp(command, "--help").returncode == 0
