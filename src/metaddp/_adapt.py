@@ -18,17 +18,28 @@ from torch import Tensor, nn
 from ._data import Batch
 from ._functional import call
 from ._share import share
-from .inner import InnerOptimizer, apply_updates
-from .inner import State
 from ._types import LossFn, Params, Reduce, identity_reduce
+from .inner import InnerOptimizer, State, apply_updates
 
 
 @overload
-def grad(loss: Tensor, params: Mapping[str, Tensor], *, reduce: Reduce = ...,
-         create_graph: bool = ..., retain_graph: bool | None = ...) -> Params: ...
+def grad(
+    loss: Tensor,
+    params: Mapping[str, Tensor],
+    *,
+    reduce: Reduce = ...,
+    create_graph: bool = ...,
+    retain_graph: bool | None = ...,
+) -> Params: ...
 @overload
-def grad(loss: Tensor, params: Sequence[Tensor], *, reduce: Reduce = ...,
-         create_graph: bool = ..., retain_graph: bool | None = ...) -> list[Tensor]: ...
+def grad(
+    loss: Tensor,
+    params: Sequence[Tensor],
+    *,
+    reduce: Reduce = ...,
+    create_graph: bool = ...,
+    retain_graph: bool | None = ...,
+) -> list[Tensor]: ...
 def grad(loss, params, *, reduce=identity_reduce, create_graph=True, retain_graph=None):
     """The gradient of the *global* loss: ``torch.autograd.grad`` of a share, then ``reduce``.
 
@@ -53,11 +64,16 @@ def grad(loss, params, *, reduce=identity_reduce, create_graph=True, retain_grap
             "pass metaddp.share(per_sample_losses, batch), this process's share of the mean"
         )
     with torch.enable_grad():
-        grads = torch.autograd.grad(loss, tensors, create_graph=create_graph,
-                                    retain_graph=retain_graph, allow_unused=True,
-                                    materialize_grads=True)
+        grads = torch.autograd.grad(
+            loss,
+            tensors,
+            create_graph=create_graph,
+            retain_graph=retain_graph,
+            allow_unused=True,
+            materialize_grads=True,
+        )
     reduced = reduce(list(grads))
-    return dict(zip(params, reduced)) if named else reduced
+    return dict(zip(params, reduced, strict=True)) if named else reduced
 
 
 def check_finite(grads: Mapping[str, Tensor], step: int) -> None:
@@ -72,8 +88,14 @@ def check_finite(grads: Mapping[str, Tensor], step: int) -> None:
 
 
 def inner_step(
-    loss: Tensor, fast: Params, state: State, optimizer: InnerOptimizer, *, step: int,
-    reduce: Reduce = identity_reduce, first_order: bool = False,
+    loss: Tensor,
+    fast: Params,
+    state: State,
+    optimizer: InnerOptimizer,
+    *,
+    step: int,
+    reduce: Reduce = identity_reduce,
+    first_order: bool = False,
     extra_grad: Callable[[Params], Params] | None = None,
 ) -> tuple[Params, State]:
     """One differentiable optimizer step on ``loss``; returns the next fast weights and state.
@@ -99,7 +121,10 @@ def inner_step(
 
 
 def batch_share(
-    model: nn.Module, params: Mapping[str, Tensor], batch: Batch, loss_fn: LossFn,
+    model: nn.Module,
+    params: Mapping[str, Tensor],
+    batch: Batch,
+    loss_fn: LossFn,
     buffers: Mapping[str, Tensor] | None = None,
 ) -> Tensor:
     """This process's share of the mean loss of ``params`` over the whole (global) ``batch``."""
@@ -142,6 +167,14 @@ def inner_loop(
     with torch.enable_grad():
         for step in range(steps):
             loss = batch_share(model, fast, support, loss_fn, buffers)
-            fast, state = inner_step(loss, fast, state, optimizer, step=step, reduce=reduce,
-                                     first_order=first_order, extra_grad=extra_grad)
+            fast, state = inner_step(
+                loss,
+                fast,
+                state,
+                optimizer,
+                step=step,
+                reduce=reduce,
+                first_order=first_order,
+                extra_grad=extra_grad,
+            )
     return fast

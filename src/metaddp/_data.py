@@ -41,7 +41,7 @@ class Batch(NamedTuple):
     n: int
 
     @classmethod
-    def local(cls, x: Tensor, y: Tensor, n: int) -> "Batch":
+    def local(cls, x: Tensor, y: Tensor, n: int) -> Batch:
         """A shard already cut by the caller; checked for consistent lengths."""
         if x.shape[0] != y.shape[0]:
             raise ValueError(
@@ -53,7 +53,7 @@ class Batch(NamedTuple):
         return cls(x, y, int(n))
 
     @classmethod
-    def split(cls, x: Tensor, y: Tensor, index: int, parts: int) -> "Batch":
+    def split(cls, x: Tensor, y: Tensor, index: int, parts: int) -> Batch:
         """Part ``index`` of ``parts`` of the global batch ``(x, y)`` (the same on every rank)."""
         if x.shape[0] != y.shape[0]:
             raise ValueError(
@@ -69,7 +69,7 @@ class Task(NamedTuple):
     support: Batch
     query: Batch
 
-    def split(self, index: int, parts: int) -> "Task":
+    def split(self, index: int, parts: int) -> Task:
         """This rank's part of both batches, when the task's samples are split over ``parts``."""
         s, q = self.support, self.query
         if s.x.shape[0] != s.n or q.x.shape[0] != q.n:
@@ -90,15 +90,27 @@ class MetaBatch(Sequence[Task]):
     """
 
     def __init__(self, tasks: Sequence[Task], n: int, indices: range) -> None:
-        if n < 0 or len(tasks) != len(indices) or (len(indices) and not 0 <= indices[0] <= indices[-1] < n):
-            raise ValueError(f"{len(tasks)} task(s) at positions {indices} cannot be part of a "
-                             f"meta-batch of {n}")
+        if (
+            n < 0
+            or len(tasks) != len(indices)
+            or (len(indices) and not 0 <= indices[0] <= indices[-1] < n)
+        ):
+            raise ValueError(
+                f"{len(tasks)} task(s) at positions {indices} cannot be part of a meta-batch of {n}"
+            )
         self.tasks, self.n, self.indices = tuple(tasks), int(n), indices
 
     @classmethod
-    def shard(cls, tasks: int | Sequence[Task], make_task: Callable[[int], Task] | None = None,
-              *, task_index: int = 0, task_parts: int = 1, sample_index: int = 0,
-              sample_parts: int = 1) -> "MetaBatch":
+    def shard(
+        cls,
+        tasks: int | Sequence[Task],
+        make_task: Callable[[int], Task] | None = None,
+        *,
+        task_index: int = 0,
+        task_parts: int = 1,
+        sample_index: int = 0,
+        sample_parts: int = 1,
+    ) -> MetaBatch:
         """Part ``task_index`` of the meta-batch's tasks, each cut to part ``sample_index``.
 
         Args:
@@ -133,7 +145,10 @@ class MetaBatch(Sequence[Task]):
         return len(self.tasks)
 
     def __repr__(self) -> str:
-        return f"MetaBatch({len(self.tasks)} of {self.n} tasks, positions {self.indices.start}..{self.indices.stop - 1})"
+        return (
+            f"MetaBatch({len(self.tasks)} of {self.n} tasks, "
+            f"positions {self.indices.start}..{self.indices.stop - 1})"
+        )
 
 
 def seed_for(seed: int, *index: int) -> int:

@@ -34,13 +34,20 @@ class MetaAlgorithm(Protocol):
     :class:`metaddp.MetaDDP` that wraps it (the identity on one process).
     """
 
-    def meta_loss(self, tasks: Sequence[Task], loss_fn: LossFn, *,
-                  reduce: Reduce | None = None) -> Tensor:
+    def meta_loss(
+        self, tasks: Sequence[Task], loss_fn: LossFn, *, reduce: Reduce | None = None
+    ) -> Tensor:
         """This process's share of the meta-batch's mean query loss after adaptation."""
         ...
 
-    def adapt(self, support: Batch, loss_fn: LossFn, *, steps: int | None = None,
-              reduce: Reduce | None = None) -> Params:
+    def adapt(
+        self,
+        support: Batch,
+        loss_fn: LossFn,
+        *,
+        steps: int | None = None,
+        reduce: Reduce | None = None,
+    ) -> Params:
         """The fast weights after adapting to ``support``."""
         ...
 

@@ -9,5 +9,18 @@ from ._metasgd import MetaSGD
 from ._reptile import Reptile
 from .registry import ALGORITHMS, Settings, build
 
-__all__ = ["ALGORITHMS", "ANIL", "Algorithm", "BodyHead", "ConvergenceWarning", "IMAML",
-           "Learner", "MAML", "MetaSGD", "Reptile", "Settings", "build", "conjugate_gradient"]
+__all__ = [
+    "ALGORITHMS",
+    "ANIL",
+    "Algorithm",
+    "BodyHead",
+    "ConvergenceWarning",
+    "IMAML",
+    "Learner",
+    "MAML",
+    "MetaSGD",
+    "Reptile",
+    "Settings",
+    "build",
+    "conjugate_gradient",
+]

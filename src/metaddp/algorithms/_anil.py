@@ -45,27 +45,56 @@ class ANIL(Algorithm):
     """
 
     def __init__(
-        self, body: nn.Module, head: nn.Module, *, inner_lr: float = 0.01, steps: int = 1,
-        first_order: bool = False, optimizer: InnerOptimizer | OptimizerFactory | None = None,
+        self,
+        body: nn.Module,
+        head: nn.Module,
+        *,
+        inner_lr: float = 0.01,
+        steps: int = 1,
+        first_order: bool = False,
+        optimizer: InnerOptimizer | OptimizerFactory | None = None,
         learn_lr: str | None = None,
     ) -> None:
-        super().__init__(BodyHead(body, head), inner_lr=inner_lr, steps=steps,
-                         first_order=first_order, optimizer=optimizer, learn_lr=learn_lr)
+        super().__init__(
+            BodyHead(body, head),
+            inner_lr=inner_lr,
+            steps=steps,
+            first_order=first_order,
+            optimizer=optimizer,
+            learn_lr=learn_lr,
+        )
 
     def adapted_module(self) -> nn.Module:
         return self.model.head
 
-    def adapt_features(self, features: Batch, loss_fn: LossFn, *, steps: int | None = None,
-                       reduce: Reduce | None = None) -> Params:
+    def adapt_features(
+        self,
+        features: Batch,
+        loss_fn: LossFn,
+        *,
+        steps: int | None = None,
+        reduce: Reduce | None = None,
+    ) -> Params:
         """Head weights after the inner loop on precomputed support ``features``."""
         return inner_loop(
-            self.model.head, self.fast_weights(), features, loss_fn,
-            steps=self.steps if steps is None else steps, optimizer=self.inner_optimizer(),
-            first_order=self.first_order, reduce=self.collectives(reduce).reduce,
+            self.model.head,
+            self.fast_weights(),
+            features,
+            loss_fn,
+            steps=self.steps if steps is None else steps,
+            optimizer=self.inner_optimizer(),
+            first_order=self.first_order,
+            reduce=self.collectives(reduce).reduce,
         )
 
-    def adapt(self, support: Batch, loss_fn: LossFn, *, steps: int | None = None,
-              reduce: Reduce | None = None) -> Params:
+    def adapt(
+        self,
+        support: Batch,
+        loss_fn: LossFn,
+        *,
+        steps: int | None = None,
+        reduce: Reduce | None = None,
+    ) -> Params:
         """Head weights (names relative to ``head``) after adapting on ``support``."""
         feats = Batch(self.model.body(support.x), support.y, support.n)
         return self.adapt_features(feats, loss_fn, steps=steps, reduce=reduce)

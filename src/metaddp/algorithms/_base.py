@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from .._adapt import inner_loop
@@ -31,7 +30,8 @@ def _unknown_count(n_local: int) -> int:
         "the number of tasks in the global meta-batch is unknown: this algorithm runs on "
         "several processes with an explicit reduce= but is not wrapped in metaddp.MetaDDP. "
         "Pass the tasks as a metaddp.MetaBatch (MetaBatch.shard(...)), which carries the "
-        "global count, or wrap the algorithm in MetaDDP.")
+        "global count, or wrap the algorithm in MetaDDP."
+    )
 
 
 def local_fraction(batch: Batch) -> float:
@@ -52,8 +52,13 @@ class Algorithm(nn.Module):
     """
 
     def __init__(
-        self, model: nn.Module, *, inner_lr: float = 0.01, steps: int = 1,
-        first_order: bool = False, optimizer: InnerOptimizer | OptimizerFactory | None = None,
+        self,
+        model: nn.Module,
+        *,
+        inner_lr: float = 0.01,
+        steps: int = 1,
+        first_order: bool = False,
+        optimizer: InnerOptimizer | OptimizerFactory | None = None,
         learn_lr: str | None = None,
     ) -> None:
         super().__init__()
@@ -68,7 +73,8 @@ class Algorithm(nn.Module):
             if isinstance(optimizer, InnerOptimizer):
                 raise TypeError(
                     "with learn_lr the optimizer must be a factory taking the learning rate "
-                    "(e.g. metaddp.sgd or functools.partial(metaddp.adam, b1=0.5)), not a built optimizer"
+                    "(e.g. metaddp.sgd or functools.partial(metaddp.adam, b1=0.5)), "
+                    "not a built optimizer"
                 )
             self.lr = LearnedLR(params_of(self.adapted_module()), inner_lr, learn_lr)
             self._factory = optimizer or sgd
@@ -116,13 +122,24 @@ class Algorithm(nn.Module):
             return Collectives(reduce, _unknown_count, "an explicit reduce")
         return Collectives(reduce, bound.count_tasks, "an explicit reduce")
 
-    def adapt(self, support: Batch, loss_fn: LossFn, *, steps: int | None = None,
-              reduce: Reduce | None = None) -> Params:
+    def adapt(
+        self,
+        support: Batch,
+        loss_fn: LossFn,
+        *,
+        steps: int | None = None,
+        reduce: Reduce | None = None,
+    ) -> Params:
         """Fast weights after ``steps`` (default: the algorithm's) inner steps on ``support``."""
         return inner_loop(
-            self.adapted_module(), self.fast_weights(), support, loss_fn,
-            steps=self.steps if steps is None else steps, optimizer=self.inner_optimizer(),
-            first_order=self.first_order, reduce=self.collectives(reduce).reduce,
+            self.adapted_module(),
+            self.fast_weights(),
+            support,
+            loss_fn,
+            steps=self.steps if steps is None else steps,
+            optimizer=self.inner_optimizer(),
+            first_order=self.first_order,
+            reduce=self.collectives(reduce).reduce,
         )
 
     def task_losses(self, tasks: Sequence[Task], loss_fn: LossFn, reduce: Reduce) -> Tensor:
@@ -133,8 +150,9 @@ class Algorithm(nn.Module):
             total = total + loss
         return total
 
-    def meta_loss(self, tasks: Sequence[Task], loss_fn: LossFn, *,
-                  reduce: Reduce | None = None) -> Tensor:
+    def meta_loss(
+        self, tasks: Sequence[Task], loss_fn: LossFn, *, reduce: Reduce | None = None
+    ) -> Tensor:
         """This rank's share of the meta-batch loss: its tasks' query shares over the global
         number of tasks.
 
@@ -165,8 +183,13 @@ class Algorithm(nn.Module):
         modified. Inner gradients are reduced like :meth:`meta_loss`'s, so on several ranks
         the loss given to ``adapt`` must be this rank's share (:func:`metaddp.share`).
         """
-        return Learner(self._run, self.fast_weights(), self.inner_optimizer(),
-                       first_order=self.first_order, reduce=self.collectives(reduce).reduce)
+        return Learner(
+            self._run,
+            self.fast_weights(),
+            self.inner_optimizer(),
+            first_order=self.first_order,
+            reduce=self.collectives(reduce).reduce,
+        )
 
     def _run(self, fast: Params, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, fast=fast, **kwargs)

@@ -39,11 +39,15 @@ class ConvergenceWarning(RuntimeWarning):
 
 
 def _dot(a: Vectors, b: Vectors) -> Tensor:
-    return sum((x * y).sum() for x, y in zip(a, b))
+    return sum((x * y).sum() for x, y in zip(a, b, strict=True))
 
 
 def conjugate_gradient(
-    matvec: Callable[[Vectors], Vectors], b: Vectors, *, max_iter: int, tol: float,
+    matvec: Callable[[Vectors], Vectors],
+    b: Vectors,
+    *,
+    max_iter: int,
+    tol: float,
     what: str = "conjugate gradient",
 ) -> tuple[Vectors, float, int]:
     """Solve ``A x = b`` for symmetric positive definite ``A`` given by ``matvec``.
@@ -77,10 +81,10 @@ def conjugate_gradient(
                 "inner learning rate so that the inner solution is near a minimum"
             )
         alpha = rr / pap
-        x = [xi + alpha * pi for xi, pi in zip(x, p)]
-        r = [ri - alpha * api for ri, api in zip(r, ap)]
+        x = [xi + alpha * pi for xi, pi in zip(x, p, strict=True)]
+        r = [ri - alpha * api for ri, api in zip(r, ap, strict=True)]
         rr_new = _dot(r, r)
-        p = [ri + (rr_new / rr) * pi for ri, pi in zip(r, p)]
+        p = [ri + (rr_new / rr) * pi for ri, pi in zip(r, p, strict=True)]
         rr = rr_new
         it += 1
     residual = float(rr) ** 0.5 / b_norm
@@ -89,7 +93,8 @@ def conjugate_gradient(
             f"{what} did not converge in {max_iter} iterations: relative residual "
             f"{residual:.3g} > tolerance {tol:.3g}; the implicit gradient is approximate. Raise "
             "cg_steps, or increase lam to make the system better conditioned.",
-            ConvergenceWarning, stacklevel=3,
+            ConvergenceWarning,
+            stacklevel=3,
         )
     return x, residual, it
 
@@ -110,20 +115,30 @@ class IMAML(Algorithm):
     latest solve.
     """
 
-    def __init__(self, model: nn.Module, *, lam: float = 1.0, inner_lr: float = 0.01, steps: int = 5,
-                 optimizer: InnerOptimizer | OptimizerFactory | None = None, cg_steps: int = 10,
-                 cg_tol: float = 1e-10) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        lam: float = 1.0,
+        inner_lr: float = 0.01,
+        steps: int = 5,
+        optimizer: InnerOptimizer | OptimizerFactory | None = None,
+        cg_steps: int = 10,
+        cg_tol: float = 1e-10,
+    ) -> None:
         if lam <= 0:
             raise ValueError(f"the proximal strength lam must be positive, got {lam}")
         if cg_steps < 1:
             raise ValueError(f"cg_steps must be >= 1, got {cg_steps}")
-        super().__init__(model, inner_lr=inner_lr, steps=steps, first_order=True,
-                         optimizer=optimizer)
+        super().__init__(
+            model, inner_lr=inner_lr, steps=steps, first_order=True, optimizer=optimizer
+        )
         self.lam, self.cg_steps, self.cg_tol = float(lam), int(cg_steps), float(cg_tol)
         self.last_cg: tuple[float, int] = (0.0, 0)
 
-    def solve(self, task: Task, loss_fn: LossFn, *, reduce: Reduce | None = None
-              ) -> tuple[Params, Tensor]:
+    def solve(
+        self, task: Task, loss_fn: LossFn, *, reduce: Reduce | None = None
+    ) -> tuple[Params, Tensor]:
         """The implicit meta-gradient of one task (global, identical on every rank) and this
         rank's share of its query loss (detached)."""
         reduce = self.collectives(reduce).reduce
@@ -132,38 +147,54 @@ class IMAML(Algorithm):
         lam = self.lam
         start = {k: p.clone().requires_grad_() for k, p in theta.items()}
         phi = inner_loop(
-            self.model, start, task.support, loss_fn, steps=self.steps,
-            optimizer=self.inner_optimizer(), first_order=True, reduce=reduce,
+            self.model,
+            start,
+            task.support,
+            loss_fn,
+            steps=self.steps,
+            optimizer=self.inner_optimizer(),
+            first_order=True,
+            reduce=reduce,
             extra_grad=lambda fast: {k: lam * (fast[k].detach() - theta[k]) for k in names},
         )
         phi = {k: p.detach().requires_grad_() for k, p in phi.items()}
         phis = [phi[k] for k in names]
         with torch.enable_grad():
             q = batch_share(self.model, phi, task.query, loss_fn)
-            g_q = reduce(list(torch.autograd.grad(q, phis, allow_unused=True, materialize_grads=True)))
+            g_q = reduce(
+                list(torch.autograd.grad(q, phis, allow_unused=True, materialize_grads=True))
+            )
             s = batch_share(self.model, phi, task.support, loss_fn)
-            g_s = torch.autograd.grad(s, phis, create_graph=True, allow_unused=True,
-                                      materialize_grads=True)
+            g_s = torch.autograd.grad(
+                s, phis, create_graph=True, allow_unused=True, materialize_grads=True
+            )
         live = [i for i, g in enumerate(g_s) if g.requires_grad]
 
         def matvec(v: Vectors) -> Vectors:
             hv = [torch.zeros_like(t) for t in v]
             if live:  # a rank with no support samples contributes a zero product
                 with torch.enable_grad():
-                    got = torch.autograd.grad([g_s[i] for i in live], phis,
-                                              grad_outputs=[v[i] for i in live],
-                                              retain_graph=True, allow_unused=True,
-                                              materialize_grads=True)
+                    got = torch.autograd.grad(
+                        [g_s[i] for i in live],
+                        phis,
+                        grad_outputs=[v[i] for i in live],
+                        retain_graph=True,
+                        allow_unused=True,
+                        materialize_grads=True,
+                    )
                 hv = list(got)
             hv = reduce(hv)  # the global Hessian-vector product
-            return [vi + h / lam for vi, h in zip(v, hv)]
+            return [vi + h / lam for vi, h in zip(v, hv, strict=True)]
 
         v, residual, iters = conjugate_gradient(
-            matvec, [g.detach() for g in g_q], max_iter=self.cg_steps, tol=self.cg_tol,
+            matvec,
+            [g.detach() for g in g_q],
+            max_iter=self.cg_steps,
+            tol=self.cg_tol,
             what="iMAML conjugate gradient",
         )
         self.last_cg = (residual, iters)
-        return dict(zip(names, v)), q.detach()
+        return dict(zip(names, v, strict=True)), q.detach()
 
     def task_loss(self, task: Task, loss_fn: LossFn, *, reduce: Reduce) -> Tensor:
         grad, q = self.solve(task, loss_fn, reduce=reduce)

@@ -28,9 +28,15 @@ class Learner:
         reduce: SUM of gradients over the ranks that split the task's samples.
     """
 
-    def __init__(self, run: Callable[..., Any], params: Mapping[str, Tensor],
-                 optimizer: InnerOptimizer, *, first_order: bool = False,
-                 reduce: Reduce = identity_reduce) -> None:
+    def __init__(
+        self,
+        run: Callable[..., Any],
+        params: Mapping[str, Tensor],
+        optimizer: InnerOptimizer,
+        *,
+        first_order: bool = False,
+        reduce: Reduce = identity_reduce,
+    ) -> None:
         self._run = run
         self.params: Params = dict(params)
         self.optimizer = optimizer
@@ -42,8 +48,14 @@ class Learner:
     def adapt(self, loss: Tensor) -> None:
         """One inner step on ``loss`` (this rank's share of a loss computed with ``self(x)``)."""
         self.params, self.state = inner_step(
-            loss, self.params, self.state, self.optimizer, step=self.steps, reduce=self.reduce,
-            first_order=self.first_order)
+            loss,
+            self.params,
+            self.state,
+            self.optimizer,
+            step=self.steps,
+            reduce=self.reduce,
+            first_order=self.first_order,
+        )
         self.steps += 1
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

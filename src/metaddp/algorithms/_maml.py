@@ -47,16 +47,29 @@ class MAML(Algorithm):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if "stackable" not in cls.__dict__ and any(
-                name in cls.__dict__ for name in ("task_loss", "adapt", "forward")):
+            name in cls.__dict__ for name in ("task_loss", "adapt", "forward")
+        ):
             cls.stackable = False
 
     def __init__(
-        self, model: nn.Module, *, inner_lr: float = 0.01, steps: int = 1,
-        first_order: bool = False, optimizer: InnerOptimizer | OptimizerFactory | None = None,
-        learn_lr: str | None = None, batched: bool | None = None,
+        self,
+        model: nn.Module,
+        *,
+        inner_lr: float = 0.01,
+        steps: int = 1,
+        first_order: bool = False,
+        optimizer: InnerOptimizer | OptimizerFactory | None = None,
+        learn_lr: str | None = None,
+        batched: bool | None = None,
     ) -> None:
-        super().__init__(model, inner_lr=inner_lr, steps=steps, first_order=first_order,
-                         optimizer=optimizer, learn_lr=learn_lr)
+        super().__init__(
+            model,
+            inner_lr=inner_lr,
+            steps=steps,
+            first_order=first_order,
+            optimizer=optimizer,
+            learn_lr=learn_lr,
+        )
         self.batched = batched
 
     def task_loss(self, task: Task, loss_fn: LossFn, *, reduce: Reduce) -> Tensor:
@@ -69,9 +82,17 @@ class MAML(Algorithm):
             raise ValueError(
                 f"batched=True runs MAML's own task loss, which {type(self).__name__} "
                 "overrides: use batched=None or False (or set stackable = True on the class "
-                "if the override keeps MAML's loss)")
+                "if the override keeps MAML's loss)"
+            )
         if self.stackable and use_batched(self.batched, tasks, self.model):
             return stacked_task_losses(
-                self.model, self.fast_weights(), tasks, loss_fn, steps=self.steps,
-                optimizer=self.inner_optimizer(), first_order=self.first_order, reduce=reduce)
+                self.model,
+                self.fast_weights(),
+                tasks,
+                loss_fn,
+                steps=self.steps,
+                optimizer=self.inner_optimizer(),
+                first_order=self.first_order,
+                reduce=reduce,
+            )
         return super().task_losses(tasks, loss_fn, reduce)

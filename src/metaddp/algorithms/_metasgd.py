@@ -27,8 +27,23 @@ class MetaSGD(MAML):
         batched: as :class:`MAML`.
     """
 
-    def __init__(self, model: nn.Module, *, inner_lr: float = 0.01, steps: int = 1,
-                 first_order: bool = False, optimizer: OptimizerFactory | None = None,
-                 per: str = "parameter", batched: bool | None = None) -> None:
-        super().__init__(model, inner_lr=inner_lr, steps=steps, first_order=first_order,
-                         optimizer=optimizer, learn_lr=per, batched=batched)
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        inner_lr: float = 0.01,
+        steps: int = 1,
+        first_order: bool = False,
+        optimizer: OptimizerFactory | None = None,
+        per: str = "parameter",
+        batched: bool | None = None,
+    ) -> None:
+        super().__init__(
+            model,
+            inner_lr=inner_lr,
+            steps=steps,
+            first_order=first_order,
+            optimizer=optimizer,
+            learn_lr=per,
+            batched=batched,
+        )

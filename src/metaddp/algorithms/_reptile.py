@@ -38,18 +38,36 @@ class Reptile(Algorithm):
     gradients over ranks counts every task once.
     """
 
-    def __init__(self, model: nn.Module, *, inner_lr: float = 0.01, steps: int = 5,
-                 optimizer: InnerOptimizer | OptimizerFactory | None = None,
-                 learn_lr: str | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        inner_lr: float = 0.01,
+        steps: int = 5,
+        optimizer: InnerOptimizer | OptimizerFactory | None = None,
+        learn_lr: str | None = None,
+    ) -> None:
         if learn_lr is not None:
-            raise ValueError("Reptile's meta-gradient does not depend on the inner learning rate; learn_lr cannot be trained")
-        super().__init__(model, inner_lr=inner_lr, steps=steps, first_order=True,
-                         optimizer=optimizer)
+            raise ValueError(
+                "Reptile's meta-gradient does not depend on the inner learning rate; "
+                "learn_lr cannot be trained"
+            )
+        super().__init__(
+            model, inner_lr=inner_lr, steps=steps, first_order=True, optimizer=optimizer
+        )
 
     def task_loss(self, task: Task, loss_fn: LossFn, *, reduce: Reduce) -> Tensor:
         theta = self.fast_weights()
         start = {k: p.detach().requires_grad_() for k, p in theta.items()}
-        phi = inner_loop(self.model, start, task.support, loss_fn, steps=self.steps,
-                         optimizer=self.inner_optimizer(), first_order=True, reduce=reduce)
+        phi = inner_loop(
+            self.model,
+            start,
+            task.support,
+            loss_fn,
+            steps=self.steps,
+            optimizer=self.inner_optimizer(),
+            first_order=True,
+            reduce=reduce,
+        )
         dist2 = sum(((theta[k] - phi[k].detach()) ** 2).sum() for k in theta)
         return 0.5 * local_fraction(task.support) * dist2

@@ -20,7 +20,7 @@ Finn, Abbeel & Levine, "Model-Agnostic Meta-Learning", ICML 2017, arXiv:1703.034
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -60,10 +60,16 @@ def _stack(batches: Sequence[Batch]) -> tuple[Tensor, Tensor, int]:
 
 
 def stacked_shares(
-    model: nn.Module, params: Mapping[str, Tensor], x: Tensor, y: Tensor, n: int,
-    loss_fn: LossFn, buffers: Mapping[str, Tensor] | None = None,
+    model: nn.Module,
+    params: Mapping[str, Tensor],
+    x: Tensor,
+    y: Tensor,
+    n: int,
+    loss_fn: LossFn,
+    buffers: Mapping[str, Tensor] | None = None,
 ) -> Tensor:
-    """Per-task shares ``[T]`` of stacked weights ``params[k]: [T, ...]`` on ``x: [T, n_local, ...]``.
+    """Per-task shares ``[T]`` of stacked weights ``params[k]: [T, ...]`` on
+    ``x: [T, n_local, ...]``.
 
     Returns:
         ``out[t] = sum_i loss(f(W[t], x[t, i]), y[t, i]) / n`` (this rank's share of task t's
@@ -92,25 +98,34 @@ def per_task(optimizer: InnerOptimizer, n: int) -> InnerOptimizer:
         # Every task starts from the same weights, so task 0's state is every task's.
         state = optimizer.init({k: v[0] for k, v in params.items()})
         leaves, spec = tree_flatten(state)
-        return tree_unflatten([l.unsqueeze(0).expand(n, *l.shape) if isinstance(l, Tensor) else l
-                               for l in leaves], spec)
+        return tree_unflatten(
+            [
+                leaf.unsqueeze(0).expand(n, *leaf.shape) if isinstance(leaf, Tensor) else leaf
+                for leaf in leaves
+            ],
+            spec,
+        )
 
     def update(grads: Params, state: State, params: Params) -> tuple[Params, State]:
         leaves, spec = tree_flatten(state)
-        tensor_leaves = [l for l in leaves if isinstance(l, Tensor)]
+        tensor_leaves = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
         out: dict = {}
 
         def one(g: Params, p: Params, ts: list[Tensor]):
             it = iter(ts)
-            st = tree_unflatten([next(it) if isinstance(l, Tensor) else l for l in leaves], spec)
+            st = tree_unflatten(
+                [next(it) if isinstance(leaf, Tensor) else leaf for leaf in leaves], spec
+            )
             updates, new = optimizer.update(g, st, p)
             new_leaves, out["spec"] = tree_flatten(new)
-            out["other"] = [_TENSOR if isinstance(l, Tensor) else l for l in new_leaves]
-            return updates, [l for l in new_leaves if isinstance(l, Tensor)]
+            out["other"] = [_TENSOR if isinstance(leaf, Tensor) else leaf for leaf in new_leaves]
+            return updates, [leaf for leaf in new_leaves if isinstance(leaf, Tensor)]
 
         updates, new_tensors = torch.vmap(one)(dict(grads), dict(params), tensor_leaves)
         it = iter(new_tensors)
-        new = tree_unflatten([next(it) if l is _TENSOR else l for l in out["other"]], out["spec"])
+        new = tree_unflatten(
+            [next(it) if leaf is _TENSOR else leaf for leaf in out["other"]], out["spec"]
+        )
         return updates, new
 
     return InnerOptimizer(init, update)
@@ -163,8 +178,9 @@ def stacked_task_losses(
             # Task t's share depends on row t only, so the gradient of the sum is every
             # task's own gradient, row by row (module docstring).
             total = stacked_shares(model, fast, sx, sy, sn, loss_fn).sum()
-            fast, state = inner_step(total, fast, state, optimizer, step=step, reduce=reduce,
-                                     first_order=first_order)
+            fast, state = inner_step(
+                total, fast, state, optimizer, step=step, reduce=reduce, first_order=first_order
+            )
         return stacked_shares(model, fast, qx, qy, qn, loss_fn).sum()
 
 

@@ -46,16 +46,19 @@ ALGORITHMS: dict[str, Builder] = {
     # The same with the inner gradients held constant (first-order MAML, ibid. sec. 5.2).
     "fomaml": lambda m, s: MAML(m, inner_lr=s.inner_lr, steps=s.steps, first_order=True),
     # Li et al. 2017: a learned learning rate per parameter entry, initialised at inner_lr.
-    "metasgd": lambda m, s: MetaSGD(m, inner_lr=s.inner_lr, steps=s.steps,
-                                    first_order=s.first_order),
+    "metasgd": lambda m, s: MetaSGD(
+        m, inner_lr=s.inner_lr, steps=s.steps, first_order=s.first_order
+    ),
     # Raghu et al. 2020: only the last layer adapts, on features of the rest computed once.
-    "anil": lambda m, s: ANIL(*split_head(m), inner_lr=s.inner_lr, steps=s.steps,
-                              first_order=s.first_order),
+    "anil": lambda m, s: ANIL(
+        *split_head(m), inner_lr=s.inner_lr, steps=s.steps, first_order=s.first_order
+    ),
     # Nichol et al. 2018: the meta-gradient is the mean displacement theta - phi.
     "reptile": lambda m, s: Reptile(m, inner_lr=s.inner_lr, steps=s.steps),
     # Rajeswaran et al. 2019: implicit gradient by conjugate gradient on I + H / lam.
-    "imaml": lambda m, s: IMAML(m, lam=s.lam, inner_lr=s.inner_lr, steps=s.steps,
-                                cg_steps=s.cg_steps, cg_tol=s.cg_tol),
+    "imaml": lambda m, s: IMAML(
+        m, lam=s.lam, inner_lr=s.inner_lr, steps=s.steps, cg_steps=s.cg_steps, cg_tol=s.cg_tol
+    ),
 }
 
 
@@ -68,8 +71,10 @@ def split_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
         return body, head
     if isinstance(model, nn.Sequential) and len(model) >= 2:
         return model[:-1], model[-1]
-    raise ValueError(f"ANIL needs a body/head split: {type(model).__name__} is not a sequential "
-                     "network with at least two layers and has no split_head() method")
+    raise ValueError(
+        f"ANIL needs a body/head split: {type(model).__name__} is not a sequential "
+        "network with at least two layers and has no split_head() method"
+    )
 
 
 def build(name: str, model: nn.Module, settings: Settings) -> Algorithm:

@@ -15,8 +15,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="metaddp",
         description="Meta-learning on many processes whose meta-gradients do not depend on the "
-                    "number of processes. Commands: train (meta-train on a task family) and "
-                    "verify (compare results at several process counts with one process).",
+        "number of processes. Commands: train (meta-train on a task family) and "
+        "verify (compare results at several process counts with one process).",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:

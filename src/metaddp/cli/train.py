@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import train as _train
-from ..train import DTYPES, LAYOUTS, TrainConfig, read_toml
-from ..train import _checkpoint
 from ..tasks import FAMILIES
+from ..train import DTYPES, LAYOUTS, TrainConfig, _checkpoint, read_toml
 
 S = argparse.SUPPRESS
 
@@ -31,10 +30,19 @@ S = argparse.SUPPRESS
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from ..algorithms import ALGORITHMS
 
-    p = sub.add_parser("train", help="meta-train on a task family (sinusoid, digits, omniglot)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("task", nargs="?", choices=FAMILIES, default=None,
-                   help="task family (taken from the run when resuming)")
+    p = sub.add_parser(
+        "train",
+        help="meta-train on a task family (sinusoid, digits, omniglot)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "task",
+        nargs="?",
+        choices=FAMILIES,
+        default=None,
+        help="task family (taken from the run when resuming)",
+    )
     g = p.add_argument_group("what to train (default: the task's own settings)")
     g.add_argument("--algorithm", choices=list(ALGORITHMS), default=S, help="default maml")
     g.add_argument("--steps", type=int, default=S, help="outer steps in total (default 1000)")
@@ -62,11 +70,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g = p.add_argument_group("processes")
     g.add_argument("--nproc", type=int, default=1, help="local processes to start (default 1)")
-    g.add_argument("--layout", choices=LAYOUTS, default=S,
-                   help="sample: every process splits every task (default); task: tasks split "
-                        "over processes; hybrid: two task groups, each splitting its tasks")
-    g.add_argument("--backend", choices=("gloo", "nccl"), default=None,
-                   help="default: nccl with GPUs, gloo otherwise")
+    g.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default=S,
+        help="sample: every process splits every task (default); task: tasks split "
+        "over processes; hybrid: two task groups, each splitting its tasks",
+    )
+    g.add_argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        default=None,
+        help="default: nccl with GPUs, gloo otherwise",
+    )
     p.set_defaults(func=main)
 
 
@@ -76,15 +92,20 @@ class UsageError(Exception):
 
 def settings(args: argparse.Namespace) -> tuple[TrainConfig, Path, bool]:
     """Resolve the run's settings, output folder and whether it resumes; check the folder."""
-    flags = {k: v for k, v in vars(args).items()
-             if k in TrainConfig.names() and not (k == "task" and v is None)}
+    flags = {
+        k: v
+        for k, v in vars(args).items()
+        if k in TrainConfig.names() and not (k == "task" and v is None)
+    }
     resume = args.resume is not None
     values: dict[str, Any] = {}
     if resume:
         out = Path(args.resume)
         if args.out is not None and Path(args.out).resolve() != out.resolve():
-            raise UsageError(f"--resume {args.resume} continues in its own folder; drop --out "
-                             f"{args.out} (or copy the run there and resume that)")
+            raise UsageError(
+                f"--resume {args.resume} continues in its own folder; drop --out "
+                f"{args.out} (or copy the run there and resume that)"
+            )
         _train.check_folder(out, resume=True, force=False)
         values.update(_train.saved_config(out))
     if args.config is not None:
@@ -94,18 +115,23 @@ def settings(args: argparse.Namespace) -> tuple[TrainConfig, Path, bool]:
         raise UsageError("name a task: metaddp train {" + ",".join(FAMILIES) + "} [options]")
     cfg = TrainConfig(**values).resolved()
     if not resume:
-        out = Path(args.out) if args.out is not None else Path("runs") / f"{cfg.task}-{cfg.algorithm}"
+        out = (
+            Path(args.out) if args.out is not None else Path("runs") / f"{cfg.task}-{cfg.algorithm}"
+        )
         _train.check_folder(out, resume=False, force=args.force)
     if cfg.task == "omniglot":
         from ..tasks.omniglot import characters
+
         if cfg.data is None:
             raise UsageError("the omniglot task needs --data FOLDER (in the Omniglot layout)")
         characters(Path(cfg.data))
     if resume:
         step = _checkpoint.load(out / _train.CHECKPOINT, cfg.identity())["step"]
         if step > cfg.steps:
-            raise UsageError(f"the checkpoint in {out} is at step {step}, beyond --steps "
-                             f"{cfg.steps}: give a larger --steps")
+            raise UsageError(
+                f"the checkpoint in {out} is at step {step}, beyond --steps "
+                f"{cfg.steps}: give a larger --steps"
+            )
     return cfg, out, resume
 
 
@@ -113,8 +139,15 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def worker(cfg_dict: dict, out: str, resume: bool, force: bool, backend: str | None,
-           threads: int, progress: bool) -> dict | None:
+def worker(
+    cfg_dict: dict,
+    out: str,
+    resume: bool,
+    force: bool,
+    backend: str | None,
+    threads: int,
+    progress: bool,
+) -> dict | None:
     """Run on every process: join the group, prepare the folder on rank 0, train."""
     import torch
     import torch.distributed as dist
@@ -132,8 +165,13 @@ def worker(cfg_dict: dict, out: str, resume: bool, force: bool, backend: str | N
             _train.prepare_folder(Path(out), cfg, resume, force)
         if dist.is_initialized():
             dist.barrier()
-        result = _train.train(cfg, out, resume=resume, progress=progress,
-                              backend=backend if dist.is_initialized() else None)
+        result = _train.train(
+            cfg,
+            out,
+            resume=resume,
+            progress=progress,
+            backend=backend if dist.is_initialized() else None,
+        )
     finally:
         shutdown()
     return result["summary"] if rank() == 0 else None
@@ -146,9 +184,16 @@ def launch(nproc: int, *args: Any) -> dict | None:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
-                          run_id=f"metaddp-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
-                          rdzv_endpoint="127.0.0.1:0", max_restarts=0, start_method="spawn")
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"metaddp-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        start_method="spawn",
+    )
     results = elastic_launch(config, worker)(*args)
     return results[0]
 
@@ -158,15 +203,21 @@ def report(summary: dict, cfg: TrainConfig, out: Path) -> None:
     what = "tasks of held-out classes" if "test_acc_after" in summary else "held-out tasks"
     print(f"\nmeta-test on {n} {what}, {k} adaptation step(s), mean and 95% CI:")
     if "test_acc_after" in summary:
-        print(f"  accuracy before adaptation {summary['test_acc_before']:.4f}, after "
-              f"{summary['test_acc_after']:.4f} ± {summary['test_acc_after_ci']:.4f}")
+        print(
+            f"  accuracy before adaptation {summary['test_acc_before']:.4f}, after "
+            f"{summary['test_acc_after']:.4f} ± {summary['test_acc_after_ci']:.4f}"
+        )
     name = summary.get("metric", "loss")
-    print(f"  query {name} before adaptation {summary['test_before']:.4f}, after "
-          f"{summary['test_after']:.4f} ± {summary['test_after_ci']:.4f}")
+    print(
+        f"  query {name} before adaptation {summary['test_before']:.4f}, after "
+        f"{summary['test_after']:.4f} ± {summary['test_after_ci']:.4f}"
+    )
     for p in summary.get("plots", []):
         print(f"  plot: {p}")
-    print(f"  metrics: {out / 'metrics.csv'}; checkpoint: {out / _train.CHECKPOINT} "
-          f"(continue with: metaddp train --resume {out} --steps N)")
+    print(
+        f"  metrics: {out / 'metrics.csv'}; checkpoint: {out / _train.CHECKPOINT} "
+        f"(continue with: metaddp train --resume {out} --steps N)"
+    )
 
 
 def torchrun_main(args: argparse.Namespace) -> int:
@@ -210,7 +261,9 @@ def main(args: argparse.Namespace) -> int:
         return 2
     progress = not args.no_progress
     if args.nproc < 1:
-        print(f"metaddp train: error: --nproc must be at least 1, got {args.nproc}", file=sys.stderr)
+        print(
+            f"metaddp train: error: --nproc must be at least 1, got {args.nproc}", file=sys.stderr
+        )
         return 2
     else:
         threads = max(1, (os.cpu_count() or 1) // args.nproc)
@@ -219,6 +272,7 @@ def main(args: argparse.Namespace) -> int:
             summary = worker(*common)
         else:
             from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
             try:
                 summary = launch(args.nproc, *common)
             except ChildFailedError as e:

@@ -37,8 +37,12 @@ class Check:
 def checks(scenario: str) -> list[Check]:
     if scenario == "seed":
         return [
-            Check("seed", "sample, 1st order", S.SeedProblem(second_order=False, iterations=1), 1e-5),
-            Check("seed", "sample, 2nd order x5", S.SeedProblem(second_order=True, iterations=5), 1e-5),
+            Check(
+                "seed", "sample, 1st order", S.SeedProblem(second_order=False, iterations=1), 1e-5
+            ),
+            Check(
+                "seed", "sample, 2nd order x5", S.SeedProblem(second_order=True, iterations=5), 1e-5
+            ),
         ]
     if scenario in ("conv", "mlp"):
         return [
@@ -55,8 +59,14 @@ def checks(scenario: str) -> list[Check]:
     if scenario == "bn":
         # MAML on the conv model with BatchNorm synchronized over the sample axis.
         return [
-            Check("bn", layout, S.Problem(model="conv", batchnorm=True, layout=layout, steps=2,
-                                          n_tasks=3, inner_lr=0.3), 1e-10)
+            Check(
+                "bn",
+                layout,
+                S.Problem(
+                    model="conv", batchnorm=True, layout=layout, steps=2, n_tasks=3, inner_lr=0.3
+                ),
+                1e-10,
+            )
             for layout in S.LAYOUTS
         ]
     raise ValueError(f"unknown scenario {scenario!r}")
@@ -73,9 +83,12 @@ def run_checks(todo: list[Check]) -> list[dict]:
     for c in todo:
         if isinstance(c.problem, S.SeedProblem):
             r = S.run_seed(c.problem)
-            vec = torch.cat([torch.tensor(r["grad2"], dtype=torch.float64), r["weight"].double().flatten()])
-            out.append({"loss": r["loss1"][-1] + r["loss2"][-1], "vec": vec,
-                        "norm": abs(r["grad2"][-1])})
+            vec = torch.cat(
+                [torch.tensor(r["grad2"], dtype=torch.float64), r["weight"].double().flatten()]
+            )
+            out.append(
+                {"loss": r["loss1"][-1] + r["loss2"][-1], "vec": vec, "norm": abs(r["grad2"][-1])}
+            )
         else:
             r = S.run(c.problem)
             vec = torch.cat([g.double().flatten() for g in r["grads"].values()])
@@ -84,13 +97,25 @@ def run_checks(todo: list[Check]) -> list[dict]:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("verify", help="run one meta-step of each scenario at several process counts and compare "
-                            "the meta-gradients with the first count's (default 1,2,4 vs 1)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--scenario", nargs="+", choices=SCENARIOS + ("all",), default=["all"],
-                   help="what to run (default: all)")
-    p.add_argument("--world-sizes", default="1,2,4",
-                   help="comma-separated process counts; the first is the reference (default 1,2,4)")
+    p = sub.add_parser(
+        "verify",
+        help="run one meta-step of each scenario at several process counts and compare "
+        "the meta-gradients with the first count's (default 1,2,4 vs 1)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--scenario",
+        nargs="+",
+        choices=SCENARIOS + ("all",),
+        default=["all"],
+        help="what to run (default: all)",
+    )
+    p.add_argument(
+        "--world-sizes",
+        default="1,2,4",
+        help="comma-separated process counts; the first is the reference (default 1,2,4)",
+    )
     p.set_defaults(func=main)
 
 
@@ -112,14 +137,19 @@ def main(args: argparse.Namespace) -> int:
         return 2
     names = SCENARIOS if "all" in args.scenario else tuple(dict.fromkeys(args.scenario))
     todo = [c for n in names for c in checks(n)]
-    print(f"metaddp verify: {', '.join(names)} at world sizes {', '.join(map(str, sizes))} "
-          f"(gloo, local processes; reference: {sizes[0]} process{'es' if sizes[0] > 1 else ''})")
+    print(
+        f"metaddp verify: {', '.join(names)} at world sizes {', '.join(map(str, sizes))} "
+        f"(gloo, local processes; reference: {sizes[0]} process{'es' if sizes[0] > 1 else ''})"
+    )
     results: dict[int, list[dict]] = {}
     for w in sizes:
         t0 = time.perf_counter()
         results[w] = run_local(run_checks, w, todo)[0]
         print(f"  {w} process(es) done in {time.perf_counter() - t0:.1f} s", flush=True)
-    header = f"{'scenario':<8} {'layout':<22} {'world':>5} {'outer loss':>22} {'grad norm':>14} {'max abs diff':>12} {'max rel diff':>12}"
+    header = (
+        f"{'scenario':<8} {'layout':<22} {'world':>5} {'outer loss':>22} {'grad norm':>14} "
+        f"{'max abs diff':>12} {'max rel diff':>12}"
+    )
     print(header)
     print("-" * len(header))
     worst, failed = 0.0, []
@@ -134,8 +164,11 @@ def main(args: argparse.Namespace) -> int:
             worst = max(worst, rel)
             if not ok:
                 failed.append(f"{c.name}/{c.layout}@{w}")
-            print(f"{c.name:<8} {c.layout:<22} {w:>5} {r['loss']:>22.15g} {r['norm']:>14.6g} "
-                  f"{abs_diff:>12.3g} {rel:>12.3g}{'' if ok else '  FAIL (tolerance %.0e)' % c.tolerance}")
+            verdict = "" if ok else f"  FAIL (tolerance {c.tolerance:.0e})"
+            print(
+                f"{c.name:<8} {c.layout:<22} {w:>5} {r['loss']:>22.15g} {r['norm']:>14.6g} "
+                f"{abs_diff:>12.3g} {rel:>12.3g}{verdict}"
+            )
     if failed:
         print(f"worst relative difference: {worst:.3g}; outside tolerance: {', '.join(failed)}")
         return 1

@@ -24,7 +24,6 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from .._types import Reduce
 
 
-
 def synced_batch_norm(bn: _BatchNorm, x: Tensor, reduce: Reduce) -> Tensor:
     """``bn(x)`` with batch statistics over every rank's shard (what ``bn.forward`` becomes).
 
@@ -37,12 +36,15 @@ def synced_batch_norm(bn: _BatchNorm, x: Tensor, reduce: Reduce) -> Tensor:
         raise ValueError(f"BatchNorm expects input of shape [N, C, ...], got {tuple(x.shape)}")
     use_batch = bn.training or bn.running_mean is None
     if not use_batch:
-        return F.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.0, bn.eps)
+        return F.batch_norm(
+            x, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.0, bn.eps
+        )
     channels = x.shape[1]
     dims = [0] + list(range(2, x.dim()))
     shape = [1, channels] + [1] * (x.dim() - 2)
-    shift = (bn.running_mean.detach() if bn.running_mean is not None
-             else x.new_zeros(channels)).to(x.dtype)
+    shift = (bn.running_mean.detach() if bn.running_mean is not None else x.new_zeros(channels)).to(
+        x.dtype
+    )
     xc = x - shift.view(shape)
     count = x.new_full((1,), x.numel() // channels if channels else 0)
     count, s1, s2 = reduce([count, xc.sum(dims), (xc * xc).sum(dims)])
@@ -87,11 +89,13 @@ class BatchNormSync:
         if any(getattr(m.__dict__.get("forward"), "_metaddp_synced", False) for m in self.layers):
             raise RuntimeError(
                 "the BatchNorm layers of this module are already synchronized (MetaDDP does "
-                "it when it wraps a module, or an enclosing sync_batchnorm); do not nest it")
+                "it when it wraps a module, or an enclosing sync_batchnorm); do not nest it"
+            )
         self._saved = [m.__dict__.get("forward") for m in self.layers]
         self.reduce = reduce  # read at every call: MetaDDP.local() swaps it for the identity
         sync = self
         for m in self.layers:
+
             def forward(self: _BatchNorm, x: Tensor) -> Tensor:
                 return synced_batch_norm(self, x, sync.reduce)
 
@@ -100,7 +104,7 @@ class BatchNormSync:
 
     def remove(self) -> None:
         """Give every layer its own ``forward`` back."""
-        for m, f in zip(self.layers, self._saved):
+        for m, f in zip(self.layers, self._saved, strict=True):
             if f is None:
                 m.__dict__.pop("forward", None)
             else:

@@ -69,7 +69,7 @@ class WeightCheck:
                 return
             self.calls += 1
             spread = max_abs_difference([t for _, t in named], self.group)
-            for (name, _), d in zip(named, spread):
+            for (name, _), d in zip(named, spread, strict=True):
                 if d != 0:
                     full = f"{prefix}.{name}" if prefix else name
                     raise OutOfSyncError(

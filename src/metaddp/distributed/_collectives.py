@@ -216,7 +216,9 @@ class PendingSum:
 
 
 def launch_sum(
-    tensors: Sequence[Tensor], group: Group = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    tensors: Sequence[Tensor],
+    group: Group = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     what: str = "all-reduce",
 ) -> PendingSum:
     """Start the SUM over ``group`` of each tensor, bucketed, without waiting. Not differentiable.
@@ -236,8 +238,13 @@ def launch_sum(
     return pending
 
 
-def _reduce_sum(tensors: Sequence[Tensor], group: Group, bucket_bytes: int, what: str) -> list[Tensor]:
-    """SUM over ``group`` of each tensor; returns new tensors (inputs untouched). Not differentiable."""
+def _reduce_sum(
+    tensors: Sequence[Tensor], group: Group, bucket_bytes: int, what: str
+) -> list[Tensor]:
+    """SUM over ``group`` of each tensor; returns new tensors (inputs untouched).
+
+    Not differentiable.
+    """
     return launch_sum(tensors, group, bucket_bytes, what).wait()
 
 
@@ -273,7 +280,7 @@ def all_reduce_sum_(
     tensors = list(tensors)
     reduced = _reduce_sum(tensors, group, bucket_bytes, "gradient all-reduce")
     with torch.no_grad():
-        for t, r in zip(tensors, reduced):
+        for t, r in zip(tensors, reduced, strict=True):
             if r is not t:
                 t.copy_(r)
 
@@ -298,7 +305,7 @@ def broadcast_(tensors: Sequence[Tensor], src: int = 0, group: Group = None) -> 
     for idx in _plan(tensors, DEFAULT_BUCKET_BYTES):
         flat = torch.cat([tensors[i].detach().reshape(-1) for i in idx]).to(device)
         _record(flat.numel(), flat.numel() * flat.element_size())
-        _guard(lambda: dist.broadcast(flat, src=src, group=group), "broadcast")
+        _guard(lambda flat=flat: dist.broadcast(flat, src=src, group=group), "broadcast")
         offset = 0
         with torch.no_grad():
             for i in idx:

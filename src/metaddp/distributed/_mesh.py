@@ -83,7 +83,7 @@ class Mesh:
     device_mesh: DeviceMesh | None = dataclasses.field(default=None, compare=False)
 
     @classmethod
-    def create(cls, tasks: int | None = None, samples: int | None = None) -> "Mesh":
+    def create(cls, tasks: int | None = None, samples: int | None = None) -> Mesh:
         """The mesh with ``tasks`` task groups of ``samples`` ranks (give one or neither).
 
         With neither, every rank splits every task's batch (``tasks=1``, sample-parallel).
@@ -116,7 +116,7 @@ class Mesh:
         return cls(tasks, samples, dm.get_group("task"), dm.get_group("sample"), None, dm)
 
     @classmethod
-    def for_layout(cls, layout: str) -> "Mesh":
+    def for_layout(cls, layout: str) -> Mesh:
         """The mesh of a named layout.
 
         ``sample``: every rank splits every task; ``task``: tasks split over ranks; ``hybrid``:

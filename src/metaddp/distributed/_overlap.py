@@ -49,8 +49,12 @@ class GradReducer:
         bucket_bytes: the largest bucket (gradients plus flags) one collective moves.
     """
 
-    def __init__(self, params: Sequence[tuple[str, nn.Parameter]], group: Group = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    def __init__(
+        self,
+        params: Sequence[tuple[str, nn.Parameter]],
+        group: Group = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
         self.group = group
@@ -64,8 +68,9 @@ class GradReducer:
         # votes carry no evidence (there was no previous step).
         self._agreed_single = -1
         self._my_vote = 1.0  # this rank's vote about its last step
-        self._handles = [p.register_post_accumulate_grad_hook(self._hook(i))
-                         for i, p in enumerate(self.params)]
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)
+        ]
         self._reset()
 
     def _reset(self) -> None:
@@ -111,15 +116,22 @@ class GradReducer:
         return hook
 
     def _launch_ready(self) -> None:
-        while self._next < len(self.buckets) and len(self._ready[self._next]) == len(self.buckets[self._next]):
+        while self._next < len(self.buckets) and len(self._ready[self._next]) == len(
+            self.buckets[self._next]
+        ):
             self._launch(self._next)
 
     def _launch(self, b: int) -> None:
         members = [self.params[i] for i in self.buckets[b]]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in members]
-        flags = torch.tensor([float(p.grad is not None) for p in members] + [self._my_vote],
-                             dtype=members[0].dtype, device=members[0].device)
-        self._pending[b] = launch_sum(grads + [flags], self.group, _ONE_BUCKET, "gradient all-reduce")
+        flags = torch.tensor(
+            [float(p.grad is not None) for p in members] + [self._my_vote],
+            dtype=members[0].dtype,
+            device=members[0].device,
+        )
+        self._pending[b] = launch_sum(
+            grads + [flags], self.group, _ONE_BUCKET, "gradient all-reduce"
+        )
         self._next = b + 1
 
     def finish(self) -> list[str]:
@@ -145,7 +157,8 @@ class GradReducer:
                 flags = sums[-1].tolist()
                 votes.append(flags.pop())
                 with torch.no_grad():
-                    for i, g, f in zip(members, sums, flags):
+                    # sums ends with the flags tensor itself, one longer than members.
+                    for i, g, f in zip(members, sums, flags, strict=False):
                         p = self.params[i]
                         if f == 0:
                             missing.append(self.names[i])

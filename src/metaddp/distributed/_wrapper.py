@@ -25,8 +25,15 @@ from .._types import LossFn, MetaAlgorithm, Params, identity_reduce
 from ._batchnorm import BatchNormSync, has_batchnorm, sync_batchnorm
 from ._check import OutOfSyncError, WeightCheck, from_env
 from ._collectives import (
-    DEFAULT_BUCKET_BYTES, all_reduce_counts, all_reduce_sum, all_reduce_sum_, broadcast_,
-    global_count, global_value, group_size, max_abs_difference,
+    DEFAULT_BUCKET_BYTES,
+    all_reduce_counts,
+    all_reduce_sum,
+    all_reduce_sum_,
+    broadcast_,
+    global_count,
+    global_value,
+    group_size,
+    max_abs_difference,
 )
 from ._mesh import Mesh
 from ._overlap import GradReducer
@@ -68,9 +75,15 @@ class MetaDDP(nn.Module):
     """
 
     def __init__(
-        self, module: nn.Module, mesh: Mesh | None = None, *, broadcast: bool = True,
-        allow_unused: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        overlap: bool = True, check: bool | None = None,
+        self,
+        module: nn.Module,
+        mesh: Mesh | None = None,
+        *,
+        broadcast: bool = True,
+        allow_unused: bool = False,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        overlap: bool = True,
+        check: bool | None = None,
     ) -> None:
         super().__init__()
         if isinstance(module, (DistributedDataParallel, nn.DataParallel)):
@@ -99,7 +112,8 @@ class MetaDDP(nn.Module):
         self._collectives = Collectives(self.reduce, self._count_tasks, repr(self.mesh))
         bind(module, self._collectives)
         self._batchnorm: BatchNormSync | None = (
-            sync_batchnorm(module, self.reduce) if has_batchnorm(module) else None)
+            sync_batchnorm(module, self.reduce) if has_batchnorm(module) else None
+        )
         self.checking = from_env() if check is None else bool(check)
         self._weight_check = WeightCheck(module, self.mesh.sample_group) if self.checking else None
 
@@ -153,17 +167,25 @@ class MetaDDP(nn.Module):
             raise TypeError(
                 f"MetaDDP.{what} needs a meta-learning algorithm, but this wraps a "
                 f"{type(self.module).__name__}: wrap metaddp.MAML(model, ...) (or MetaSGD, "
-                "ANIL, Reptile, IMAML) instead of the bare model")
+                "ANIL, Reptile, IMAML) instead of the bare model"
+            )
         return self.module
 
-    def shard(self, tasks: int | Sequence[Task],
-              make_task: Callable[[int], Task] | None = None) -> MetaBatch:
+    def shard(
+        self, tasks: int | Sequence[Task], make_task: Callable[[int], Task] | None = None
+    ) -> MetaBatch:
         """This rank's part of a global meta-batch: its task group's tasks, each cut to its
         share of the samples. ``tasks`` is the whole meta-batch, or its size with
         ``make_task(i)`` building global task ``i`` (then only this rank's tasks are built)."""
         m = self.mesh
-        return MetaBatch.shard(tasks, make_task, task_index=m.task_index, task_parts=m.tasks,
-                               sample_index=m.sample_index, sample_parts=m.samples)
+        return MetaBatch.shard(
+            tasks,
+            make_task,
+            task_index=m.task_index,
+            task_parts=m.tasks,
+            sample_index=m.sample_index,
+            sample_parts=m.samples,
+        )
 
     def meta_loss(self, tasks: Sequence[Task], loss_fn: LossFn) -> Tensor:
         """This rank's share of the meta-batch's mean query loss, through the wrapped algorithm.
@@ -195,11 +217,23 @@ class MetaDDP(nn.Module):
         return clone()
 
     @overload
-    def grad(self, loss: Tensor, params: Mapping[str, Tensor], *, create_graph: bool = ...,
-             retain_graph: bool | None = ...) -> Params: ...
+    def grad(
+        self,
+        loss: Tensor,
+        params: Mapping[str, Tensor],
+        *,
+        create_graph: bool = ...,
+        retain_graph: bool | None = ...,
+    ) -> Params: ...
     @overload
-    def grad(self, loss: Tensor, params: Sequence[Tensor], *, create_graph: bool = ...,
-             retain_graph: bool | None = ...) -> list[Tensor]: ...
+    def grad(
+        self,
+        loss: Tensor,
+        params: Sequence[Tensor],
+        *,
+        create_graph: bool = ...,
+        retain_graph: bool | None = ...,
+    ) -> list[Tensor]: ...
     def grad(self, loss, params, *, create_graph=True, retain_graph=None):
         """For hand-written inner loops: the gradient of the *global* loss.
 
@@ -209,8 +243,9 @@ class MetaDDP(nn.Module):
         keeps second-order terms; a first-order step whose loss is backpropagated again
         later needs ``retain_graph=True``.
         """
-        return grad(loss, params, reduce=self.reduce, create_graph=create_graph,
-                    retain_graph=retain_graph)
+        return grad(
+            loss, params, reduce=self.reduce, create_graph=create_graph, retain_graph=retain_graph
+        )
 
     def global_value(self, share: Tensor) -> Tensor:
         """The global value of a share (a loss, for logging): SUM over all ranks, detached."""
@@ -226,7 +261,8 @@ class MetaDDP(nn.Module):
             if spread:
                 raise OutOfSyncError(
                     "check mode: the ranks that split tasks' samples hold different numbers of "
-                    "tasks; give every rank of a sample group the same tasks (MetaDDP.shard)")
+                    "tasks; give every rank of a sample group the same tasks (MetaDDP.shard)"
+                )
         batches = [b for t in tasks for b in (t.support, t.query)]
         local = [b.x.shape[0] for b in batches]
         total = all_reduce_counts(local + [b.n for b in batches], group)
@@ -238,7 +274,8 @@ class MetaDDP(nn.Module):
                     f"check mode: task {i // 2}'s {which} batch says it has {b.n} samples, but "
                     f"its shards on the {ranks} rank(s) that split it hold {held}. Cut tasks "
                     "with Task.split / MetaDDP.shard, which record the global size, rather "
-                    "than giving a shard's own length as n")
+                    "than giving a shard's own length as n"
+                )
 
     # --- gradients ----------------------------------------------------------------------
 
@@ -256,10 +293,15 @@ class MetaDDP(nn.Module):
         """Raise if any parameter or buffer differs between ranks (one collective)."""
         named = list(self.module.named_parameters()) + list(self.module.named_buffers())
         spread = max_abs_difference([t for _, t in named], group=self.mesh.group)
-        bad = [f"{name} (max difference {d:.3g})" for (name, _), d in zip(named, spread) if d > 0]
+        bad = [
+            f"{name} (max difference {d:.3g})"
+            for (name, _), d in zip(named, spread, strict=True)
+            if d > 0
+        ]
         if bad:
             raise ValueError(
-                "ranks hold different weights: " + ", ".join(bad[:5])
+                "ranks hold different weights: "
+                + ", ".join(bad[:5])
                 + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
                 + ". Seed every rank alike, load the same checkpoint, or build MetaDDP with "
                 "broadcast=True to copy rank 0's weights."
@@ -285,16 +327,18 @@ class MetaDDP(nn.Module):
         flags = params[0].detach().new_tensor([float(p.grad is not None) for p in params])
         all_reduce_sum_(grads + [flags], group=self.mesh.group, bucket_bytes=self.bucket_bytes)
         names = {id(p): n for n, p in self.module.named_parameters()}
-        missing = [names[id(p)] for p, f in zip(params, flags.tolist()) if f == 0]
+        missing = [names[id(p)] for p, f in zip(params, flags.tolist(), strict=True) if f == 0]
         self._raise_missing(missing)
-        for p, g, f in zip(params, grads, flags.tolist()):
+        for p, g, f in zip(params, grads, flags.tolist(), strict=True):
             if f > 0:
                 p.grad = g
 
     def _check_trained_unchanged(self) -> None:
         assert self._reducer is not None
         now = [p for p in self.module.parameters() if p.requires_grad]
-        if len(now) != len(self._reducer.params) or any(a is not b for a, b in zip(now, self._reducer.params)):
+        if len(now) != len(self._reducer.params) or any(
+            a is not b for a, b in zip(now, self._reducer.params, strict=True)
+        ):
             raise ValueError(
                 "the set of trained parameters (requires_grad=True) changed after MetaDDP was "
                 "built; freeze or add parameters before wrapping the module, or build MetaDDP "
@@ -304,7 +348,8 @@ class MetaDDP(nn.Module):
     def _raise_missing(self, missing: list[str]) -> None:
         if missing and not self.allow_unused:
             raise ValueError(
-                "no rank produced a gradient for: " + ", ".join(missing[:5])
+                "no rank produced a gradient for: "
+                + ", ".join(missing[:5])
                 + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
                 + ". Call backward() on the meta-loss before sync_grads(); if these parameters "
                 "are not meant to train, set requires_grad=False or build MetaDDP with "

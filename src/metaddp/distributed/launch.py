@@ -25,11 +25,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn, nproc: int, port: int, backend: str, timeout_s: float,
-           threads: int, out_dir: str, args: tuple) -> None:
+def _entry(
+    rank: int,
+    fn,
+    nproc: int,
+    port: int,
+    backend: str,
+    timeout_s: float,
+    threads: int,
+    out_dir: str,
+    args: tuple,
+) -> None:
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
     )
     torch.set_num_threads(threads)
     init(backend, timeout=timedelta(seconds=timeout_s))
@@ -41,8 +54,12 @@ def _entry(rank: int, fn, nproc: int, port: int, backend: str, timeout_s: float,
 
 
 def run_local(
-    fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "gloo",
-    timeout_s: float = 120.0, threads: int | None = None,
+    fn: Callable[..., Any],
+    nproc: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout_s: float = 120.0,
+    threads: int | None = None,
 ) -> list[Any]:
     """``fn(*args)`` on ``nproc`` spawned processes; returns each rank's return value, by rank.
 
@@ -55,7 +72,11 @@ def run_local(
         threads = max(1, (os.cpu_count() or 1) // nproc)
     with tempfile.TemporaryDirectory(prefix="metaddp-") as out_dir:
         mp.start_processes(
-            _entry, args=(fn, nproc, free_port(), backend, timeout_s, threads, out_dir, args),
-            nprocs=nproc, start_method="spawn",
+            _entry,
+            args=(fn, nproc, free_port(), backend, timeout_s, threads, out_dir, args),
+            nprocs=nproc,
+            start_method="spawn",
         )
-        return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(nproc)]
+        return [
+            torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(nproc)
+        ]

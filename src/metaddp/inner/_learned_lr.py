@@ -30,19 +30,29 @@ class LearnedLR(nn.Module):
     def __init__(self, params: Mapping[str, Tensor], init: float, per: str = "parameter") -> None:
         super().__init__()
         if per not in GRANULARITIES:
-            raise ValueError(f"unknown learning-rate granularity {per!r}; choose from {', '.join(GRANULARITIES)}")
+            raise ValueError(
+                f"unknown learning-rate granularity {per!r}; choose from {', '.join(GRANULARITIES)}"
+            )
         if not params:
             raise ValueError("LearnedLR needs at least one parameter to give a learning rate to")
         self.per = per
         self.names = list(params)
         first = next(iter(params.values()))
         if per == "scalar":
-            self.scalar = nn.Parameter(torch.tensor(float(init), dtype=first.dtype, device=first.device))
+            self.scalar = nn.Parameter(
+                torch.tensor(float(init), dtype=first.dtype, device=first.device)
+            )
         else:
             # nn.ParameterDict keys may not contain '.', so rates are stored by position.
             self.rates = nn.ParameterList(
-                nn.Parameter(torch.full(() if per == "tensor" else p.shape, float(init),
-                                        dtype=p.dtype, device=p.device))
+                nn.Parameter(
+                    torch.full(
+                        () if per == "tensor" else p.shape,
+                        float(init),
+                        dtype=p.dtype,
+                        device=p.device,
+                    )
+                )
                 for p in params.values()
             )
 
@@ -50,7 +60,7 @@ class LearnedLR(nn.Module):
         """The learning rate of every adapted parameter, by name (tensors on the graph)."""
         if self.per == "scalar":
             return {k: self.scalar for k in self.names}
-        return dict(zip(self.names, self.rates))
+        return dict(zip(self.names, self.rates, strict=True))
 
     def extra_repr(self) -> str:
         return f"per={self.per!r}, tensors={len(self.names)}"

@@ -82,11 +82,15 @@ def _shapes(params: Mapping[str, Tensor]) -> tuple[tuple[str, tuple[int, ...]], 
 def check_state(state: SlotState, grads: Mapping[str, Tensor], who: str) -> None:
     """Raise if ``state`` was initialised for a different parameter set than ``grads``."""
     if not isinstance(state, SlotState):
-        raise TypeError(f"{who}: expected the state returned by its init(), got {type(state).__name__}")
+        raise TypeError(
+            f"{who}: expected the state returned by its init(), got {type(state).__name__}"
+        )
     got = _shapes(grads)
     if dict(got) != dict(state.shapes):
         mine, theirs = dict(state.shapes), dict(got)
-        diff = sorted(set(mine) ^ set(theirs)) + sorted(k for k in mine if k in theirs and mine[k] != theirs[k])
+        diff = sorted(set(mine) ^ set(theirs)) + sorted(
+            k for k in mine if k in theirs and mine[k] != theirs[k]
+        )
         raise ValueError(
             f"{who}: the optimizer state belongs to another parameter set (it was initialised "
             f"for {len(mine)} tensors, the gradients cover {len(theirs)}; first mismatches: "
@@ -94,8 +98,9 @@ def check_state(state: SlotState, grads: Mapping[str, Tensor], who: str) -> None
         )
 
 
-def sgd(lr: LearningRate, momentum: float = 0.0, nesterov: bool = False,
-        dampening: float = 0.0) -> InnerOptimizer:
+def sgd(
+    lr: LearningRate, momentum: float = 0.0, nesterov: bool = False, dampening: float = 0.0
+) -> InnerOptimizer:
     """Gradient descent, optionally with (Nesterov) momentum, as ``torch.optim.SGD`` defines it.
 
     With momentum ``mu``: ``b_1 = g_1``, ``b_t = mu * b_{t-1} + (1 - dampening) * g_t``; the
@@ -117,6 +122,7 @@ def sgd(lr: LearningRate, momentum: float = 0.0, nesterov: bool = False,
         raise ValueError("Nesterov momentum needs momentum > 0 and dampening == 0")
 
     if momentum == 0:
+
         def init_plain(params: Params) -> State:
             return SlotState(0, (), _shapes(params))
 
@@ -143,8 +149,9 @@ def sgd(lr: LearningRate, momentum: float = 0.0, nesterov: bool = False,
     return InnerOptimizer(init, update)
 
 
-def adam(lr: LearningRate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-         eps_root: float = 1e-16) -> InnerOptimizer:
+def adam(
+    lr: LearningRate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 1e-16
+) -> InnerOptimizer:
     """Adam (Kingma & Ba, ICLR 2015, arXiv:1412.6980), differentiable to second order.
 
     ``m_t = b1 m + (1-b1) g``, ``v_t = b2 v + (1-b2) g^2``, and the step is

@@ -21,15 +21,24 @@ def family_class(name: str) -> type[TaskFamily]:
         return Sinusoid
     if name == "digits":
         from .digits import Digits
+
         return Digits
     if name == "omniglot":
         from .omniglot import Omniglot
+
         return Omniglot
     raise ValueError(f"unknown task {name!r}; choose from {', '.join(FAMILIES)}")
 
 
-def make(name: str, *, shots: int, query: int, ways: int | None = None, hidden: int | None = None,
-         data: str | None = None) -> TaskFamily:
+def make(
+    name: str,
+    *,
+    shots: int,
+    query: int,
+    ways: int | None = None,
+    hidden: int | None = None,
+    data: str | None = None,
+) -> TaskFamily:
     """Build family ``name`` with the given sizes (``ways`` and ``data`` where they apply)."""
     cls = family_class(name)
     opts: dict[str, Any] = {"shots": shots, "query": query}
@@ -42,5 +51,15 @@ def make(name: str, *, shots: int, query: int, ways: int | None = None, hidden: 
     return cls(**opts)
 
 
-__all__ = ["FAMILIES", "SPLITS", "ConvNet", "FewShotImages", "LayoutError", "Sinusoid",
-           "TaskFamily", "family_class", "make", "rotations"]
+__all__ = [
+    "FAMILIES",
+    "SPLITS",
+    "ConvNet",
+    "FewShotImages",
+    "LayoutError",
+    "Sinusoid",
+    "TaskFamily",
+    "family_class",
+    "make",
+    "rotations",
+]

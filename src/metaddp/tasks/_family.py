@@ -67,9 +67,15 @@ class TaskFamily(abc.ABC):
         """The options that define the task stream (checked when a run is resumed)."""
         return {}
 
-    def plots(self, algorithm: MetaAlgorithm, *, seed: int, folder: Path,
-              dtype: torch.dtype = torch.float32,
-              device: torch.device = torch.device("cpu")) -> list[Path]:
+    def plots(
+        self,
+        algorithm: MetaAlgorithm,
+        *,
+        seed: int,
+        folder: Path,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+    ) -> list[Path]:
         """Figures of this family that a run draws after training (none by default).
 
         Args:
@@ -77,7 +83,7 @@ class TaskFamily(abc.ABC):
                 process with whole tasks.
             seed: the run's seed (held-out tasks are ``task(seed, i, "test")``).
             folder: where to write PNG files.
-            dtype, device: the algorithm's.
+            dtype, device: the algorithm's (``device=None`` is the CPU).
 
         Returns:
             The paths written.

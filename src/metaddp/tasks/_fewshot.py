@@ -55,26 +55,47 @@ class FewShotImages(TaskFamily):
     name: ClassVar[str] = "images"
     classification: ClassVar[bool] = True
     defaults: ClassVar[dict[str, Any]] = dict(
-        ways=5, shots=1, query=15, inner_lr=0.4, outer_lr=0.001, meta_batch=32, inner_steps=1,
+        ways=5,
+        shots=1,
+        query=15,
+        inner_lr=0.4,
+        outer_lr=0.001,
+        meta_batch=32,
+        inner_steps=1,
         hidden=32,
     )
 
-    def __init__(self, pools: dict[str, list[Tensor]], ways: int = 5, shots: int = 1,
-                 query: int = 15, hidden: int = 32) -> None:
-        self.ways, self.shots, self.query, self.hidden = int(ways), int(shots), int(query), int(hidden)
+    def __init__(
+        self,
+        pools: dict[str, list[Tensor]],
+        ways: int = 5,
+        shots: int = 1,
+        query: int = 15,
+        hidden: int = 32,
+    ) -> None:
+        self.ways, self.shots, self.query, self.hidden = (
+            int(ways),
+            int(shots),
+            int(query),
+            int(hidden),
+        )
         if self.ways < 2 or self.shots < 1 or self.query < 1:
-            raise ValueError(f"need ways >= 2, shots >= 1 and query >= 1, got ways={ways}, "
-                             f"shots={shots}, query={query}")
+            raise ValueError(
+                f"need ways >= 2, shots >= 1 and query >= 1, got ways={ways}, "
+                f"shots={shots}, query={query}"
+            )
         for split, pool in pools.items():
             if len(pool) < self.ways:
                 raise ValueError(
                     f"the {split} split has {len(pool)} classes, fewer than ways={self.ways}: "
-                    "lower --ways or use a dataset with more classes")
+                    "lower --ways or use a dataset with more classes"
+                )
             small = min(c.shape[0] for c in pool)
             if small < self.shots + self.query:
                 raise ValueError(
                     f"a class of the {split} split has only {small} images, fewer than "
-                    f"shots + query = {self.shots + self.query}: lower --shots or --query")
+                    f"shots + query = {self.shots + self.query}: lower --shots or --query"
+                )
         self.pools = pools
         self.size = pools["train"][0].shape[-1]
 
@@ -86,7 +107,7 @@ class FewShotImages(TaskFamily):
             images = pool[c]
             pick = torch.randperm(images.shape[0], generator=generator)[: self.shots + self.query]
             xs.append(images[pick[: self.shots]])
-            xq.append(images[pick[self.shots:]])
+            xq.append(images[pick[self.shots :]])
             ys.append(torch.full((self.shots,), label, dtype=torch.long))
             yq.append(torch.full((self.query,), label, dtype=torch.long))
         x_s, y_s, x_q, y_q = torch.cat(xs), torch.cat(ys), torch.cat(xq), torch.cat(yq)
@@ -101,5 +122,10 @@ class FewShotImages(TaskFamily):
         return F.cross_entropy(prediction, target, reduction="none")
 
     def describe(self) -> dict[str, Any]:
-        return {"ways": self.ways, "shots": self.shots, "query": self.query, "hidden": self.hidden,
-                "classes": {s: len(p) for s, p in self.pools.items()}}
+        return {
+            "ways": self.ways,
+            "shots": self.shots,
+            "query": self.query,
+            "hidden": self.hidden,
+            "classes": {s: len(p) for s, p in self.pools.items()},
+        }

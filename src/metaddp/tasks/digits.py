@@ -24,7 +24,8 @@ def load() -> tuple[torch.Tensor, torch.Tensor]:
         from sklearn.datasets import load_digits
     except ImportError as e:
         raise ImportError(
-            "the digits task needs scikit-learn: pip install 'metaddp[digits]'") from e
+            "the digits task needs scikit-learn: pip install 'metaddp[digits]'"
+        ) from e
     data = load_digits()
     images = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0
     return images, torch.tensor(data.target, dtype=torch.long)

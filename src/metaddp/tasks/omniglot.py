@@ -26,8 +26,10 @@ class LayoutError(ValueError):
 
 def characters(root: Path) -> dict[str, list[Path]]:
     """Per split, the character folders of ``root``, checked against the expected layout."""
-    expected = (f"expected {root}/images_background/<alphabet>/<character>/*.png and "
-                f"{root}/images_evaluation/<alphabet>/<character>/*.png")
+    expected = (
+        f"expected {root}/images_background/<alphabet>/<character>/*.png and "
+        f"{root}/images_evaluation/<alphabet>/<character>/*.png"
+    )
     if not root.is_dir():
         raise LayoutError(f"dataset folder {root} does not exist; {expected}")
     out: dict[str, list[Path]] = {}
@@ -35,14 +37,16 @@ def characters(root: Path) -> dict[str, list[Path]]:
         base = root / sub
         if not base.is_dir():
             raise LayoutError(f"{base} is missing; {expected}")
-        chars = sorted(c for a in sorted(base.iterdir()) if a.is_dir()
-                       for c in a.iterdir() if c.is_dir())
+        chars = sorted(
+            c for a in sorted(base.iterdir()) if a.is_dir() for c in a.iterdir() if c.is_dir()
+        )
         if not chars:
             raise LayoutError(f"{base} holds no <alphabet>/<character>/ folders; {expected}")
         empty = [c for c in chars if not any(c.glob("*.png"))]
         if empty:
-            raise LayoutError(f"{len(empty)} character folder(s) hold no .png image, e.g. "
-                              f"{empty[0]}; {expected}")
+            raise LayoutError(
+                f"{len(empty)} character folder(s) hold no .png image, e.g. {empty[0]}; {expected}"
+            )
         out[split] = chars
     return out
 
@@ -75,13 +79,22 @@ class Omniglot(FewShotImages):
 
     name: ClassVar[str] = "omniglot"
 
-    def __init__(self, root: str | Path, ways: int = 5, shots: int = 1, query: int = 15,
-                 hidden: int = 32, rotate: bool = True) -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        ways: int = 5,
+        shots: int = 1,
+        query: int = 15,
+        hidden: int = 32,
+        rotate: bool = True,
+    ) -> None:
         if root is None:
             raise LayoutError("the omniglot task needs --data FOLDER (in the Omniglot layout)")
         self.root, self.rotate = Path(root), bool(rotate)
-        pools = {split: [r for c in chars for r in rotations(load_character(c), self.rotate)]
-                 for split, chars in characters(self.root).items()}
+        pools = {
+            split: [r for c in chars for r in rotations(load_character(c), self.rotate)]
+            for split, chars in characters(self.root).items()
+        }
         super().__init__(pools, ways=ways, shots=shots, query=query, hidden=hidden)
 
     def describe(self) -> dict[str, Any]:

@@ -39,26 +39,37 @@ class Sinusoid(TaskFamily):
     classification: ClassVar[bool] = False
     metric: ClassVar[str] = "MSE"
     defaults: ClassVar[dict[str, Any]] = dict(
-        shots=10, query=10, inner_lr=0.01, outer_lr=0.001, meta_batch=25, inner_steps=1,
-        eval_steps=10, hidden=40,
+        shots=10,
+        query=10,
+        inner_lr=0.01,
+        outer_lr=0.001,
+        meta_batch=25,
+        inner_steps=1,
+        eval_steps=10,
+        hidden=40,
     )
 
     def __init__(self, shots: int = 10, query: int = 10, hidden: int = 40) -> None:
         if shots < 1 or query < 1:
-            raise ValueError(f"a sinusoid task needs at least one support and one query point, "
-                             f"got shots={shots}, query={query}")
+            raise ValueError(
+                f"a sinusoid task needs at least one support and one query point, "
+                f"got shots={shots}, query={query}"
+            )
         self.shots, self.query, self.hidden = int(shots), int(query), int(hidden)
 
     def curve(self, generator: torch.Generator) -> tuple[float, float]:
         """Draw (amplitude, phase): the first two numbers of a task's generator."""
         amp, phase = torch.rand(2, generator=generator, dtype=torch.float64).tolist()
-        return (AMPLITUDE[0] + (AMPLITUDE[1] - AMPLITUDE[0]) * amp,
-                PHASE[0] + (PHASE[1] - PHASE[0]) * phase)
+        return (
+            AMPLITUDE[0] + (AMPLITUDE[1] - AMPLITUDE[0]) * amp,
+            PHASE[0] + (PHASE[1] - PHASE[0]) * phase,
+        )
 
     def sample(self, generator: torch.Generator, split: str) -> Task:
         amp, phase = self.curve(generator)
         x = INPUT[0] + (INPUT[1] - INPUT[0]) * torch.rand(
-            self.shots + self.query, 1, generator=generator, dtype=torch.float64)
+            self.shots + self.query, 1, generator=generator, dtype=torch.float64
+        )
         y = amp * torch.sin(x - phase)
         x, y = x.float(), y.float()
         k = self.shots
@@ -74,7 +85,9 @@ class Sinusoid(TaskFamily):
 
     def model(self) -> nn.Module:
         h = self.hidden
-        return nn.Sequential(nn.Linear(1, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, 1))
+        return nn.Sequential(
+            nn.Linear(1, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, 1)
+        )
 
     def loss(self, prediction: Tensor, target: Tensor) -> Tensor:
         return F.mse_loss(prediction, target, reduction="none")
@@ -82,43 +95,78 @@ class Sinusoid(TaskFamily):
     def describe(self) -> dict[str, Any]:
         return {"shots": self.shots, "query": self.query, "hidden": self.hidden}
 
-    def plots(self, algorithm: MetaAlgorithm, *, seed: int, folder: Path,
-              dtype: torch.dtype = torch.float32,
-              device: torch.device = torch.device("cpu")) -> list[Path]:
+    def plots(
+        self,
+        algorithm: MetaAlgorithm,
+        *,
+        seed: int,
+        folder: Path,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+    ) -> list[Path]:
         """Finn et al. 2017, fig. 2, on held-out task 0 (``adaptation.png``)."""
+        if device is None:
+            device = torch.device("cpu")
         path = Path(folder) / "adaptation.png"
-        adaptation_figure(algorithm, self, seed=seed, index=0, steps=(1, 10), path=path,
-                          dtype=dtype, device=device)
+        adaptation_figure(
+            algorithm,
+            self,
+            seed=seed,
+            index=0,
+            steps=(1, 10),
+            path=path,
+            dtype=dtype,
+            device=device,
+        )
         return [path]
 
 
-def adaptation_figure(algorithm: MetaAlgorithm, family: "Sinusoid", *, seed: int, index: int,
-                      steps: Sequence[int], path: Path, dtype: torch.dtype,
-                      device: torch.device) -> None:
+def adaptation_figure(
+    algorithm: MetaAlgorithm,
+    family: Sinusoid,
+    *,
+    seed: int,
+    index: int,
+    steps: Sequence[int],
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
     """Finn et al. 2017, fig. 2: the true curve, the K support points, and the prediction of
     the meta-learned initialisation before and after a few inner steps on those points
     (taken by ``algorithm.adapt``, so with the run's own inner optimizer). The support batch
     is whole here, so one process draws it (``MetaDDP.local()`` around the call)."""
     plt = pyplot()
     task: Task = family.task(seed, index, "test")
-    support = type(task.support)(task.support.x.to(device, dtype), task.support.y.to(device, dtype),
-                                 task.support.n)
+    support = type(task.support)(
+        task.support.x.to(device, dtype), task.support.y.to(device, dtype), task.support.n
+    )
     grid = torch.linspace(-5, 5, 200, dtype=dtype, device=device).unsqueeze(1)
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     grid_cpu = grid.squeeze(1).cpu()
-    ax.plot(grid_cpu, family.truth(seed, index, "test", grid_cpu), "k-", lw=2,
-            label="true function")
-    ax.plot(support.x.squeeze(1).cpu(), support.y.squeeze(1).cpu(), "^", color="purple", ms=8,
-            label=f"{support.n} support points")
+    ax.plot(
+        grid_cpu, family.truth(seed, index, "test", grid_cpu), "k-", lw=2, label="true function"
+    )
+    ax.plot(
+        support.x.squeeze(1).cpu(),
+        support.y.squeeze(1).cpu(),
+        "^",
+        color="purple",
+        ms=8,
+        label=f"{support.n} support points",
+    )
     for k in (0, *steps):
         fast = {n: p.detach() for n, p in algorithm.adapt(support, family.loss, steps=k).items()}
         with torch.no_grad():
             pred = algorithm(grid, fast)
-        ax.plot(grid_cpu, pred.squeeze(1).cpu(), "--" if k == 0 else "-",
-                label="meta-learned init." if k == 0 else f"after {k} grad step{'s' if k > 1 else ''}")
+        ax.plot(
+            grid_cpu,
+            pred.squeeze(1).cpu(),
+            "--" if k == 0 else "-",
+            label="meta-learned init." if k == 0 else f"after {k} grad step{'s' if k > 1 else ''}",
+        )
     ax.set(xlabel="x", ylabel="y", title="sinusoid: adaptation to a held-out task")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-

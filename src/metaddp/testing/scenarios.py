@@ -19,7 +19,8 @@ from .._functional import call
 from .._share import share
 from ..algorithms import ALGORITHMS as REGISTRY
 from ..algorithms import Algorithm, Settings, build
-from ..distributed import LAYOUTS, Mesh, MetaDDP, global_value
+from ..distributed import LAYOUTS as LAYOUTS  # re-exported: the layouts every scenario runs
+from ..distributed import Mesh, MetaDDP, global_value
 
 ALGORITHMS = tuple(REGISTRY)
 
@@ -56,7 +57,6 @@ class SmallConv(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.head(self.features(x))
-
 
     def split_head(self) -> tuple[nn.Module, nn.Module]:
         """The split ANIL needs: the layers below the head (shared, not copied), the head."""
@@ -95,7 +95,9 @@ class Problem:
     def build_model(self) -> nn.Module:
         torch.manual_seed(self.seed)
         if self.model == "mlp":
-            net = nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+            net = nn.Sequential(
+                nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)
+            )
         elif self.model == "conv":
             net = SmallConv(batchnorm=self.batchnorm)
         else:
@@ -135,8 +137,14 @@ class Problem:
             raise ValueError("batchnorm scenarios use the conv model")
         # iMAML's cg_tol 1e-13: converged far below the 1e-10 agreement checked between
         # world sizes.
-        settings = Settings(inner_lr=self.inner_lr, steps=self.steps, first_order=self.first_order,
-                            lam=self.lam, cg_steps=self.cg_steps, cg_tol=1e-13)
+        settings = Settings(
+            inner_lr=self.inner_lr,
+            steps=self.steps,
+            first_order=self.first_order,
+            lam=self.lam,
+            cg_steps=self.cg_steps,
+            cg_tol=1e-13,
+        )
         return build(self.algorithm, self.build_model(), settings).to(self.dtype)
 
 
@@ -160,10 +168,13 @@ def meta_gradient(algorithm: Algorithm) -> dict[str, Tensor]:
     """Every meta-parameter's gradient: the model's by their names in the model, any other
     (learned learning rates) by their names in the algorithm module (``lr.rates.0``...)."""
     in_model = {id(p): k for k, p in algorithm.model.named_parameters()}
-    return {in_model.get(id(p), k): p.grad.detach().clone() for k, p in algorithm.named_parameters()}
+    return {
+        in_model.get(id(p), k): p.grad.detach().clone() for k, p in algorithm.named_parameters()
+    }
 
 
 # --- The question this project answers: a batch of 8 split over ranks, one inner step, lr 1. ---
+
 
 class SeedNet(nn.Module):
     """The user's ``Net2``: one bias-free linear unit on 4 features.
@@ -211,8 +222,7 @@ def run_seed(problem: SeedProblem) -> dict:
         opt.zero_grad()
         l1 = share(net(x), n)
         # l1's graph is kept: the objective backpropagates through l1 itself a second time.
-        g = net.grad(l1, {"conv.0.weight": w}, retain_graph=True,
-                     create_graph=problem.second_order)
+        g = net.grad(l1, {"conv.0.weight": w}, retain_graph=True, create_graph=problem.second_order)
         l2 = share(call(net.module, {k: w - problem.inner_lr * g[k] for k in g}, x), n)
         (l1 + l2).backward()
         net.sync_grads()

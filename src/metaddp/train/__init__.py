@@ -6,5 +6,17 @@ from ._config import DTYPES, LAYOUTS, TrainConfig, read_toml
 from ._folder import CHECKPOINT, RunFolderError, check_folder, prepare_folder, saved_config
 from ._trainer import Trainer, train
 
-__all__ = ["CHECKPOINT", "DTYPES", "LAYOUTS", "CheckpointError", "RunFolderError", "TrainConfig",
-           "Trainer", "check_folder", "prepare_folder", "read_toml", "saved_config", "train"]
+__all__ = [
+    "CHECKPOINT",
+    "DTYPES",
+    "LAYOUTS",
+    "CheckpointError",
+    "RunFolderError",
+    "TrainConfig",
+    "Trainer",
+    "check_folder",
+    "prepare_folder",
+    "read_toml",
+    "saved_config",
+    "train",
+]

@@ -43,8 +43,14 @@ def atomic_write(path: Path, write) -> None:
         raise
 
 
-def save(path: Path, *, step: int, config: Mapping[str, Any], model: Mapping[str, Any],
-         optimizer: Mapping[str, Any]) -> None:
+def save(
+    path: Path,
+    *,
+    step: int,
+    config: Mapping[str, Any],
+    model: Mapping[str, Any],
+    optimizer: Mapping[str, Any],
+) -> None:
     """Write a checkpoint atomically.
 
     Args:
@@ -54,8 +60,13 @@ def save(path: Path, *, step: int, config: Mapping[str, Any], model: Mapping[str
         model: the algorithm's ``state_dict()``.
         optimizer: the outer optimizer's ``state_dict()``.
     """
-    state = {"format": FORMAT, "step": int(step), "config": dict(config),
-             "model": dict(model), "optimizer": optimizer}
+    state = {
+        "format": FORMAT,
+        "step": int(step),
+        "config": dict(config),
+        "model": dict(model),
+        "optimizer": optimizer,
+    }
     atomic_write(Path(path), lambda f: torch.save(state, f))
 
 
@@ -79,16 +90,26 @@ def load(path: Path, identity: Mapping[str, Any], map_location: Any = "cpu") -> 
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # torch raises several types for truncated or foreign files
-        raise CheckpointError(f"checkpoint {path} is corrupt or unreadable ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''}); restore it from a "
-                              "copy or start a new run") from e
-    if not isinstance(state, dict) or state.get("format") != FORMAT or any(k not in state for k in KEYS):
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt or unreadable ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}); restore it from a "
+            "copy or start a new run"
+        ) from e
+    if (
+        not isinstance(state, dict)
+        or state.get("format") != FORMAT
+        or any(k not in state for k in KEYS)
+    ):
         raise CheckpointError(f"{path} is not a metaddp training checkpoint")
     saved = state["config"]
-    diff = [f"{k}: checkpoint {saved.get(k)!r}, now {v!r}" for k, v in identity.items()
-            if saved.get(k) != v]
+    diff = [
+        f"{k}: checkpoint {saved.get(k)!r}, now {v!r}"
+        for k, v in identity.items()
+        if saved.get(k) != v
+    ]
     if diff:
         raise CheckpointError(
             f"checkpoint {path} comes from another configuration ({'; '.join(diff)}). Resume "
-            "with the same settings, or start a new run in another --out folder")
+            "with the same settings, or start a new run in another --out folder"
+        )
     return state

@@ -71,8 +71,22 @@ class TrainConfig:
 
     # Settings that define the trajectory: a checkpoint resumes only under the same ones.
     # The number of processes, the layout, the length of the run and evaluation may change.
-    IDENTITY = ("task", "algorithm", "meta_batch", "inner_steps", "inner_lr", "outer_lr", "lam",
-                "shots", "query", "ways", "hidden", "seed", "dtype", "data")
+    IDENTITY = (
+        "task",
+        "algorithm",
+        "meta_batch",
+        "inner_steps",
+        "inner_lr",
+        "outer_lr",
+        "lam",
+        "shots",
+        "query",
+        "ways",
+        "hidden",
+        "seed",
+        "dtype",
+        "data",
+    )
 
     @classmethod
     def names(cls) -> list[str]:
@@ -83,15 +97,19 @@ class TrainConfig:
         """Check the keys of a config file (or dict) and return them as a dict."""
         unknown = sorted(set(values) - set(cls.names()))
         if unknown:
-            raise ValueError(f"{source}: unknown setting(s) {', '.join(unknown)}; known: "
-                             f"{', '.join(cls.names())}")
+            raise ValueError(
+                f"{source}: unknown setting(s) {', '.join(unknown)}; known: "
+                f"{', '.join(cls.names())}"
+            )
         return dict(values)
 
-    def resolved(self) -> "TrainConfig":
+    def resolved(self) -> TrainConfig:
         """Fill the unset settings with the task family's defaults and check every value."""
         cls = family_class(self.task)
-        filled = {k: cls.defaults.get(k) if v is None and k != "data" else v
-                  for k, v in dataclasses.asdict(self).items()}
+        filled = {
+            k: cls.defaults.get(k) if v is None and k != "data" else v
+            for k, v in dataclasses.asdict(self).items()
+        }
         if not cls.classification:
             filled["ways"] = None
         if filled["eval_steps"] is None:
@@ -104,8 +122,9 @@ class TrainConfig:
         from ..algorithms import ALGORITHMS
 
         if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown algorithm {self.algorithm!r}; choose from "
-                             f"{', '.join(ALGORITHMS)}")
+            raise ValueError(
+                f"unknown algorithm {self.algorithm!r}; choose from {', '.join(ALGORITHMS)}"
+            )
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown layout {self.layout!r}; choose from {', '.join(LAYOUTS)}")
         if self.dtype not in DTYPES:
@@ -121,14 +140,19 @@ class TrainConfig:
             if not getattr(self, k) > 0:
                 raise ValueError(f"{k} must be positive, got {getattr(self, k)!r}")
 
-    def algorithm_settings(self) -> "Settings":
+    def algorithm_settings(self) -> Settings:
         """What the algorithm registry builds this run's algorithm with."""
         from ..algorithms import Settings
 
         assert self.inner_lr is not None and self.inner_steps is not None
         # iMAML's CG residual cannot fall far below the dtype's precision.
-        return Settings(inner_lr=self.inner_lr, steps=self.inner_steps, lam=self.lam,
-                        cg_steps=25, cg_tol=1e-10 if self.dtype == "float64" else 1e-6)
+        return Settings(
+            inner_lr=self.inner_lr,
+            steps=self.inner_steps,
+            lam=self.lam,
+            cg_steps=25,
+            cg_tol=1e-10 if self.dtype == "float64" else 1e-6,
+        )
 
     def identity(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.IDENTITY}

@@ -20,13 +20,24 @@ from ._metrics import mean_ci95
 
 def to(task: Task, dtype: torch.dtype, device: torch.device) -> Task:
     """A task's floating tensors cast to ``dtype`` and every tensor moved to ``device``."""
+
     def cast(t: Tensor) -> Tensor:
         return t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+
     return Task(*(type(b)(cast(b.x), cast(b.y), b.n) for b in task))
 
 
-def evaluate(algorithm: MetaAlgorithm, family: TaskFamily, mesh: Mesh, *, seed: int,
-             n_tasks: int, steps: int, dtype: torch.dtype, device: torch.device) -> dict[str, float]:
+def evaluate(
+    algorithm: MetaAlgorithm,
+    family: TaskFamily,
+    mesh: Mesh,
+    *,
+    seed: int,
+    n_tasks: int,
+    steps: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> dict[str, float]:
     """Query loss (and accuracy) on ``n_tasks`` held-out tasks, before and after ``steps``.
 
     Args:
@@ -42,7 +53,9 @@ def evaluate(algorithm: MetaAlgorithm, family: TaskFamily, mesh: Mesh, *, seed: 
     """
     per_task = torch.zeros(n_tasks, 4, dtype=torch.float64, device=device)
     for i in shard_range(n_tasks, mesh.task_index, mesh.tasks):
-        task = to(family.task(seed, i, "test").split(mesh.sample_index, mesh.samples), dtype, device)
+        task = to(
+            family.task(seed, i, "test").split(mesh.sample_index, mesh.samples), dtype, device
+        )
         for col, k in enumerate((0, steps)):
             fast = algorithm.adapt(task.support, family.loss, steps=k)
             fast = {name: p.detach() for name, p in fast.items()}
@@ -60,4 +73,3 @@ def evaluate(algorithm: MetaAlgorithm, family: TaskFamily, mesh: Mesh, *, seed: 
         out["test_acc_before"] = float(per_task[:, 2].mean())
         out["test_acc_after"], out["test_acc_after_ci"] = mean_ci95(per_task[:, 3].tolist())
     return out
-

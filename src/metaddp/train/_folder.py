@@ -14,8 +14,15 @@ CHECKPOINT = "checkpoint.pt"
 CONFIG_JSON = "config.json"
 CONFIG_TOML = "config.toml"
 # What a run writes; --force removes exactly these before a new run starts.
-ARTIFACTS = (CHECKPOINT, CONFIG_JSON, CONFIG_TOML, "metrics.csv", "summary.json", "plots",
-             "tensorboard")
+ARTIFACTS = (
+    CHECKPOINT,
+    CONFIG_JSON,
+    CONFIG_TOML,
+    "metrics.csv",
+    "summary.json",
+    "plots",
+    "tensorboard",
+)
 
 
 class RunFolderError(ValueError):
@@ -35,7 +42,8 @@ def check_folder(out: Path, resume: bool, force: bool) -> None:
         raise RunFolderError(
             f"{out} is not empty (it holds {', '.join(sorted(p.name for p in out.iterdir())[:4])}"
             f"...). Continue that run with --resume {out}, choose another --out, or pass "
-            "--force to replace it")
+            "--force to replace it"
+        )
 
 
 def prepare_folder(out: Path, cfg: TrainConfig, resume: bool, force: bool) -> None:
@@ -50,9 +58,12 @@ def prepare_folder(out: Path, cfg: TrainConfig, resume: bool, force: bool) -> No
             elif p.exists():
                 p.unlink()
     (out / "plots").mkdir(exist_ok=True)
-    _checkpoint.atomic_write(out / CONFIG_TOML, lambda f: f.write(toml_text(cfg.to_dict()).encode()))
-    _checkpoint.atomic_write(out / CONFIG_JSON,
-                             lambda f: f.write(json.dumps(cfg.to_dict(), indent=2).encode()))
+    _checkpoint.atomic_write(
+        out / CONFIG_TOML, lambda f: f.write(toml_text(cfg.to_dict()).encode())
+    )
+    _checkpoint.atomic_write(
+        out / CONFIG_JSON, lambda f: f.write(json.dumps(cfg.to_dict(), indent=2).encode())
+    )
 
 
 def saved_config(out: Path) -> dict[str, Any]:

@@ -10,8 +10,17 @@ from pathlib import Path
 
 from ._checkpoint import atomic_write
 
-COLUMNS = ("step", "meta_loss", "seconds", "test_before", "test_after", "test_after_ci",
-           "test_acc_before", "test_acc_after", "test_acc_after_ci")
+COLUMNS = (
+    "step",
+    "meta_loss",
+    "seconds",
+    "test_before",
+    "test_after",
+    "test_after_ci",
+    "test_acc_before",
+    "test_acc_after",
+    "test_acc_after_ci",
+)
 
 
 def mean_ci95(values: Sequence[float]) -> tuple[float, float]:
@@ -33,8 +42,10 @@ def mean_ci95(values: Sequence[float]) -> tuple[float, float]:
 def read(path: Path) -> list[dict[str, float]]:
     """The rows of a metrics file as floats (``nan`` where a column is empty)."""
     with open(path, newline="") as f:
-        return [{k: float(v) if v not in ("", None) else math.nan for k, v in row.items()}
-                for row in csv.DictReader(f)]
+        return [
+            {k: float(v) if v not in ("", None) else math.nan for k, v in row.items()}
+            for row in csv.DictReader(f)
+        ]
 
 
 class MetricsLog:
@@ -55,8 +66,11 @@ class MetricsLog:
         w = csv.DictWriter(buf, COLUMNS)
         w.writeheader()
         for r in kept:
-            w.writerow(dict({k: self.format(r.get(k, math.nan)) for k in COLUMNS},
-                            step=str(int(r["step"]))))
+            w.writerow(
+                dict(
+                    {k: self.format(r.get(k, math.nan)) for k in COLUMNS}, step=str(int(r["step"]))
+                )
+            )
         atomic_write(self.path, lambda f: f.write(buf.getvalue().encode()))
         # Seconds elapsed by the end of the kept rows: a resumed run's clock continues there.
         self.seconds = kept[-1]["seconds"] if kept and not math.isnan(kept[-1]["seconds"]) else 0.0
@@ -66,7 +80,10 @@ class MetricsLog:
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-                self.tb = SummaryWriter(str(Path(folder) / "tensorboard"), purge_step=start_step + 1)
+
+                self.tb = SummaryWriter(
+                    str(Path(folder) / "tensorboard"), purge_step=start_step + 1
+                )
             except Exception:  # tensorboard is optional; without it the CSV is the record
                 self.tb = None
 

@@ -13,15 +13,19 @@ from pathlib import Path
 from .._plotting import pyplot
 
 
-def training_curves(rows: Sequence[dict[str, float]], path: Path, *, classification: bool,
-                    metric: str, title: str) -> None:
+def training_curves(
+    rows: Sequence[dict[str, float]], path: Path, *, classification: bool, metric: str, title: str
+) -> None:
     """Meta-training loss per step (left) and meta-test score with its 95% CI (right)."""
     plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     steps = [r["step"] for r in rows]
     a.plot(steps, [r["meta_loss"] for r in rows], lw=0.8)
-    a.set(xlabel="outer step", ylabel="meta-training loss (query, after adaptation)",
-          title="meta-training loss")
+    a.set(
+        xlabel="outer step",
+        ylabel="meta-training loss (query, after adaptation)",
+        title="meta-training loss",
+    )
     if all(r["meta_loss"] > 0 for r in rows):
         a.set_yscale("log")
     ev = [r for r in rows if not math.isnan(r.get("test_after", math.nan))]
@@ -32,11 +36,19 @@ def training_curves(rows: Sequence[dict[str, float]], path: Path, *, classificat
         ci = [0.0 if math.isnan(r[f"{key}_after_ci"]) else r[f"{key}_after_ci"] for r in ev]
         b.plot(x, [r[f"{key}_before"] for r in ev], "o-", label="before adaptation")
         b.plot(x, after, "o-", label="after adaptation")
-        b.fill_between(x, [m - c for m, c in zip(after, ci)], [m + c for m, c in zip(after, ci)],
-                       alpha=0.3, label="95% CI")
+        b.fill_between(
+            x,
+            [m - c for m, c in zip(after, ci, strict=True)],
+            [m + c for m, c in zip(after, ci, strict=True)],
+            alpha=0.3,
+            label="95% CI",
+        )
         b.legend()
-    b.set(xlabel="outer step", ylabel="query accuracy" if classification else f"query {metric}",
-          title="meta-test on held-out " + ("classes" if classification else "tasks"))
+    b.set(
+        xlabel="outer step",
+        ylabel="query accuracy" if classification else f"query {metric}",
+        title="meta-test on held-out " + ("classes" if classification else "tasks"),
+    )
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -47,28 +47,37 @@ class Trainer:
         backend: the process group's backend ("gloo", "nccl") or ``None`` for one process.
     """
 
-    def __init__(self, cfg: TrainConfig, out: str | Path, *, resume: bool = False,
-                 backend: str | None = None) -> None:
+    def __init__(
+        self, cfg: TrainConfig, out: str | Path, *, resume: bool = False, backend: str | None = None
+    ) -> None:
         self.cfg, self.out = cfg, Path(out)
         self.device = device_for(backend)
         self.dtype: torch.dtype = getattr(torch, cfg.dtype)
-        self.family = make(cfg.task, shots=cfg.shots, query=cfg.query, ways=cfg.ways,
-                           hidden=cfg.hidden, data=cfg.data)
+        self.family = make(
+            cfg.task,
+            shots=cfg.shots,
+            query=cfg.query,
+            ways=cfg.ways,
+            hidden=cfg.hidden,
+            data=cfg.data,
+        )
         torch.manual_seed(cfg.seed)
         algorithm = build(cfg.algorithm, self.family.model(), cfg.algorithm_settings())
         self.algorithm = algorithm.to(device=self.device, dtype=self.dtype)
         self.optimizer = torch.optim.Adam(self.algorithm.parameters(), lr=cfg.outer_lr)
         self.start = 0
         if resume:
-            state = _checkpoint.load(self.out / CHECKPOINT, cfg.identity(),
-                                     map_location=self.device)
+            state = _checkpoint.load(
+                self.out / CHECKPOINT, cfg.identity(), map_location=self.device
+            )
             self.algorithm.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
             self.start = state["step"]
             if self.start > cfg.steps:
                 raise _checkpoint.CheckpointError(
                     f"the checkpoint is at step {self.start}, beyond --steps {cfg.steps}: "
-                    "raise --steps")
+                    "raise --steps"
+                )
         self.learner = MetaDDP(self.algorithm, Mesh.for_layout(cfg.layout))
 
     def step(self, step: int) -> float:
@@ -76,7 +85,8 @@ class Trainer:
         B = self.cfg.meta_batch
         assert B is not None
         tasks = self.learner.shard(
-            B, lambda i: to(self.family.task(self.cfg.seed, B * step + i), self.dtype, self.device))
+            B, lambda i: to(self.family.task(self.cfg.seed, B * step + i), self.dtype, self.device)
+        )
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.learner.meta_loss(tasks, self.family.loss)
         loss.backward()
@@ -88,16 +98,27 @@ class Trainer:
         """Meta-test on held-out tasks (mean query loss and accuracy, with 95% intervals)."""
         cfg = self.cfg
         assert cfg.eval_steps is not None
-        return evaluate(self.algorithm, self.family, self.learner.mesh, seed=cfg.seed,
-                        n_tasks=cfg.eval_tasks, steps=cfg.eval_steps, dtype=self.dtype,
-                        device=self.device)
+        return evaluate(
+            self.algorithm,
+            self.family,
+            self.learner.mesh,
+            seed=cfg.seed,
+            n_tasks=cfg.eval_tasks,
+            steps=cfg.eval_steps,
+            dtype=self.dtype,
+            device=self.device,
+        )
 
     def save(self, step: int) -> None:
         """Write the checkpoint (rank 0), atomically."""
         if rank() == 0:
-            _checkpoint.save(self.out / CHECKPOINT, step=step, config=self.cfg.to_dict(),
-                             model=self.algorithm.state_dict(),
-                             optimizer=self.optimizer.state_dict())
+            _checkpoint.save(
+                self.out / CHECKPOINT,
+                step=step,
+                config=self.cfg.to_dict(),
+                model=self.algorithm.state_dict(),
+                optimizer=self.optimizer.state_dict(),
+            )
 
     def plots(self) -> list[str]:
         """The run's PNG figures (rank 0; none without matplotlib): training curves, then the
@@ -106,12 +127,21 @@ class Trainer:
             return []
         folder = self.out / "plots"
         paths = [folder / "training.png"]
-        training_curves(read(self.out / "metrics.csv"), paths[0],
-                        classification=self.family.classification, metric=self.family.metric,
-                        title=f"{self.cfg.algorithm} on {self.cfg.task}")
+        training_curves(
+            read(self.out / "metrics.csv"),
+            paths[0],
+            classification=self.family.classification,
+            metric=self.family.metric,
+            title=f"{self.cfg.algorithm} on {self.cfg.task}",
+        )
         with self.learner.local():  # whole held-out tasks on this process alone
-            paths += self.family.plots(self.algorithm, seed=self.cfg.seed, folder=folder,
-                                       dtype=self.dtype, device=self.device)
+            paths += self.family.plots(
+                self.algorithm,
+                seed=self.cfg.seed,
+                folder=folder,
+                dtype=self.dtype,
+                device=self.device,
+            )
         return [str(p) for p in paths]
 
     def run(self, *, progress: bool = True) -> dict[str, Any]:
@@ -135,8 +165,11 @@ class Trainer:
                 value = self.step(step)
                 losses.append(value)
                 done = step + 1
-                row: dict[str, float] = {"step": done, "meta_loss": value,
-                                         "seconds": time.perf_counter() - t0}
+                row: dict[str, float] = {
+                    "step": done,
+                    "meta_loss": value,
+                    "seconds": time.perf_counter() - t0,
+                }
                 if done == cfg.steps or (cfg.eval_every and done % cfg.eval_every == 0):
                     last_eval = self.evaluate()
                     row.update(last_eval)
@@ -158,22 +191,38 @@ class Trainer:
                 bar.close()
             if log is not None:
                 log.close()
-        summary: dict[str, Any] = {"step": cfg.steps, "eval_tasks": cfg.eval_tasks,
-                                   "eval_steps": cfg.eval_steps, "metric": self.family.metric,
-                                   **last_eval}
+        summary: dict[str, Any] = {
+            "step": cfg.steps,
+            "eval_tasks": cfg.eval_tasks,
+            "eval_steps": cfg.eval_steps,
+            "metric": self.family.metric,
+            **last_eval,
+        }
         if me == 0:
-            _checkpoint.atomic_write(self.out / "summary.json",
-                                     lambda f: f.write(json.dumps(summary, indent=2).encode()))
+            _checkpoint.atomic_write(
+                self.out / "summary.json", lambda f: f.write(json.dumps(summary, indent=2).encode())
+            )
             summary["plots"] = self.plots()
         if dist.is_initialized():
             dist.barrier()
         weights = {k: v.detach().cpu().clone() for k, v in self.algorithm.state_dict().items()}
-        return {"losses": losses, "final": last_eval, "start": self.start, "weights": weights,
-                "summary": summary}
+        return {
+            "losses": losses,
+            "final": last_eval,
+            "start": self.start,
+            "weights": weights,
+            "summary": summary,
+        }
 
 
-def train(cfg: TrainConfig, out: str | Path, *, resume: bool = False, progress: bool = True,
-          backend: str | None = None) -> dict[str, Any]:
+def train(
+    cfg: TrainConfig,
+    out: str | Path,
+    *,
+    resume: bool = False,
+    progress: bool = True,
+    backend: str | None = None,
+) -> dict[str, Any]:
     """Train on every process of the (already initialised) process group (:class:`Trainer`)."""
     return Trainer(cfg, out, resume=resume, backend=backend).run(progress=progress)
 
@@ -184,5 +233,10 @@ def progress_bar(cfg: TrainConfig, start: int) -> Any:
         from tqdm import tqdm
     except ImportError:
         return None
-    return tqdm(total=cfg.steps, initial=start, desc=f"{cfg.algorithm} {cfg.task}", unit="step",
-                dynamic_ncols=True)
+    return tqdm(
+        total=cfg.steps,
+        initial=start,
+        desc=f"{cfg.algorithm} {cfg.task}",
+        unit="step",
+        dynamic_ncols=True,
+    )
