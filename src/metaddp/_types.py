@@ -54,3 +54,7 @@ class MetaAlgorithm(Protocol):
     def forward(self, x: Tensor, fast: Mapping[str, Tensor] | None = None) -> Tensor:
         """The model on ``x`` with the fast weights ``fast`` (default: the meta-parameters)."""
         ...
+
+    def __call__(self, x: Tensor, fast: Mapping[str, Tensor] | None = None) -> Tensor:
+        """Same as :meth:`forward` (algorithms are ``nn.Module`` s)."""
+        ...

@@ -44,6 +44,8 @@ class ANIL(Algorithm):
     Fast weights are the head's, named relative to the head (``"weight"``, ``"bias"``).
     """
 
+    model: BodyHead  # what __init__ builds: ``self.model.body`` / ``.head`` are modules
+
     def __init__(
         self,
         body: nn.Module,

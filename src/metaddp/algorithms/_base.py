@@ -192,4 +192,6 @@ class Algorithm(nn.Module):
         )
 
     def _run(self, fast: Params, *args: Any, **kwargs: Any) -> Any:
-        return self.forward(*args, fast=fast, **kwargs)
+        # Subclasses may take more inputs than ``x``; pass everything through untouched.
+        forward: Callable[..., Any] = self.forward
+        return forward(*args, fast=fast, **kwargs)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -39,7 +40,9 @@ class ConvergenceWarning(RuntimeWarning):
 
 
 def _dot(a: Vectors, b: Vectors) -> Tensor:
-    return sum((x * y).sum() for x, y in zip(a, b, strict=True))
+    # A tensor for the non-empty vectors the solver works on (an empty right-hand side sums
+    # to 0, which conjugate_gradient only passes to float() before returning).
+    return cast(Tensor, sum((x * y).sum() for x, y in zip(a, b, strict=True)))
 
 
 def conjugate_gradient(

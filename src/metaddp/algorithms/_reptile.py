@@ -9,6 +9,8 @@ inner loop (no second-order terms, no query loss). It arrives in ``.grad`` throu
 
 from __future__ import annotations
 
+from typing import cast
+
 from torch import Tensor, nn
 
 from .._adapt import inner_loop
@@ -69,5 +71,6 @@ class Reptile(Algorithm):
             first_order=True,
             reduce=reduce,
         )
-        dist2 = sum(((theta[k] - phi[k].detach()) ** 2).sum() for k in theta)
+        # theta holds the adapted parameters (never empty), so the sum is a tensor.
+        dist2 = cast(Tensor, sum(((theta[k] - phi[k].detach()) ** 2).sum() for k in theta))
         return 0.5 * local_fraction(task.support) * dist2

@@ -25,7 +25,7 @@ from ..testing import scenarios as S
 class Check:
     name: str
     layout: str
-    problem: object
+    problem: S.Problem | S.SeedProblem
     # Float64 scenarios: changing the world size only reorders floating-point sums (the
     # per-rank partial sums are added in a different order), which moves results by a few
     # ulps times the inner steps; 1e-10 is far below any real error (a missing reduction

@@ -64,6 +64,8 @@ def synced_batch_norm(bn: _BatchNorm, x: Tensor, reduce: Reduce) -> Tensor:
                 "BatchNorm in training mode needs more than one value per channel over the global "
                 "batch to estimate a variance"
             )
+        # track_running_stats registers all three buffers together.
+        assert bn.running_var is not None and bn.num_batches_tracked is not None
         with torch.no_grad():
             bn.num_batches_tracked.add_(1)
             f = (1.0 / float(bn.num_batches_tracked)) if bn.momentum is None else bn.momentum

@@ -37,7 +37,8 @@ class SlotState(NamedTuple):
     to the wrong parameters is an error rather than a silent broadcast.
     """
 
-    count: int
+    # The field shadows tuple.count on purpose: it is the state's public name.
+    count: int  # type: ignore[assignment]
     slots: tuple[Params, ...]
     shapes: tuple[tuple[str, tuple[int, ...]], ...]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +95,7 @@ class Problem:
 
     def build_model(self) -> nn.Module:
         torch.manual_seed(self.seed)
+        net: nn.Module
         if self.model == "mlp":
             net = nn.Sequential(
                 nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)
@@ -168,9 +170,11 @@ def meta_gradient(algorithm: Algorithm) -> dict[str, Tensor]:
     """Every meta-parameter's gradient: the model's by their names in the model, any other
     (learned learning rates) by their names in the algorithm module (``lr.rates.0``...)."""
     in_model = {id(p): k for k, p in algorithm.model.named_parameters()}
-    return {
-        in_model.get(id(p), k): p.grad.detach().clone() for k, p in algorithm.named_parameters()
-    }
+    grads = {}
+    for k, p in algorithm.named_parameters():
+        assert p.grad is not None, f"{k} has no meta-gradient"
+        grads[in_model.get(id(p), k)] = p.grad.detach().clone()
+    return grads
 
 
 # --- The question this project answers: a batch of 8 split over ranks, one inner step, lr 1. ---
@@ -210,11 +214,14 @@ class SeedProblem:
 def run_seed(problem: SeedProblem) -> dict:
     """The user's meta-step with metaddp: returns weight, ``grad2`` history and losses."""
     torch.manual_seed(1234)
-    net = MetaDDP(SeedNet())  # every rank splits every batch: sample-parallel
+    seed_net = SeedNet()
+    net = MetaDDP(seed_net)  # every rank splits every batch: sample-parallel
     opt = torch.optim.SGD(net.parameters(), lr=problem.outer_lr)
     data, mesh = seed_data(), net.mesh
-    w = net.module.conv[0].weight
-    out: dict[str, list] = {"grad2": [], "loss1": [], "loss2": []}
+    linear = seed_net.conv[0]
+    assert isinstance(linear, nn.Linear)
+    w = linear.weight
+    out: dict[str, Any] = {"grad2": [], "loss1": [], "loss2": []}
     for it in range(problem.iterations):
         batch = data[it * problem.batch_size : (it + 1) * problem.batch_size]
         r = shard_range(len(batch), mesh.sample_index, mesh.samples)
@@ -226,6 +233,7 @@ def run_seed(problem: SeedProblem) -> dict:
         l2 = share(call(net.module, {k: w - problem.inner_lr * g[k] for k in g}, x), n)
         (l1 + l2).backward()
         net.sync_grads()
+        assert w.grad is not None
         out["grad2"].append(float(w.grad[0, 0]))
         out["loss1"].append(float(global_value(l1)))
         out["loss2"].append(float(global_value(l2)))

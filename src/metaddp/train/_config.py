@@ -106,7 +106,7 @@ class TrainConfig:
     def resolved(self) -> TrainConfig:
         """Fill the unset settings with the task family's defaults and check every value."""
         cls = family_class(self.task)
-        filled = {
+        filled: dict[str, Any] = {
             k: cls.defaults.get(k) if v is None and k != "data" else v
             for k, v in dataclasses.asdict(self).items()
         }

@@ -60,10 +60,13 @@ def evaluate(
             fast = algorithm.adapt(task.support, family.loss, steps=k)
             fast = {name: p.detach() for name, p in fast.items()}
             with torch.no_grad():
-                out = algorithm(task.query.x, fast)  # the algorithm reads its own fast weights
-                per_task[i, col] = share(family.loss(out, task.query.y), task.query.n).double()
+                # the algorithm reads its own fast weights
+                prediction = algorithm(task.query.x, fast)
+                per_task[i, col] = share(
+                    family.loss(prediction, task.query.y), task.query.n
+                ).double()
                 if family.classification:
-                    pred = out.argmax(-1)
+                    pred = prediction.argmax(-1)
                     per_task[i, 2 + col] = (pred == task.query.y).sum().double() / task.query.n
     per_task = all_reduce_sum([per_task], mesh.group)[0].cpu()
     out: dict[str, float] = {}

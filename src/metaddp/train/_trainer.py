@@ -50,6 +50,8 @@ class Trainer:
     def __init__(
         self, cfg: TrainConfig, out: str | Path, *, resume: bool = False, backend: str | None = None
     ) -> None:
+        # Set by TrainConfig.resolved() (the family's defaults), which check() enforces.
+        assert cfg.shots is not None and cfg.query is not None and cfg.outer_lr is not None
         self.cfg, self.out = cfg, Path(out)
         self.device = device_for(backend)
         self.dtype: torch.dtype = getattr(torch, cfg.dtype)
