@@ -87,6 +87,15 @@ def mistakes() -> dict:
     out["task_count"] = grads_of(learner)
     out["task_count_loss"] = float(learner.global_value(loss))
 
+    # Work one rank does alone on a whole task (a figure after training): no collective runs,
+    # and the wrapper's reductions are back afterwards.
+    learner = md.MetaDDP(BN.build_algorithm(), md.Mesh.for_layout("sample"))
+    if md.rank() == 0:
+        with learner.local():
+            fast = learner.module.adapt(BN.task(0).support, BN.loss_fn)
+        out["local"] = {k: v.detach() for k, v in fast.items()}
+    out["restored"] = learner.module.collectives().reduce == learner.reduce
+
     # An algorithm that was never wrapped refuses to run on several processes.
     bare = MLP.build_algorithm()
     out["unwrapped"] = error_of(lambda: bare.meta_loss([MLP.task(0)], MLP.loss_fn))
@@ -127,6 +136,17 @@ def test_batchnorm_is_synchronized_without_being_asked(results, world):
     want, _ = reference_bn(BN)
     for rank, r in enumerate(results[world]):
         assert rel_err(r["batchnorm"], want) < RTOL, f"world {world}, rank {rank}"
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_one_rank_alone_adapts_a_whole_task_inside_local(results, world):
+    want = BN.build_algorithm().adapt(BN.task(0).support, BN.loss_fn)  # one plain process
+    got = results[world][0]["local"]
+    for k in want:
+        # The same float64 arithmetic but for the BatchNorm formula (shifted sums instead of
+        # torch's kernel): a few ulps.
+        torch.testing.assert_close(got[k], want[k].detach(), rtol=RTOL, atol=1e-13)
+    assert all(r["restored"] for r in results[world])
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
