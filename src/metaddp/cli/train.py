@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import train as _train
-from ..tasks import FAMILIES
+from ..tasks import FAMILIES, family_class
 from ..train import DTYPES, LAYOUTS, TrainConfig, _checkpoint, read_toml
 
 S = argparse.SUPPRESS
@@ -119,12 +119,7 @@ def settings(args: argparse.Namespace) -> tuple[TrainConfig, Path, bool]:
             Path(args.out) if args.out is not None else Path("runs") / f"{cfg.task}-{cfg.algorithm}"
         )
         _train.check_folder(out, resume=False, force=args.force)
-    if cfg.task == "omniglot":
-        from ..tasks.omniglot import characters
-
-        if cfg.data is None:
-            raise UsageError("the omniglot task needs --data FOLDER (in the Omniglot layout)")
-        characters(Path(cfg.data))
+    family_class(cfg.task).check_data(cfg.data)
     if resume:
         step = _checkpoint.load(out / _train.CHECKPOINT, cfg.identity())["step"]
         if step > cfg.steps:

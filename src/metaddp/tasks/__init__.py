@@ -46,7 +46,7 @@ def make(
         opts["hidden"] = hidden
     if cls.classification:
         opts["ways"] = ways if ways is not None else cls.defaults["ways"]
-    if name == "omniglot":
+    if cls.needs_data:
         opts["root"] = data
     return cls(**opts)
 

@@ -31,8 +31,16 @@ class TaskFamily(abc.ABC):
     name: ClassVar[str]
     classification: ClassVar[bool]
     defaults: ClassVar[Mapping[str, Any]] = {}
+    needs_data: ClassVar[bool] = False
+    """Whether the family reads a dataset folder (``--data``)."""
     metric: ClassVar[str] = "loss"
     """What :meth:`loss` measures, as the run's metrics and plots name it ("MSE", "loss")."""
+
+    @classmethod
+    def check_data(cls, data: str | None) -> None:
+        """Raise ``ValueError`` naming the fix if ``data`` cannot serve this family (checked
+        before a run creates anything); a family without a dataset accepts anything."""
+        return None
 
     def task(self, seed: int, index: int, split: str = "train") -> Task:
         """Task number ``index`` of ``split`` ("train" or "test") for ``seed``: whole, unsplit.

@@ -78,6 +78,13 @@ class Omniglot(FewShotImages):
     """
 
     name: ClassVar[str] = "omniglot"
+    needs_data: ClassVar[bool] = True
+
+    @classmethod
+    def check_data(cls, data: str | None) -> None:
+        if data is None:
+            raise LayoutError("the omniglot task needs --data FOLDER (in the Omniglot layout)")
+        characters(Path(data))
 
     def __init__(
         self,
