@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 from torch import Tensor, nn
 
-from .._adapt import batch_share, inner_loop
+from .._adapt import batch_share
 from .._data import Batch, Task
 from .._functional import call
 from .._types import LossFn, Params, Reduce
@@ -78,15 +78,8 @@ class ANIL(Algorithm):
         reduce: Reduce | None = None,
     ) -> Params:
         """Head weights after the inner loop on precomputed support ``features``."""
-        return inner_loop(
-            self.model.head,
-            self.fast_weights(),
-            features,
-            loss_fn,
-            steps=self.steps if steps is None else steps,
-            optimizer=self.inner_optimizer(),
-            first_order=self.first_order,
-            reduce=self.collectives(reduce).reduce,
+        return self.inner_loop(
+            features, loss_fn, steps=steps, reduce=self.collectives(reduce).reduce
         )
 
     def adapt(

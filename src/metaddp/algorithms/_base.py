@@ -122,6 +122,30 @@ class Algorithm(nn.Module):
             return Collectives(reduce, _unknown_count, "an explicit reduce")
         return Collectives(reduce, bound.count_tasks, "an explicit reduce")
 
+    def inner_loop(
+        self,
+        support: Batch,
+        loss_fn: LossFn,
+        *,
+        reduce: Reduce,
+        steps: int | None = None,
+        start: Params | None = None,
+        extra_grad: Callable[[Params], Params] | None = None,
+    ) -> Params:
+        """The algorithm's inner loop on ``support`` from ``start`` (default: the
+        meta-parameters), with its own optimizer, step count and order."""
+        return inner_loop(
+            self.adapted_module(),
+            self.fast_weights() if start is None else start,
+            support,
+            loss_fn,
+            steps=self.steps if steps is None else steps,
+            optimizer=self.inner_optimizer(),
+            first_order=self.first_order,
+            reduce=reduce,
+            extra_grad=extra_grad,
+        )
+
     def adapt(
         self,
         support: Batch,
@@ -131,15 +155,8 @@ class Algorithm(nn.Module):
         reduce: Reduce | None = None,
     ) -> Params:
         """Fast weights after ``steps`` (default: the algorithm's) inner steps on ``support``."""
-        return inner_loop(
-            self.adapted_module(),
-            self.fast_weights(),
-            support,
-            loss_fn,
-            steps=self.steps if steps is None else steps,
-            optimizer=self.inner_optimizer(),
-            first_order=self.first_order,
-            reduce=self.collectives(reduce).reduce,
+        return self.inner_loop(
+            support, loss_fn, steps=steps, reduce=self.collectives(reduce).reduce
         )
 
     def task_losses(self, tasks: Sequence[Task], loss_fn: LossFn, reduce: Reduce) -> Tensor:

@@ -26,7 +26,7 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from .._adapt import batch_share, inner_loop
+from .._adapt import batch_share
 from .._data import Task
 from .._types import LossFn, Params, Reduce
 from ..inner import InnerOptimizer
@@ -149,15 +149,11 @@ class IMAML(Algorithm):
         names = list(theta)
         lam = self.lam
         start = {k: p.clone().requires_grad_() for k, p in theta.items()}
-        phi = inner_loop(
-            self.model,
-            start,
+        phi = self.inner_loop(
             task.support,
             loss_fn,
-            steps=self.steps,
-            optimizer=self.inner_optimizer(),
-            first_order=True,
             reduce=reduce,
+            start=start,
             extra_grad=lambda fast: {k: lam * (fast[k].detach() - theta[k]) for k in names},
         )
         phi = {k: p.detach().requires_grad_() for k, p in phi.items()}

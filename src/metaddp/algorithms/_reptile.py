@@ -13,7 +13,6 @@ from typing import cast
 
 from torch import Tensor, nn
 
-from .._adapt import inner_loop
 from .._data import Task
 from .._types import LossFn, Reduce
 from ..inner import InnerOptimizer
@@ -61,16 +60,7 @@ class Reptile(Algorithm):
     def task_loss(self, task: Task, loss_fn: LossFn, *, reduce: Reduce) -> Tensor:
         theta = self.fast_weights()
         start = {k: p.detach().requires_grad_() for k, p in theta.items()}
-        phi = inner_loop(
-            self.model,
-            start,
-            task.support,
-            loss_fn,
-            steps=self.steps,
-            optimizer=self.inner_optimizer(),
-            first_order=True,
-            reduce=reduce,
-        )
+        phi = self.inner_loop(task.support, loss_fn, reduce=reduce, start=start)
         # theta holds the adapted parameters (never empty), so the sum is a tensor.
         dist2 = cast(Tensor, sum(((theta[k] - phi[k].detach()) ** 2).sum() for k in theta))
         return 0.5 * local_fraction(task.support) * dist2
