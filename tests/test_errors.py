@@ -52,3 +52,39 @@ def test_non_finite_inner_gradient_is_an_error():
 def test_wrapping_a_ddp_module_says_what_to_do():
     with pytest.raises(TypeError, match="pass the bare module"):
         md.MetaDDP(nn.DataParallel(nn.Linear(2, 1)))
+
+
+class WithUnused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.used, self.unused = nn.Linear(1, 1).double(), nn.Linear(1, 1).double()
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def unused_parameter(allow: bool) -> str:
+    """Task layout, every rank with a task: a layer the model never runs."""
+    learner = md.MetaDDP(md.MAML(WithUnused(), inner_lr=0.1), md.Mesh.create(tasks=md.world_size()),
+                         allow_unused=allow)
+    x = torch.linspace(-1, 1, 6, dtype=torch.float64).unsqueeze(1)
+    task = md.Task(md.Batch(x[:3], x[:3] ** 2, 3), md.Batch(x[3:], x[3:] ** 2, 3))
+    learner.meta_loss(learner.shard([task] * md.world_size()),
+                      lambda p, y: (p - y).pow(2).flatten()).backward()
+    try:
+        learner.sync_grads()
+    except ValueError as e:
+        return str(e)
+    return f"grad {learner.module.model.unused.weight.grad}"
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_parameter_no_rank_reaches_is_an_error_unless_allowed(world):
+    for msg in run_local(unused_parameter, world, False):
+        assert msg.startswith("no rank produced a gradient for: "), msg
+        named = msg.split(": ", 1)[1].split(". ")[0].split(", ")
+        assert sorted(named) == ["model.unused.bias", "model.unused.weight"], msg
+        assert "allow_unused=True" in msg
+    for msg in run_local(unused_parameter, world, True):
+        assert msg == "grad None"  # left as it was: nothing to sum

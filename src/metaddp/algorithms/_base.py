@@ -97,6 +97,20 @@ class Algorithm(nn.Module):
         """The model on ``x`` with fast weights ``fast`` (default: the meta-parameters)."""
         return call(self.model, fast if fast is not None else self.fast_weights(), x)
 
+    def settings(self) -> dict[str, object]:
+        """The settings that define this algorithm's meta-gradient (subclasses add theirs)."""
+        return {
+            "algorithm": type(self).__name__,
+            "steps": self.steps,
+            "inner_lr": self.inner_lr,
+            "first_order": self.first_order,
+            "learn_lr": None if self.lr is None else self.lr.per,
+        }
+
+    def signature(self) -> str:
+        """:meth:`settings` as text; ``MetaDDP`` checks that every rank has the same."""
+        return repr(sorted(self.settings().items()))
+
     # --- shared -----------------------------------------------------------------------------
 
     def inner_optimizer(self) -> InnerOptimizer:
@@ -184,13 +198,14 @@ class Algorithm(nn.Module):
         n_tasks = tasks.n if isinstance(tasks, MetaBatch) else c.count_tasks(len(tasks))
         if n_tasks <= 0:
             raise ValueError("a meta-batch needs at least one task, and no rank holds any")
-        # Start from an exact zero that touches every meta-parameter: a rank holding no task
-        # then still gives every parameter a (zero) gradient, and the gradient sum over ranks
-        # sees the same tensors everywhere.
-        zero = sum(p.sum() * 0.0 for p in self.parameters())
         if not tasks:
-            return zero  # type: ignore[return-value]
-        return zero + self.task_losses(tasks, loss_fn, c.reduce) / n_tasks
+            # A rank holding no task contributes nothing: a zero that backward() accepts but
+            # that reaches no parameter. MetaDDP's gradient SUM counts its missing gradients
+            # as zeros, and a parameter no rank reaches is still reported as unused.
+            like = next(self.parameters(), None)
+            zero = torch.zeros(()) if like is None else like.detach().new_zeros(())
+            return zero.requires_grad_()
+        return self.task_losses(tasks, loss_fn, c.reduce) / n_tasks
 
     def clone(self, *, reduce: Reduce | None = None) -> Learner:
         """A learner holding its own fast weights, in the style of learn2learn's ``clone``.

@@ -139,6 +139,9 @@ class IMAML(Algorithm):
         self.lam, self.cg_steps, self.cg_tol = float(lam), int(cg_steps), float(cg_tol)
         self.last_cg: tuple[float, int] = (0.0, 0)
 
+    def settings(self) -> dict[str, object]:
+        return dict(super().settings(), lam=self.lam, cg_steps=self.cg_steps, cg_tol=self.cg_tol)
+
     def solve(
         self, task: Task, loss_fn: LossFn, *, reduce: Reduce | None = None
     ) -> tuple[Params, Tensor]:

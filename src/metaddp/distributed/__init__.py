@@ -7,6 +7,7 @@ from ._check import OutOfSyncError
 from ._collectives import (
     CollectiveError,
     CollectiveStats,
+    Phase,
     all_reduce_counts,
     all_reduce_sum,
     counting,
@@ -18,6 +19,7 @@ from ._mesh import LAYOUTS, Mesh, init, rank, shutdown, world_size
 from ._wrapper import MetaDDP
 
 __all__ = [
+    "Phase",
     "LAYOUTS",
     "CollectiveError",
     "CollectiveStats",

@@ -9,9 +9,12 @@ every bucket is launched asynchronously, then all are awaited: the number of cal
 the bytes moved, not on how many parameter tensors a model has.
 
 Every float32/float64 bucket carries one extra element, a tag derived from this rank's call
-sequence number and the bucket size. After the SUM it must equal ``world * tag`` exactly; if
-not, ranks are out of step (different inner-step counts, a rank that skipped a step) and a
-:class:`CollectiveError` says so instead of returning silently wrong numbers. With
+sequence number, the bucket size and the :class:`Phase` of the meta-step it belongs to (an
+inner-loop SUM, its adjoint in a backward pass, the meta-gradient SUM, a value for logging).
+After the SUM it must equal ``world * tag`` exactly; if not, ranks are out of step (different
+inner-step counts, a rank that skipped a step, one rank in its backward while another still
+adapts) and a :class:`CollectiveError` says so at that very collective, instead of returning
+silently wrong numbers. With
 :func:`set_strict` on, a small header is compared *before* each collective too, which also
 catches ranks whose bucket sizes differ (gloo aborts the process on those otherwise).
 """
@@ -20,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
+import zlib
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -32,6 +37,27 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20
 _TAGGED = (torch.float32, torch.float64)
 # Tags stay below 2**12 so that world * tag is exact in float32 for any world below 2**12.
 _TAG_MODULUS = 4093
+
+
+class Phase(enum.IntEnum):
+    """Which part of a meta-step a SUM belongs to (it enters the bucket's tag)."""
+
+    FORWARD = 0  # a differentiable SUM in a forward pass: inner gradients, BatchNorm statistics
+    BACKWARD = 1  # its adjoint, inside a backward pass
+    GRADIENTS = 2  # the meta-gradient SUM after the outer backward
+    VALUES = 3  # values: losses for logging, evaluation results
+
+    def describe(self) -> str:
+        return _PHASE_TEXT[self]
+
+
+_PHASE_TEXT = {
+    Phase.FORWARD: "a differentiable all-reduce in a forward pass (inner step, BatchNorm)",
+    Phase.BACKWARD: "the adjoint all-reduce in a backward pass",
+    Phase.GRADIENTS: "the meta-gradient all-reduce (sync_grads; its tag also carries the "
+    "algorithm's settings)",
+    Phase.VALUES: "a value all-reduce (losses, evaluation)",
+}
 
 
 class CollectiveError(RuntimeError):
@@ -164,8 +190,11 @@ class PendingSum:
     was copied into its own flat buffer at launch.
     """
 
-    def __init__(self, tensors: list[Tensor], group: Group, world: int, what: str) -> None:
-        self._tensors, self._group, self._world, self._what = tensors, group, world, what
+    def __init__(
+        self, tensors: list[Tensor], group: Group, world: int, phase: Phase, salt: int
+    ) -> None:
+        self._tensors, self._group, self._world = tensors, group, world
+        self._phase, self._what, self._salt = phase, phase.describe(), salt
         self._launched: list[tuple] = []
         self._out: list[Tensor] | None = None
 
@@ -178,11 +207,11 @@ class PendingSum:
         seq = _next_sequence(group)
         tag = None
         if dtype in _TAGGED:
-            tag = float(1 + (seq * 31 + numel) % _TAG_MODULUS)
+            tag = float(1 + (seq * 31 + numel + self._phase * 1021 + self._salt) % _TAG_MODULUS)
             parts.append(torch.full((1,), tag, dtype=dtype, device=parts[0].device))
         flat = torch.cat(parts).to(device)
         if _strict:
-            _check_header(group, seq, numel, 1, what, device)
+            _check_header(group, seq, numel, int(self._phase), what, device)
         _record(flat.numel(), flat.numel() * flat.element_size())
         work = _guard(lambda: dist.all_reduce(flat, group=group, async_op=True), what)
         self._launched.append((idx, flat, work, tag, seq, numel))
@@ -200,10 +229,11 @@ class PendingSum:
                 if got != world * tag:
                     raise CollectiveError(
                         f"ranks are out of step at {_describe(self._what, seq, numel)} on rank "
-                        f"{group_rank()}: the sequence tag summed to {got}, expected "
-                        f"{world * tag}. Every rank must run the same collectives in the same "
-                        "order: check that inner-step counts and meta-batch layouts agree on "
-                        "all ranks."
+                        f"{group_rank()}: another rank was at a different collective (the "
+                        f"sequence tags summed to {got:g}, expected {world * tag:g}). Every "
+                        "rank must run the same collectives in the same order: check that "
+                        "inner-step counts, algorithms and meta-batch layouts agree on all "
+                        "ranks."
                     )
             offset = 0
             for i in idx:
@@ -219,17 +249,19 @@ def launch_sum(
     tensors: Sequence[Tensor],
     group: Group = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    what: str = "all-reduce",
+    phase: Phase = Phase.VALUES,
+    salt: int = 0,
 ) -> PendingSum:
     """Start the SUM over ``group`` of each tensor, bucketed, without waiting. Not differentiable.
 
     Every bucket (at most ``bucket_bytes``, one dtype and device) is one asynchronous
     all-reduce; the caller overlaps other work and then calls :meth:`PendingSum.wait`.
-    On one rank nothing is launched and ``wait`` returns clones.
+    On one rank nothing is launched and ``wait`` returns clones. ``salt`` (an integer every
+    rank must agree on, e.g. from the algorithm's settings) enters the tags as well.
     """
     tensors = list(tensors)
     world = group_size(group)
-    pending = PendingSum(tensors, group, world, what)
+    pending = PendingSum(tensors, group, world, phase, salt)
     if world == 1 or not tensors:
         pending._out = [t.detach().clone() for t in tensors]
         return pending
@@ -239,46 +271,59 @@ def launch_sum(
 
 
 def _reduce_sum(
-    tensors: Sequence[Tensor], group: Group, bucket_bytes: int, what: str
+    tensors: Sequence[Tensor], group: Group, bucket_bytes: int, phase: Phase
 ) -> list[Tensor]:
     """SUM over ``group`` of each tensor; returns new tensors (inputs untouched).
 
     Not differentiable.
     """
-    return launch_sum(tensors, group, bucket_bytes, what).wait()
+    return launch_sum(tensors, group, bucket_bytes, phase).wait()
 
 
 class _AllReduceSum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, group, bucket_bytes, *tensors):
-        ctx.group = group
-        ctx.bucket_bytes = bucket_bytes
-        return tuple(_reduce_sum(tensors, group, bucket_bytes, "differentiable all-reduce"))
+    def forward(ctx, group, bucket_bytes, phase, *tensors):
+        ctx.group, ctx.bucket_bytes, ctx.phase = group, bucket_bytes, phase
+        return tuple(_reduce_sum(tensors, group, bucket_bytes, phase))
 
     @staticmethod
     def backward(ctx, *grads):
         # The adjoint of y_r = sum_s x_s (for every rank r) is dx_s = sum_r dy_r: the same
         # all-reduce. Calling the Function again (not a bare collective) keeps it on the
         # graph when create_graph=True, so third and higher orders work as well.
-        return (None, None, *_AllReduceSum.apply(ctx.group, ctx.bucket_bytes, *grads))
+        # The adjoint runs in a backward pass (and its own adjoint in a forward one again).
+        adjoint = {Phase.FORWARD: Phase.BACKWARD, Phase.BACKWARD: Phase.FORWARD}
+        phase = adjoint.get(ctx.phase, ctx.phase)
+        return (None, None, None, *_AllReduceSum.apply(ctx.group, ctx.bucket_bytes, phase, *grads))
 
 
 def all_reduce_sum(
-    tensors: Sequence[Tensor], group: Group = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    tensors: Sequence[Tensor],
+    group: Group = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    *,
+    phase: Phase = Phase.FORWARD,
 ) -> list[Tensor]:
-    """Differentiable SUM over ``group`` of each tensor, bucketed. Identity on one rank."""
+    """Differentiable SUM over ``group`` of each tensor, bucketed. Identity on one rank.
+
+    ``phase`` says which part of a meta-step this SUM belongs to (it enters the out-of-step
+    tag); the backward runs the adjoint phase.
+    """
     tensors = list(tensors)
     if group_size(group) == 1 or not tensors:
         return tensors
-    return list(_AllReduceSum.apply(group, bucket_bytes, *tensors))
+    return list(_AllReduceSum.apply(group, bucket_bytes, phase, *tensors))
 
 
 def all_reduce_sum_(
-    tensors: Sequence[Tensor], group: Group = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    tensors: Sequence[Tensor],
+    group: Group = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    salt: int = 0,
 ) -> None:
     """In-place, non-differentiable SUM over ``group`` (for leaf ``.grad`` tensors)."""
     tensors = list(tensors)
-    reduced = _reduce_sum(tensors, group, bucket_bytes, "gradient all-reduce")
+    reduced = launch_sum(tensors, group, bucket_bytes, Phase.GRADIENTS, salt).wait()
     with torch.no_grad():
         for t, r in zip(tensors, reduced, strict=True):
             if r is not t:
@@ -340,5 +385,12 @@ def global_count(n_local: int, group: Group = None) -> int:
 def global_value(shares: Tensor | Sequence[Tensor], group: Group = None) -> Tensor:
     """The global value of a share (for logging): SUM over ranks, detached."""
     if isinstance(shares, Tensor):
-        return all_reduce_sum([shares.detach()], group)[0].detach()
-    return torch.stack(all_reduce_sum([s.detach() for s in shares], group)).detach()
+        return all_reduce_sum([shares.detach()], group, phase=Phase.VALUES)[0].detach()
+    values = all_reduce_sum([s.detach() for s in shares], group, phase=Phase.VALUES)
+    return torch.stack(values).detach()
+
+
+def settings_salt(settings: str) -> int:
+    """A tag salt from a settings string: the same on every rank for the same settings (a CRC,
+    not Python's per-process ``hash``)."""
+    return zlib.crc32(settings.encode()) % _TAG_MODULUS

@@ -47,6 +47,31 @@ def init(backend: str | None = None, timeout: timedelta | float = DEFAULT_TIMEOU
     return dist.get_world_size()
 
 
+def world_timeout() -> timedelta:
+    """How long a collective of the default process group waits (:data:`DEFAULT_TIMEOUT` when
+    it cannot be read): every group the library creates waits as long."""
+    try:
+        default = dist.distributed_c10d._get_default_group()
+        device = torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
+        return default._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError, ValueError):
+        return DEFAULT_TIMEOUT
+
+
+def _subgroup_options(backend: str) -> object | None:
+    """Options that give a new group the default group's timeout: groups made without them
+    wait torch's default (30 minutes for gloo), not the timeout given to :func:`init`."""
+    cls = {
+        "gloo": getattr(dist, "ProcessGroupGloo", None),
+        "nccl": getattr(dist, "ProcessGroupNCCL", None),
+    }.get(backend)
+    if cls is None:
+        return None
+    options = cls._Options() if backend == "gloo" else cls.Options()
+    options._timeout = world_timeout()
+    return options
+
+
 def shutdown() -> None:
     """Leave the process group (a no-op when none was joined)."""
     if dist.is_initialized():
@@ -111,8 +136,17 @@ class Mesh:
         # Ranks are laid out task-major (rank = task_index * samples + sample_index): the
         # sample axis, which carries the inner loop's collectives, is innermost, so it stays
         # on one machine when ``samples`` divides the processes per machine.
-        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        dm = init_device_mesh(device_type, (tasks, samples), mesh_dim_names=("task", "sample"))
+        backend = dist.get_backend()
+        device_type = "cuda" if backend == "nccl" else "cpu"
+        options = _subgroup_options(backend)
+        dm = init_device_mesh(
+            device_type,
+            (tasks, samples),
+            mesh_dim_names=("task", "sample"),
+            backend_override=None
+            if options is None
+            else {dim: (backend, options) for dim in ("task", "sample")},  # type: ignore[misc]
+        )
         return cls(tasks, samples, dm.get_group("task"), dm.get_group("sample"), None, dm)
 
     @classmethod

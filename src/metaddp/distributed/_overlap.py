@@ -28,12 +28,20 @@ accumulates after early launching has begun gets a clear error instead of stale 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from ._collectives import DEFAULT_BUCKET_BYTES, Group, PendingSum, _plan, group_size, launch_sum
+from ._collectives import (
+    DEFAULT_BUCKET_BYTES,
+    Group,
+    PendingSum,
+    Phase,
+    _plan,
+    group_size,
+    launch_sum,
+)
 
 # One launch_sum call per bucket must be exactly one collective: a bucket is already at most
 # bucket_bytes, so it is never split again.
@@ -54,7 +62,9 @@ class GradReducer:
         params: Sequence[tuple[str, nn.Parameter]],
         group: Group = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        salt: Callable[[], int] = lambda: 0,
     ) -> None:
+        self.salt = salt  # enters every bucket's tag (the settings every rank must share)
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
         self.group = group
@@ -130,7 +140,7 @@ class GradReducer:
             device=members[0].device,
         )
         self._pending[b] = launch_sum(
-            grads + [flags], self.group, _ONE_BUCKET, "gradient all-reduce"
+            grads + [flags], self.group, _ONE_BUCKET, Phase.GRADIENTS, self.salt()
         )
         self._next = b + 1
 

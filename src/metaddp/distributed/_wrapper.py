@@ -34,6 +34,7 @@ from ._collectives import (
     global_value,
     group_size,
     max_abs_difference,
+    settings_salt,
 )
 from ._mesh import Mesh
 from ._overlap import GradReducer
@@ -108,7 +109,9 @@ class MetaDDP(nn.Module):
         if overlap and group_size(self.mesh.group) > 1:
             trained = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
             if trained:
-                self._reducer = GradReducer(trained, self.mesh.group, bucket_bytes)
+                self._reducer = GradReducer(
+                    trained, self.mesh.group, bucket_bytes, salt=self._settings_salt
+                )
         self._collectives = Collectives(self.reduce, self._count_tasks, repr(self.mesh))
         bind(module, self._collectives)
         self._batchnorm: BatchNormSync | None = (
@@ -123,6 +126,13 @@ class MetaDDP(nn.Module):
     def reduce(self, tensors: list[Tensor]) -> list[Tensor]:
         """Differentiable SUM over the ranks that share a task's samples (for inner loops)."""
         return all_reduce_sum(tensors, group=self.mesh.sample_group, bucket_bytes=self.bucket_bytes)
+
+    def _settings_salt(self) -> int:
+        # The wrapped module's settings (an algorithm's inner steps, learning rate...) enter
+        # the meta-gradient SUM's tag: ranks whose settings differ fail there, in every
+        # layout, even where no inner-loop collective would have told them apart.
+        signature = getattr(self.module, "signature", None)
+        return settings_salt(signature()) if callable(signature) else 0
 
     def _count_tasks(self, n_local: int) -> int:
         # Ranks of one sample group hold the same tasks; the task axis holds different ones.
@@ -325,7 +335,12 @@ class MetaDDP(nn.Module):
         grads = [p.grad if p.grad is not None else p.detach().new_zeros(p.shape) for p in params]
         # One has-gradient flag per parameter rides in the same buckets as the gradients.
         flags = params[0].detach().new_tensor([float(p.grad is not None) for p in params])
-        all_reduce_sum_(grads + [flags], group=self.mesh.group, bucket_bytes=self.bucket_bytes)
+        all_reduce_sum_(
+            grads + [flags],
+            group=self.mesh.group,
+            bucket_bytes=self.bucket_bytes,
+            salt=self._settings_salt(),
+        )
         names = {id(p): n for n, p in self.module.named_parameters()}
         missing = [names[id(p)] for p, f in zip(params, flags.tolist(), strict=True) if f == 0]
         self._raise_missing(missing)

@@ -14,6 +14,7 @@ from .._data import Task, shard_range
 from .._share import share
 from .._types import MetaAlgorithm
 from ..distributed import Mesh, all_reduce_sum
+from ..distributed._collectives import Phase
 from ..tasks import TaskFamily
 from ._metrics import mean_ci95
 
@@ -68,7 +69,7 @@ def evaluate(
                 if family.classification:
                     pred = prediction.argmax(-1)
                     per_task[i, 2 + col] = (pred == task.query.y).sum().double() / task.query.n
-    per_task = all_reduce_sum([per_task], mesh.group)[0].cpu()
+    per_task = all_reduce_sum([per_task], mesh.group, phase=Phase.VALUES)[0].cpu()
     out: dict[str, float] = {}
     out["test_before"] = float(per_task[:, 0].mean())
     out["test_after"], out["test_after_ci"] = mean_ci95(per_task[:, 1].tolist())
