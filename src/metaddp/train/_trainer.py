@@ -11,8 +11,10 @@ and gradients are exact sums, the run follows the same trajectory on any number 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,8 @@ import torch
 import torch.distributed as dist
 
 from .. import _plotting
+from .._data import Task
+from .._share import share
 from ..algorithms import build
 from ..distributed import Mesh, MetaDDP, rank
 from ..tasks import make
@@ -29,6 +33,11 @@ from ._evaluate import evaluate, to
 from ._folder import CHECKPOINT
 from ._metrics import MetricsLog, read
 from ._plots import training_curves
+from ._signals import StopSignals
+
+
+class NonFiniteError(FloatingPointError):
+    """A step's meta-loss or meta-gradient is not finite; the message says the likely cause."""
 
 
 def device_for(backend: str | None) -> torch.device:
@@ -81,20 +90,70 @@ class Trainer:
                     "raise --steps"
                 )
         self.learner = MetaDDP(self.algorithm, Mesh.for_layout(cfg.layout))
+        self.saved = self.start  # the step of the newest checkpoint (0: none)
 
-    def step(self, step: int) -> float:
-        """Outer step ``step`` (0-based): its meta-batch, one optimizer step; the global loss."""
+    def step(self, step: int, stop_requested: bool = False) -> tuple[float, bool]:
+        """Outer step ``step`` (0-based): its meta-batch and one optimizer step.
+
+        Returns the global meta-loss and whether any rank asked to stop (``stop_requested``
+        travels in the same SUM as the loss, so every rank decides alike).
+
+        Raises:
+            NonFiniteError: the meta-loss or meta-gradient is not finite; the weights are left
+                as they were before this step.
+        """
         B = self.cfg.meta_batch
         assert B is not None
         tasks = self.learner.shard(
             B, lambda i: to(self.family.task(self.cfg.seed, B * step + i), self.dtype, self.device)
         )
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.learner.meta_loss(tasks, self.family.loss)
-        loss.backward()
+        try:
+            loss = self.learner.meta_loss(tasks, self.family.loss)
+            loss.backward()
+        except FloatingPointError as e:  # a non-finite inner gradient, found on this rank
+            raise NonFiniteError(self._diagnose(step + 1, tasks, str(e))) from None
         self.learner.sync_grads()
+        flag = torch.tensor(float(stop_requested), dtype=loss.dtype, device=loss.device)
+        value, stops = self.learner.global_value(torch.stack([loss.detach(), flag])).tolist()
+        grads = [p.grad for p in self.algorithm.parameters() if p.grad is not None]
+        if not math.isfinite(value) or not all(bool(torch.isfinite(g).all()) for g in grads):
+            raise NonFiniteError(self._diagnose(step + 1, tasks, f"the meta-loss is {value:g}"))
         self.optimizer.step()
-        return float(self.learner.global_value(loss))
+        return value, stops > 0
+
+    def _diagnose(self, step: int, tasks: Sequence[Task], what: str) -> str:
+        """Why step ``step`` went non-finite: the meta-parameters (the outer learning rate) or
+        the adaptation from them (the inner one). Computed on this rank alone."""
+        cfg = self.cfg
+        kept = f"the last checkpoint holds step {self.saved}" if self.saved else "no checkpoint"
+        if not all(bool(torch.isfinite(p).all()) for p in self.algorithm.parameters()):
+            cause = (
+                f"the meta-parameters themselves are no longer finite: lower the outer "
+                f"learning rate (--outer-lr {cfg.outer_lr:g})"
+            )
+        else:
+            with torch.no_grad(), self.learner.local():
+                before = [
+                    share(self.family.loss(self.algorithm(t.query.x), t.query.y), t.query)
+                    for t in tasks
+                ]
+            if all(bool(torch.isfinite(b)) for b in before):
+                cause = (
+                    f"the meta-parameters give a finite loss before adaptation but not "
+                    f"after it: lower the inner learning rate (--inner-lr {cfg.inner_lr:g}) "
+                    f"or the inner steps (--inner-steps {cfg.inner_steps})"
+                )
+            else:
+                cause = (
+                    f"the meta-parameters give a non-finite loss before any adaptation: "
+                    f"lower the outer learning rate (--outer-lr {cfg.outer_lr:g})"
+                )
+        return (
+            f"training stopped at step {step}: {what.split(';')[0]}. Likely cause: {cause}. "
+            f"The weights were not updated ({kept}; resume from it with --resume "
+            f"{self.out} after changing the setting, or start a new run)."
+        )
 
     def evaluate(self) -> dict[str, float]:
         """Meta-test on held-out tasks (mean query loss and accuracy, with 95% intervals)."""
@@ -113,6 +172,7 @@ class Trainer:
 
     def save(self, step: int) -> None:
         """Write the checkpoint (rank 0), atomically."""
+        self.saved = step
         if rank() == 0:
             _checkpoint.save(
                 self.out / CHECKPOINT,
@@ -149,10 +209,14 @@ class Trainer:
     def run(self, *, progress: bool = True) -> dict[str, Any]:
         """Train from the start (or checkpoint) step to ``cfg.steps``.
 
+        SIGTERM and SIGINT (a scheduler's preemption, Ctrl-C) end the current step on every
+        rank, write a checkpoint and return; a second SIGINT interrupts at once.
+
         Returns:
             On every rank: ``losses`` (global meta-loss per step trained here), ``final``
             (last evaluation), ``start`` (first step trained here), ``weights`` (the final
-            meta-parameters, on the CPU) and ``summary``.
+            meta-parameters, on the CPU) and ``summary``; after a stop signal, ``stopped``
+            (``{"signal": name, "step": checkpoint step}``) and no summary.
         """
         cfg, me = self.cfg, rank()
         log = MetricsLog(self.out, self.start) if me == 0 else None
@@ -162,37 +226,77 @@ class Trainer:
         metric = "test acc" if self.family.classification else f"test {self.family.metric}"
         # Elapsed seconds continue from the last row kept when resuming.
         t0 = time.perf_counter() - (log.seconds if log is not None else 0.0)
+        stopped: dict[str, Any] | None = None
         try:
-            for step in range(self.start, cfg.steps):
-                value = self.step(step)
-                losses.append(value)
-                done = step + 1
-                row: dict[str, float] = {
-                    "step": done,
-                    "meta_loss": value,
-                    "seconds": time.perf_counter() - t0,
-                }
-                if done == cfg.steps or (cfg.eval_every and done % cfg.eval_every == 0):
-                    last_eval = self.evaluate()
-                    row.update(last_eval)
-                if log is not None:
-                    log.write(row)
-                if done == cfg.steps or done % cfg.checkpoint_every == 0:
-                    self.save(done)
-                if bar is not None:
-                    shown = {"loss": f"{value:.4g}"}
-                    if last_eval:
-                        key = "test_acc_after" if self.family.classification else "test_after"
-                        shown[metric] = f"{last_eval[key]:.4g}"
-                    bar.set_postfix(shown, refresh=False)
-                    bar.update(1)
-            if not last_eval:  # resumed at the last step: evaluate what the checkpoint holds
+            with StopSignals() as signals:
+                for step in range(self.start, cfg.steps):
+                    value, stop = self.step(step, signals.received is not None)
+                    losses.append(value)
+                    last_eval = self._record(step + 1, value, t0, log, bar, metric, last_eval, stop)
+                    if stop:
+                        self.save(step + 1)
+                        stopped = {
+                            "signal": signals.received or "a signal to another rank",
+                            "step": step + 1,
+                        }
+                        break
+            if stopped is None and not last_eval:
+                # Resumed at the last step: evaluate what the checkpoint holds.
                 last_eval = self.evaluate()
         finally:  # the progress bar and metrics file close even when a step raises
             if bar is not None:
                 bar.close()
             if log is not None:
                 log.close()
+        weights = {k: v.detach().cpu().clone() for k, v in self.algorithm.state_dict().items()}
+        result: dict[str, Any] = {
+            "losses": losses,
+            "final": last_eval,
+            "start": self.start,
+            "weights": weights,
+        }
+        if stopped is not None:
+            return dict(result, stopped=stopped, summary=None)
+        return dict(result, summary=self._finish(last_eval))
+
+    def _record(
+        self,
+        done: int,
+        value: float,
+        t0: float,
+        log: MetricsLog | None,
+        bar: Any,
+        metric: str,
+        last_eval: dict[str, float],
+        stopping: bool,
+    ) -> dict[str, float]:
+        """After step ``done``: evaluate when due, write the metrics row, checkpoint when due,
+        update the bar. Returns the latest evaluation."""
+        cfg = self.cfg
+        row: dict[str, float] = {
+            "step": done,
+            "meta_loss": value,
+            "seconds": time.perf_counter() - t0,
+        }
+        if not stopping and (done == cfg.steps or (cfg.eval_every and done % cfg.eval_every == 0)):
+            last_eval = self.evaluate()
+            row.update(last_eval)
+        if log is not None:
+            log.write(row)
+        if not stopping and (done == cfg.steps or done % cfg.checkpoint_every == 0):
+            self.save(done)
+        if bar is not None:
+            shown = {"loss": f"{value:.4g}"}
+            if last_eval:
+                key = "test_acc_after" if self.family.classification else "test_after"
+                shown[metric] = f"{last_eval[key]:.4g}"
+            bar.set_postfix(shown, refresh=False)
+            bar.update(1)
+        return last_eval
+
+    def _finish(self, last_eval: dict[str, float]) -> dict[str, Any]:
+        """The summary (written and plotted by rank 0), after every rank finished."""
+        cfg = self.cfg
         summary: dict[str, Any] = {
             "step": cfg.steps,
             "eval_tasks": cfg.eval_tasks,
@@ -200,21 +304,14 @@ class Trainer:
             "metric": self.family.metric,
             **last_eval,
         }
-        if me == 0:
+        if rank() == 0:
             _checkpoint.atomic_write(
                 self.out / "summary.json", lambda f: f.write(json.dumps(summary, indent=2).encode())
             )
             summary["plots"] = self.plots()
         if dist.is_initialized():
             dist.barrier()
-        weights = {k: v.detach().cpu().clone() for k, v in self.algorithm.state_dict().items()}
-        return {
-            "losses": losses,
-            "final": last_eval,
-            "start": self.start,
-            "weights": weights,
-            "summary": summary,
-        }
+        return summary
 
 
 def train(
