@@ -126,7 +126,12 @@ class Trainer:
         """Why step ``step`` went non-finite: the meta-parameters (the outer learning rate) or
         the adaptation from them (the inner one). Computed on this rank alone."""
         cfg = self.cfg
-        kept = f"the last checkpoint holds step {self.saved}" if self.saved else "no checkpoint"
+        kept = (
+            f"the last checkpoint holds step {self.saved}: resume from it with --resume "
+            f"{self.out} after changing the setting"
+            if self.saved
+            else "no checkpoint was written yet: start again with the setting changed"
+        )
         if not all(bool(torch.isfinite(p).all()) for p in self.algorithm.parameters()):
             cause = (
                 f"the meta-parameters themselves are no longer finite: lower the outer "
@@ -151,8 +156,7 @@ class Trainer:
                 )
         return (
             f"training stopped at step {step}: {what.split(';')[0]}. Likely cause: {cause}. "
-            f"The weights were not updated ({kept}; resume from it with --resume "
-            f"{self.out} after changing the setting, or start a new run)."
+            f"The weights were not updated; {kept}."
         )
 
     def evaluate(self) -> dict[str, float]:
