@@ -23,16 +23,25 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, unreadable, or from another configuration."""
 
 
+def umask() -> int:
+    """The process's umask (read by setting it, and at once setting it back)."""
+    old = os.umask(0)
+    os.umask(old)
+    return old
+
+
 def atomic_write(path: Path, write) -> None:
     """Call ``write(file)`` on a temporary file beside ``path``, then rename it over ``path``.
 
     ``os.replace`` is atomic on POSIX and Windows: a reader (or a crash) sees the old file or
-    the new one, never half of one.
+    the new one, never half of one. The file gets the permissions of any new file
+    (``0o666`` less the umask), not the private ``0o600`` of a temporary one.
     """
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
+            os.chmod(tmp, 0o666 & ~umask())
             write(f)
             f.flush()
             os.fsync(f.fileno())
