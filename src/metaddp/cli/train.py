@@ -6,9 +6,10 @@
   torchrun --nnodes 2 --nproc-per-node 8 ... -m metaddp train omniglot --data DIR   # many machines
 
 Settings come from the defaults, then the task's own defaults, then --config FILE (TOML, the
-option names with underscores, at top level or under [train]), then the flags given. The
-output folder receives config.toml/json, metrics.csv, checkpoint.pt (every
---checkpoint-every steps, written atomically), summary.json and plots/*.png.
+option names with underscores, all at top level or all under [train]), then the flags given.
+Every setting is checked before anything is created. The output folder receives
+config.toml/json, metrics.csv, checkpoint.pt (every --checkpoint-every steps, written
+atomically), summary.json and plots/*.png.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import argparse
 import logging
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
 from .. import train as _train
-from ..tasks import FAMILIES, family_class
+from ..tasks import FAMILIES, family_class, make
 from ..train import DTYPES, LAYOUTS, TrainConfig, _checkpoint, read_toml
 
 S = argparse.SUPPRESS
@@ -68,6 +70,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--force", action="store_true", help="replace a previous run in --out")
     g.add_argument("--config", metavar="FILE", default=None, help="TOML file of settings")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument(
+        "--debug", action="store_true", help="show the full traceback of an error in the settings"
+    )
     g = p.add_argument_group("processes")
     g.add_argument("--nproc", type=int, default=1, help="local processes to start (default 1)")
     g.add_argument(
@@ -90,8 +95,33 @@ class UsageError(Exception):
     pass
 
 
-def settings(args: argparse.Namespace) -> tuple[TrainConfig, Path, bool]:
-    """Resolve the run's settings, output folder and whether it resumes; check the folder."""
+# What a user's settings, files or machine can raise before a run starts: one line, status 2.
+USER_ERRORS = (UsageError, ValueError, ImportError, OSError)
+
+
+def user_error(e: BaseException) -> int:
+    print(f"metaddp train: error: {e}", file=sys.stderr)
+    return 2
+
+
+def check_processes(args: argparse.Namespace) -> None:
+    """What can be checked before any process group exists: --nproc and --backend."""
+    import torch
+
+    if under_torchrun() and args.nproc != 1:
+        raise UsageError("already started by torchrun; drop --nproc")
+    if args.nproc < 1:
+        raise UsageError(f"--nproc must be at least 1, got {args.nproc}")
+    if args.backend == "nccl" and not torch.cuda.is_available():
+        raise UsageError(
+            "--backend nccl needs CUDA GPUs, and torch finds none on this machine: use "
+            "--backend gloo, or leave --backend out"
+        )
+
+
+def settings(args: argparse.Namespace, world: int) -> tuple[TrainConfig, Path, bool]:
+    """Resolve the run's settings, output folder and whether it resumes, for ``world``
+    processes; check them all, the folder and the task family, and create nothing."""
     flags = {
         k: v
         for k, v in vars(args).items()
@@ -114,12 +144,27 @@ def settings(args: argparse.Namespace) -> tuple[TrainConfig, Path, bool]:
     if "task" not in values:
         raise UsageError("name a task: metaddp train {" + ",".join(FAMILIES) + "} [options]")
     cfg = TrainConfig(**values).resolved()
+    if cfg.layout == "hybrid" and world > 1 and world % 2:
+        raise UsageError(
+            f"--layout hybrid makes two task groups of equal size, which {world} processes "
+            "cannot form: start an even number of processes, or use --layout sample or task"
+        )
     if not resume:
         out = (
             Path(args.out) if args.out is not None else Path("runs") / f"{cfg.task}-{cfg.algorithm}"
         )
         _train.check_folder(out, resume=False, force=args.force)
     family_class(cfg.task).check_data(cfg.data)
+    # Building the family runs its own checks (e.g. enough classes for --ways).
+    assert cfg.shots is not None and cfg.query is not None  # filled by resolved()
+    make(
+        cfg.task,
+        shots=cfg.shots,
+        query=cfg.query,
+        ways=cfg.ways,
+        hidden=cfg.hidden,
+        data=cfg.data,
+    )
     if resume:
         step = _checkpoint.load(out / _train.CHECKPOINT, cfg.identity())["step"]
         if step > cfg.steps:
@@ -134,16 +179,21 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def begin(out: Path, cfg: TrainConfig, resume: bool, force: bool) -> None:
+    """Create the folder and write the run's settings there (rank 0 alone)."""
+    _train.prepare_folder(out, cfg, resume, force)
+
+
 def worker(
     cfg_dict: dict,
     out: str,
     resume: bool,
-    force: bool,
     backend: str | None,
     threads: int,
     progress: bool,
 ) -> dict | None:
-    """Run on every process: join the group, prepare the folder on rank 0, train."""
+    """Run on every process: join the group and train (in a folder :func:`begin` prepared).
+    Returns the summary on rank 0, ``None`` on the others."""
     import torch
     import torch.distributed as dist
 
@@ -154,14 +204,9 @@ def worker(
     if under_torchrun():
         backend = backend or default_backend()
         init(backend)
-    cfg = TrainConfig(**cfg_dict)
     try:
-        if rank() == 0:
-            _train.prepare_folder(Path(out), cfg, resume, force)
-        if dist.is_initialized():
-            dist.barrier()
         result = _train.train(
-            cfg,
+            TrainConfig(**cfg_dict),
             out,
             resume=resume,
             progress=progress,
@@ -216,31 +261,39 @@ def report(summary: dict, cfg: TrainConfig, out: Path) -> None:
 
 
 def torchrun_main(args: argparse.Namespace) -> int:
-    """Under ``torchrun``: join the group first, then rank 0 checks the settings and the folder
-    and tells every rank the outcome (so no rank sees the folder rank 0 is writing)."""
+    """Under ``torchrun``: join the group first, then rank 0 checks the settings and prepares
+    the folder, and tells every rank the outcome (so no rank sees the folder rank 0 is
+    writing)."""
     import torch.distributed as dist
 
     from ..distributed._mesh import default_backend, init, rank, shutdown
 
+    try:
+        check_processes(args)  # on every rank, before a backend that cannot work is used
+    except UsageError as e:
+        if args.debug:
+            raise
+        return user_error(e) if os.environ["RANK"] == "0" else 2
     backend = args.backend or default_backend()
     init(backend)
     message: list[Any] = [None]
     if rank() == 0:
         try:
-            if args.nproc != 1:
-                raise UsageError("already started by torchrun; drop --nproc")
-            cfg, out, resume = settings(args)
+            cfg, out, resume = settings(args, int(os.environ["WORLD_SIZE"]))
+            begin(out, cfg, resume, args.force)
             message = [("ok", cfg.to_dict(), str(out), resume)]
-        except (UsageError, ValueError, ImportError) as e:
+        except USER_ERRORS as e:
+            if args.debug:  # the other ranks wait for the outcome: show it, then tell them
+                traceback.print_exc()
             message = [("error", str(e))]
     dist.broadcast_object_list(message, src=0)
     if message[0][0] == "error":
         if rank() == 0:
-            print(f"metaddp train: error: {message[0][1]}", file=sys.stderr)
+            user_error(message[0][1])
         shutdown()
         return 2
     _, cfg_dict, out, resume = message[0]
-    summary = worker(cfg_dict, out, resume, args.force, backend, 0, not args.no_progress)
+    summary = worker(cfg_dict, out, resume, backend, 0, not args.no_progress)
     if summary is not None:
         report(summary, TrainConfig(**cfg_dict), Path(out))
     return 0
@@ -250,29 +303,25 @@ def main(args: argparse.Namespace) -> int:
     if under_torchrun():
         return torchrun_main(args)
     try:
-        cfg, out, resume = settings(args)
-    except (UsageError, ValueError, ImportError) as e:
-        print(f"metaddp train: error: {e}", file=sys.stderr)
-        return 2
-    progress = not args.no_progress
-    if args.nproc < 1:
-        print(
-            f"metaddp train: error: --nproc must be at least 1, got {args.nproc}", file=sys.stderr
-        )
-        return 2
+        check_processes(args)
+        cfg, out, resume = settings(args, args.nproc)
+        begin(out, cfg, resume, args.force)
+    except USER_ERRORS as e:
+        if args.debug:
+            raise
+        return user_error(e)
+    threads = max(1, (os.cpu_count() or 1) // args.nproc)
+    common = (cfg.to_dict(), str(out), resume, args.backend, threads, not args.no_progress)
+    if args.nproc == 1:
+        summary = worker(*common)
     else:
-        threads = max(1, (os.cpu_count() or 1) // args.nproc)
-        common = (cfg.to_dict(), str(out), resume, args.force, args.backend, threads, progress)
-        if args.nproc == 1:
-            summary = worker(*common)
-        else:
-            from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-            try:
-                summary = launch(args.nproc, *common)
-            except ChildFailedError as e:
-                print(f"metaddp train: a process failed:\n{e}", file=sys.stderr)
-                return 1
+        try:
+            summary = launch(args.nproc, *common)
+        except ChildFailedError as e:
+            print(f"metaddp train: a process failed:\n{e}", file=sys.stderr)
+            return 1
     if summary is not None:
         report(summary, cfg, out)
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -88,19 +89,28 @@ class TrainConfig:
         "data",
     )
 
+    def __post_init__(self) -> None:
+        for k, v in self.to_dict().items():
+            check_type(k, v)
+
     @classmethod
     def names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], source: str) -> dict[str, Any]:
-        """Check the keys of a config file (or dict) and return them as a dict."""
+        """Check the keys and value types of a config file (or dict); return them as a dict."""
         unknown = sorted(set(values) - set(cls.names()))
         if unknown:
             raise ValueError(
                 f"{source}: unknown setting(s) {', '.join(unknown)}; known: "
                 f"{', '.join(cls.names())}"
             )
+        for k, v in values.items():
+            try:
+                check_type(k, v)
+            except ValueError as e:
+                raise ValueError(f"{source}: {e}") from None
         return dict(values)
 
     def resolved(self) -> TrainConfig:
@@ -129,7 +139,15 @@ class TrainConfig:
             raise ValueError(f"unknown layout {self.layout!r}; choose from {', '.join(LAYOUTS)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose from {', '.join(DTYPES)}")
-        positive = ("steps", "meta_batch", "shots", "query", "eval_tasks", "checkpoint_every")
+        positive = (
+            "steps",
+            "meta_batch",
+            "shots",
+            "query",
+            "hidden",
+            "eval_tasks",
+            "checkpoint_every",
+        )
         for k in positive:
             if getattr(self, k) is None or getattr(self, k) < 1:
                 raise ValueError(f"{k} must be a positive integer, got {getattr(self, k)!r}")
@@ -137,8 +155,8 @@ class TrainConfig:
             if getattr(self, k) < 0:
                 raise ValueError(f"{k} must be >= 0, got {getattr(self, k)!r}")
         for k in ("inner_lr", "outer_lr", "lam"):
-            if not getattr(self, k) > 0:
-                raise ValueError(f"{k} must be positive, got {getattr(self, k)!r}")
+            if not (getattr(self, k) > 0 and math.isfinite(getattr(self, k))):
+                raise ValueError(f"{k} must be a positive finite number, got {getattr(self, k)!r}")
 
     def algorithm_settings(self) -> Settings:
         """What the algorithm registry builds this run's algorithm with."""
@@ -161,18 +179,55 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
+# What each setting holds, from the field's annotation ("int | None" -> int).
+KINDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "int": ((int,), "an integer"),
+    "float": ((int, float), "a number"),
+    "str": ((str,), "a string"),
+}
+
+
+def check_type(name: str, value: Any) -> None:
+    """Raise ``ValueError`` unless ``value`` has the type of setting ``name`` (a bool is not a
+    number)."""
+    annotation = str({f.name: f.type for f in dataclasses.fields(TrainConfig)}[name])
+    if value is None and "None" in annotation:
+        return
+    types, what = KINDS[annotation.split(" | ")[0]]
+    if isinstance(value, bool) or not isinstance(value, types):
+        raise ValueError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
+
+
 def read_toml(path: str | Path) -> dict[str, Any]:
-    """Settings from a TOML file of ``key = value`` lines (the names of :class:`TrainConfig`)."""
+    """Settings from a TOML file: ``key = value`` lines (the names of :class:`TrainConfig`),
+    either all at top level or all under a ``[train]`` table."""
     path = Path(path)
     try:
         with open(path, "rb") as f:
             values = tomllib.load(f)
     except FileNotFoundError:
         raise ValueError(f"config file {path} does not exist") from None
+    except OSError as e:
+        raise ValueError(f"cannot read config file {path}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"config file {path} is not valid TOML: {e}") from None
-    values = values.get("train", values)  # a [train] table, or top-level keys
-    return TrainConfig.from_mapping(values, str(path))
+    table = isinstance(values.get("train"), dict)
+    if table:
+        others = sorted(k for k in values if k != "train")
+        if others:
+            raise ValueError(
+                f"config file {path} has {', '.join(others)} outside its [train] table, where "
+                "they would be ignored: put every setting under [train], or drop the [train] line"
+            )
+        values = values["train"]
+    tables = sorted(k for k, v in values.items() if isinstance(v, dict))
+    if tables:
+        names = ", ".join(f"[train.{t}]" if table else f"[{t}]" for t in tables)
+        raise ValueError(
+            f"config file {path}: unknown table(s) {names}; "
+            "settings go at top level or under [train]"
+        )
+    return TrainConfig.from_mapping(values, f"config file {path}")
 
 
 def toml_text(values: Mapping[str, Any]) -> str:
