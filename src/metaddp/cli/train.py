@@ -9,12 +9,14 @@ Settings come from the defaults, then the task's own defaults, then --config FIL
 option names with underscores, all at top level or all under [train]), then the flags given.
 Every setting is checked before anything is created. The output folder receives
 config.toml/json, metrics.csv, checkpoint.pt (every --checkpoint-every steps, written
-atomically), summary.json and plots/*.png.
+atomically), summary.json and plots/*.png; while a run writes it, .lock names the run's host
+and PID and refuses a second run there.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -24,7 +26,7 @@ from typing import Any
 
 from .. import train as _train
 from ..tasks import FAMILIES, family_class, make
-from ..train import DTYPES, LAYOUTS, TrainConfig, _checkpoint, read_toml
+from ..train import DTYPES, LAYOUTS, RunLock, TrainConfig, _checkpoint, read_toml
 
 S = argparse.SUPPRESS
 
@@ -179,9 +181,17 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def begin(out: Path, cfg: TrainConfig, resume: bool, force: bool) -> None:
-    """Create the folder and write the run's settings there (rank 0 alone)."""
-    _train.prepare_folder(out, cfg, resume, force)
+def begin(out: Path, cfg: TrainConfig, resume: bool, force: bool) -> RunLock:
+    """Take the folder's writer lock, then write the run's settings there (rank 0 alone)."""
+    lock = RunLock.acquire(out)
+    try:
+        # Again, now that no other run can write here: one may have ended since settings().
+        _train.check_folder(out, resume=resume, force=force)
+        _train.prepare_folder(out, cfg, resume, force)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
 
 
 def worker(
@@ -261,9 +271,9 @@ def report(summary: dict, cfg: TrainConfig, out: Path) -> None:
 
 
 def torchrun_main(args: argparse.Namespace) -> int:
-    """Under ``torchrun``: join the group first, then rank 0 checks the settings and prepares
-    the folder, and tells every rank the outcome (so no rank sees the folder rank 0 is
-    writing)."""
+    """Under ``torchrun``: join the group first, then rank 0 checks the settings, takes the
+    folder's lock and prepares it, and tells every rank the outcome (so no rank sees the
+    folder rank 0 is writing)."""
     import torch.distributed as dist
 
     from ..distributed._mesh import default_backend, init, rank, shutdown
@@ -277,10 +287,11 @@ def torchrun_main(args: argparse.Namespace) -> int:
     backend = args.backend or default_backend()
     init(backend)
     message: list[Any] = [None]
+    lock: contextlib.AbstractContextManager = contextlib.nullcontext()
     if rank() == 0:
         try:
             cfg, out, resume = settings(args, int(os.environ["WORLD_SIZE"]))
-            begin(out, cfg, resume, args.force)
+            lock = begin(out, cfg, resume, args.force)
             message = [("ok", cfg.to_dict(), str(out), resume)]
         except USER_ERRORS as e:
             if args.debug:  # the other ranks wait for the outcome: show it, then tell them
@@ -293,7 +304,8 @@ def torchrun_main(args: argparse.Namespace) -> int:
         shutdown()
         return 2
     _, cfg_dict, out, resume = message[0]
-    summary = worker(cfg_dict, out, resume, backend, 0, not args.no_progress)
+    with lock:
+        summary = worker(cfg_dict, out, resume, backend, 0, not args.no_progress)
     if summary is not None:
         report(summary, TrainConfig(**cfg_dict), Path(out))
     return 0
@@ -305,23 +317,24 @@ def main(args: argparse.Namespace) -> int:
     try:
         check_processes(args)
         cfg, out, resume = settings(args, args.nproc)
-        begin(out, cfg, resume, args.force)
+        lock = begin(out, cfg, resume, args.force)
     except USER_ERRORS as e:
         if args.debug:
             raise
         return user_error(e)
     threads = max(1, (os.cpu_count() or 1) // args.nproc)
     common = (cfg.to_dict(), str(out), resume, args.backend, threads, not args.no_progress)
-    if args.nproc == 1:
-        summary = worker(*common)
-    else:
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    with lock:  # held by this process while it, or the processes it starts, write the run
+        if args.nproc == 1:
+            summary = worker(*common)
+        else:
+            from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-        try:
-            summary = launch(args.nproc, *common)
-        except ChildFailedError as e:
-            print(f"metaddp train: a process failed:\n{e}", file=sys.stderr)
-            return 1
+            try:
+                summary = launch(args.nproc, *common)
+            except ChildFailedError as e:
+                print(f"metaddp train: a process failed:\n{e}", file=sys.stderr)
+                return 1
     if summary is not None:
         report(summary, cfg, out)
     return 0

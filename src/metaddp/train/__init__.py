@@ -3,7 +3,14 @@ checkpoints, metrics, plots and the run folder."""
 
 from ._checkpoint import CheckpointError
 from ._config import DTYPES, LAYOUTS, TrainConfig, read_toml
-from ._folder import CHECKPOINT, RunFolderError, check_folder, prepare_folder, saved_config
+from ._folder import (
+    CHECKPOINT,
+    RunFolderError,
+    RunLock,
+    check_folder,
+    prepare_folder,
+    saved_config,
+)
 from ._trainer import Trainer, train
 
 __all__ = [
@@ -12,6 +19,7 @@ __all__ = [
     "LAYOUTS",
     "CheckpointError",
     "RunFolderError",
+    "RunLock",
     "TrainConfig",
     "Trainer",
     "check_folder",

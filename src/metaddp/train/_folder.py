@@ -1,9 +1,13 @@
-"""The run folder: what a run writes, refusing to overwrite another run, the saved settings."""
+"""The run folder: what a run writes, refusing to overwrite another run, one writer at a time,
+the saved settings."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import shutil
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +27,9 @@ ARTIFACTS = (
     "plots",
     "tensorboard",
 )
+# Held (flock) by the process that writes the run; it names that process. Never removed, so
+# that every run opens the same file; a run leaves it empty when it ends.
+LOCK = ".lock"
 
 
 class RunFolderError(ValueError):
@@ -38,12 +45,59 @@ def check_folder(out: Path, resume: bool, force: bool) -> None:
         return
     if out.exists() and not out.is_dir():
         raise RunFolderError(f"--out {out} is a file, not a folder")
-    if out.exists() and any(out.iterdir()) and not force:
+    held = sorted(p.name for p in out.iterdir() if p.name != LOCK) if out.is_dir() else []
+    if held and not force:
         raise RunFolderError(
-            f"{out} is not empty (it holds {', '.join(sorted(p.name for p in out.iterdir())[:4])}"
+            f"{out} is not empty (it holds {', '.join(held[:4])}"
             f"...). Continue that run with --resume {out}, choose another --out, or pass "
             "--force to replace it"
         )
+
+
+class RunLock:
+    """The run folder's writer lock: an advisory ``flock`` on ``out/.lock``, which names its
+    holder (host and PID). The kernel drops it when the holder exits, however it ends, so a
+    lock file left by a dead run never blocks. Create with :meth:`acquire`.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd: int | None = fd
+
+    @classmethod
+    def acquire(cls, out: Path) -> RunLock:
+        """Create ``out`` if needed and take its lock, or raise ``RunFolderError`` naming the
+        process that holds it."""
+        out = Path(out)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as e:
+            raise RunFolderError(f"cannot write in the output folder {out}: {e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.read(fd, 200).decode(errors="replace").strip() or "a process"
+            os.close(fd)
+            raise RunFolderError(
+                f"{out} is in use by another metaddp train run ({owner}): wait for it to end, "
+                "or choose another --out"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"host {socket.gethostname()}, PID {os.getpid()}\n".encode())
+        return cls(fd)
+
+    def release(self) -> None:
+        """Forget the owner and let the next run in (also done by the kernel at exit)."""
+        if self.fd is not None:
+            os.ftruncate(self.fd, 0)
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 def prepare_folder(out: Path, cfg: TrainConfig, resume: bool, force: bool) -> None:
