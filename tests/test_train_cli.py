@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import json
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -160,3 +162,28 @@ def test_image_tasks_train_and_report_accuracy(tmp_path, capsys):
     pytest.importorskip("sklearn")
     assert main(["train", "digits", *small, "--out", str(tmp_path / "d")]) == 0
     assert [int(r["step"]) for r in rows(tmp_path / "d")] == [1, 2]
+
+
+def torchrun(nproc: int, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node",
+           str(nproc), "-m", "metaddp", "train", *args]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def test_under_torchrun_only_rank_0_reports(tmp_path):
+    r = torchrun(2, "sinusoid", "--steps", "2", "--meta-batch", "2", "--eval-every", "0",
+                 "--eval-tasks", "4", "--no-progress", "--out", "run", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("meta-test on 4 held-out tasks") == 1
+    assert r.stdout.count("continue with: metaddp train --resume run") == 1
+    assert [int(row["step"]) for row in rows(tmp_path / "run")] == [1, 2]
+
+
+def test_under_torchrun_a_layout_that_does_not_fit_is_one_error(tmp_path):
+    r = torchrun(3, "sinusoid", "--layout", "hybrid", "--out", "run", cwd=tmp_path)
+    assert r.returncode != 0 and r.stdout == ""
+    errors = [line for line in r.stderr.splitlines() if line.startswith("metaddp train: error:")]
+    assert errors == ["metaddp train: error: --layout hybrid makes two task groups of equal size, "
+                      "which 3 processes cannot form: start an even number of processes, or use "
+                      "--layout sample or task"]
+    assert not (tmp_path / "run").exists()

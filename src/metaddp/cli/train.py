@@ -222,9 +222,9 @@ def worker(
             progress=progress,
             backend=backend if dist.is_initialized() else None,
         )
+        return result["summary"] if rank() == 0 else None  # asked before leaving the group
     finally:
         shutdown()
-    return result["summary"] if rank() == 0 else None
 
 
 def launch(nproc: int, *args: Any) -> dict | None:
@@ -273,7 +273,7 @@ def report(summary: dict, cfg: TrainConfig, out: Path) -> None:
 def torchrun_main(args: argparse.Namespace) -> int:
     """Under ``torchrun``: join the group first, then rank 0 checks the settings, takes the
     folder's lock and prepares it, and tells every rank the outcome (so no rank sees the
-    folder rank 0 is writing)."""
+    folder rank 0 is writing). Only rank 0 reports."""
     import torch.distributed as dist
 
     from ..distributed._mesh import default_backend, init, rank, shutdown
@@ -286,9 +286,10 @@ def torchrun_main(args: argparse.Namespace) -> int:
         return user_error(e) if os.environ["RANK"] == "0" else 2
     backend = args.backend or default_backend()
     init(backend)
+    me = rank()  # asked now: after shutdown() every process would say 0
     message: list[Any] = [None]
     lock: contextlib.AbstractContextManager = contextlib.nullcontext()
-    if rank() == 0:
+    if me == 0:
         try:
             cfg, out, resume = settings(args, int(os.environ["WORLD_SIZE"]))
             lock = begin(out, cfg, resume, args.force)
@@ -299,10 +300,8 @@ def torchrun_main(args: argparse.Namespace) -> int:
             message = [("error", str(e))]
     dist.broadcast_object_list(message, src=0)
     if message[0][0] == "error":
-        if rank() == 0:
-            user_error(message[0][1])
         shutdown()
-        return 2
+        return user_error(message[0][1]) if me == 0 else 2
     _, cfg_dict, out, resume = message[0]
     with lock:
         summary = worker(cfg_dict, out, resume, backend, 0, not args.no_progress)
