@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import train as _train
+from ..distributed._mesh import DEFAULT_TIMEOUT
 from ..tasks import FAMILIES, family_class, make
 from ..train import DTYPES, LAYOUTS, RunLock, TrainConfig, _checkpoint, read_toml
 
@@ -68,7 +69,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--eval-steps", type=int, default=S, help="adaptation steps at meta-test")
     g.add_argument("--checkpoint-every", type=int, default=S, help="steps between checkpoints")
     g.add_argument("--out", default=None, help="output folder (default runs/TASK-ALGORITHM)")
-    g.add_argument("--resume", metavar="DIR", default=None, help="continue the run in DIR")
+    g.add_argument(
+        "--resume",
+        metavar="DIR",
+        default=None,
+        help="continue the run in DIR; 'auto' continues the run in --out if it has a "
+        "checkpoint, else starts it (for restarts by a launcher or a scheduler)",
+    )
     g.add_argument("--force", action="store_true", help="replace a previous run in --out")
     g.add_argument("--config", metavar="FILE", default=None, help="TOML file of settings")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -90,6 +97,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="default: nccl with GPUs, gloo otherwise",
     )
+    g.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT.total_seconds(),
+        metavar="SECONDS",
+        help="longest wait for the other processes at any collective before every process "
+        "stops with an error (default %(default)g)",
+    )
+    g.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="with --nproc: restart all processes this many times after one fails; they "
+        "continue from the latest checkpoint (default 0)",
+    )
     p.set_defaults(func=main)
 
 
@@ -99,6 +121,10 @@ class UsageError(Exception):
 
 # What a user's settings, files or machine can raise before a run starts: one line, status 2.
 USER_ERRORS = (UsageError, ValueError, ImportError, OSError)
+# A run whose meta-loss or meta-gradient stopped being finite (a learning rate too large).
+EXIT_DIVERGED = 3
+# Stopped by SIGTERM or SIGINT after writing a checkpoint: "try again later" (sysexits.h).
+EXIT_STOPPED = 75
 
 
 def user_error(e: BaseException) -> int:
@@ -114,6 +140,10 @@ def check_processes(args: argparse.Namespace) -> None:
         raise UsageError("already started by torchrun; drop --nproc")
     if args.nproc < 1:
         raise UsageError(f"--nproc must be at least 1, got {args.nproc}")
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if not args.timeout > 0:
+        raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if args.backend == "nccl" and not torch.cuda.is_available():
         raise UsageError(
             "--backend nccl needs CUDA GPUs, and torch finds none on this machine: use "
@@ -129,13 +159,18 @@ def settings(args: argparse.Namespace, world: int) -> tuple[TrainConfig, Path, b
         for k, v in vars(args).items()
         if k in TrainConfig.names() and not (k == "task" and v is None)
     }
-    resume = args.resume is not None
+    where = args.resume
+    if where == "auto":  # continue the run in --out if it has a checkpoint, else start it
+        if args.out is None:
+            raise UsageError("--resume auto needs --out FOLDER: the run to continue or start")
+        where = args.out if (Path(args.out) / _train.CHECKPOINT).exists() else None
+    resume = where is not None
     values: dict[str, Any] = {}
     if resume:
-        out = Path(args.resume)
+        out = Path(where)
         if args.out is not None and Path(args.out).resolve() != out.resolve():
             raise UsageError(
-                f"--resume {args.resume} continues in its own folder; drop --out "
+                f"--resume {where} continues in its own folder; drop --out "
                 f"{args.out} (or copy the run there and resume that)"
             )
         _train.check_folder(out, resume=True, force=False)
@@ -201,9 +236,15 @@ def worker(
     backend: str | None,
     threads: int,
     progress: bool,
+    timeout: float,
+    launched: bool = False,
 ) -> dict | None:
     """Run on every process: join the group and train (in a folder :func:`begin` prepared).
-    Returns the summary on rank 0, ``None`` on the others."""
+
+    Returns, on rank 0, the outcome for :func:`finish`: ``{"summary": ...}``,
+    ``{"stopped": ...}`` or ``{"error": message, "code": status}``; ``None`` elsewhere.
+    ``launched``: started by :func:`launch`, whose launcher reports a stop itself.
+    """
     import torch
     import torch.distributed as dist
 
@@ -213,27 +254,43 @@ def worker(
         torch.set_num_threads(threads)
     if under_torchrun():
         backend = backend or default_backend()
-        init(backend)
+        init(backend, timeout=timeout)
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        # Started again by the launcher after a process failed: continue from the latest
+        # checkpoint of this very run (the folder is this run's: its lock is held).
+        resume = (Path(out) / _train.CHECKPOINT).exists()
     try:
-        result = _train.train(
-            TrainConfig(**cfg_dict),
-            out,
-            resume=resume,
-            progress=progress,
-            backend=backend if dist.is_initialized() else None,
-        )
-        return result["summary"] if rank() == 0 else None  # asked before leaving the group
+        me = rank()  # asked now: after shutdown() every process would say 0
+        try:
+            result = _train.train(
+                TrainConfig(**cfg_dict),
+                out,
+                resume=resume,
+                progress=progress,
+                backend=backend if dist.is_initialized() else None,
+            )
+        except _train.NonFiniteError as e:  # every rank finds it at the same step
+            return {"error": str(e), "code": EXIT_DIVERGED} if me == 0 else None
+        stopped = result.get("stopped")
     finally:
         shutdown()
+    if stopped and launched:
+        # The launcher, stopping too, no longer collects results: returning would keep this
+        # process waiting for it until it kills it. The checkpoint is written; leave now.
+        os._exit(EXIT_STOPPED)
+    if me != 0:
+        return None
+    return {"stopped": stopped} if stopped else {"summary": result["summary"]}
 
 
-def launch(nproc: int, *args: Any) -> dict | None:
+def launch(nproc: int, max_restarts: int, *args: Any) -> dict | None:
     """``worker(*args)`` on ``nproc`` local processes, started by torch's elastic launcher."""
     import uuid
 
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    # Its own warnings on a stop or restart repeat what this command reports in one line.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -241,10 +298,10 @@ def launch(nproc: int, *args: Any) -> dict | None:
         run_id=f"metaddp-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint="127.0.0.1:0",
-        max_restarts=0,
+        max_restarts=max_restarts,
         start_method="spawn",
     )
-    results = elastic_launch(config, worker)(*args)
+    results = elastic_launch(config, worker)(*args, True)
     return results[0]
 
 
@@ -270,6 +327,25 @@ def report(summary: dict, cfg: TrainConfig, out: Path) -> None:
     )
 
 
+def finish(outcome: dict | None, cfg: TrainConfig, out: Path) -> int:
+    """Report a run's outcome (rank 0) and return the exit status."""
+    if outcome is None:
+        return 0
+    if "error" in outcome:
+        print(f"metaddp train: {outcome['error']}", file=sys.stderr)
+        return int(outcome["code"])
+    if "stopped" in outcome:
+        stop = outcome["stopped"]
+        print(
+            f"metaddp train: stopped by {stop['signal']} after step {stop['step']}; checkpoint "
+            f"written. Continue with: metaddp train --resume {out}",
+            file=sys.stderr,
+        )
+        return EXIT_STOPPED
+    report(outcome["summary"], cfg, out)
+    return 0
+
+
 def torchrun_main(args: argparse.Namespace) -> int:
     """Under ``torchrun``: join the group first, then rank 0 checks the settings, takes the
     folder's lock and prepares it, and tells every rank the outcome (so no rank sees the
@@ -285,7 +361,7 @@ def torchrun_main(args: argparse.Namespace) -> int:
             raise
         return user_error(e) if os.environ["RANK"] == "0" else 2
     backend = args.backend or default_backend()
-    init(backend)
+    init(backend, timeout=args.timeout)
     me = rank()  # asked now: after shutdown() every process would say 0
     message: list[Any] = [None]
     lock: contextlib.AbstractContextManager = contextlib.nullcontext()
@@ -304,10 +380,8 @@ def torchrun_main(args: argparse.Namespace) -> int:
         return user_error(message[0][1]) if me == 0 else 2
     _, cfg_dict, out, resume = message[0]
     with lock:
-        summary = worker(cfg_dict, out, resume, backend, 0, not args.no_progress)
-    if summary is not None:
-        report(summary, TrainConfig(**cfg_dict), Path(out))
-    return 0
+        outcome = worker(cfg_dict, out, resume, backend, 0, not args.no_progress, args.timeout)
+    return finish(outcome, TrainConfig(**cfg_dict), Path(out))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -322,18 +396,43 @@ def main(args: argparse.Namespace) -> int:
             raise
         return user_error(e)
     threads = max(1, (os.cpu_count() or 1) // args.nproc)
-    common = (cfg.to_dict(), str(out), resume, args.backend, threads, not args.no_progress)
+    common = (
+        cfg.to_dict(),
+        str(out),
+        resume,
+        args.backend,
+        threads,
+        not args.no_progress,
+        args.timeout,
+    )
     with lock:  # held by this process while it, or the processes it starts, write the run
         if args.nproc == 1:
-            summary = worker(*common)
+            outcome = worker(*common)
         else:
+            from torch.distributed.elastic.multiprocessing.api import SignalException
             from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
             try:
-                summary = launch(args.nproc, *common)
+                outcome = launch(args.nproc, args.max_restarts, *common)
+            except SignalException as e:
+                # The launcher was told to stop; it passed the signal on, and the processes
+                # ended their step and wrote a checkpoint before leaving.
+                step = _checkpoint_step(out)
+                outcome = {"stopped": {"signal": signal_name(e.sigval), "step": step}}
             except ChildFailedError as e:
                 print(f"metaddp train: a process failed:\n{e}", file=sys.stderr)
                 return 1
-    if summary is not None:
-        report(summary, cfg, out)
-    return 0
+    return finish(outcome, cfg, out)
+
+
+def signal_name(signum: int) -> str:
+    import signal
+
+    return signal.Signals(signum).name
+
+
+def _checkpoint_step(out: Path) -> int:
+    try:
+        return int(_checkpoint.load(out / _train.CHECKPOINT, {})["step"])
+    except _checkpoint.CheckpointError:
+        return 0

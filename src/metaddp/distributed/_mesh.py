@@ -43,8 +43,33 @@ def init(backend: str | None = None, timeout: timedelta | float = DEFAULT_TIMEOU
         timeout = timedelta(seconds=float(timeout))
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend=backend, timeout=timeout)
+    store = _attempt_store(timeout)
+    if store is None:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(
+            backend=backend, store=store, rank=rank, world_size=world, timeout=timeout
+        )
     return dist.get_world_size()
+
+
+def _attempt_store(timeout: timedelta) -> dist.Store | None:
+    """Under an elastic launcher that shares its rendezvous store with the workers, that store
+    outlives a restart, and so do the keys the previous attempt's process groups wrote there:
+    the restarted workers' groups then read stale addresses and fail to connect (pytorch
+    #135712). A prefix per attempt keeps every attempt's keys apart. ``None`` elsewhere."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"metaddp/attempt-{attempt}/", store)
 
 
 def world_timeout() -> timedelta:

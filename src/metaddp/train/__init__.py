@@ -11,12 +11,13 @@ from ._folder import (
     prepare_folder,
     saved_config,
 )
-from ._trainer import Trainer, train
+from ._trainer import NonFiniteError, Trainer, train
 
 __all__ = [
     "CHECKPOINT",
     "DTYPES",
     "LAYOUTS",
+    "NonFiniteError",
     "CheckpointError",
     "RunFolderError",
     "RunLock",
