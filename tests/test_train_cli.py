@@ -87,10 +87,13 @@ def test_corrupt_checkpoint_and_empty_resume(tmp_path, run_dir, capsys):
     for name in ("config.json", "config.toml", "metrics.csv"):
         (out / name).write_bytes((run_dir / name).read_bytes())
     (out / "checkpoint.pt").write_bytes((run_dir / "checkpoint.pt").read_bytes()[:200])
-    assert main(["train", "--resume", str(out)]) == 2
+    # No older checkpoint to fall back to: a warning about the newest, then the error.
+    with pytest.warns(RuntimeWarning, match="trying the checkpoint before it"):
+        assert main(["train", "--resume", str(out)]) == 2
     assert "corrupt or unreadable" in capsys.readouterr().err
     (out / "checkpoint.pt").write_bytes(b"not a checkpoint")
-    assert main(["train", "--resume", str(out)]) == 2
+    with pytest.warns(RuntimeWarning, match="trying the checkpoint before it"):
+        assert main(["train", "--resume", str(out)]) == 2
     assert "corrupt or unreadable" in capsys.readouterr().err
     empty = tmp_path / "empty"
     empty.mkdir()

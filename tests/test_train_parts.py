@@ -63,3 +63,20 @@ def test_metrics_on_resume_keep_rows_up_to_the_checkpoint(tmp_path):
     with pytest.raises(KeyError, match="unknown metric"):
         log.write({"step": 6, "accuracy": 1.0})
     log.close()
+
+
+def test_older_checkpoints_are_kept_and_a_damaged_newest_falls_back(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    model = {"w": torch.zeros(2)}
+    for step in (2, 4, 6, 8):
+        _checkpoint.save(path, step=step, config={"seed": 1}, model=model,
+                         optimizer={"state": {}, "param_groups": []})
+    # The newest three are kept, newest first.
+    assert [int(_checkpoint.load(p, {})["step"]) for p in _checkpoint.history(path)] == [8, 6, 4]
+    path.write_bytes(b"torn")  # the newest is damaged (a disk error, a copy cut short)
+    with pytest.warns(RuntimeWarning, match="corrupt or unreadable.*trying the checkpoint before"):
+        state = _checkpoint.load_latest(path, {"seed": 1})
+    assert state["step"] == 6
+    # Another configuration is never a reason to fall back: that is the wrong run.
+    with pytest.raises(_checkpoint.CheckpointError, match="seed: checkpoint 1, now 2"):
+        _checkpoint.load_latest(tmp_path / "checkpoint.1.pt", {"seed": 2})

@@ -21,6 +21,7 @@ import logging
 import os
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -163,7 +164,7 @@ def settings(args: argparse.Namespace, world: int) -> tuple[TrainConfig, Path, b
     if where == "auto":  # continue the run in --out if it has a checkpoint, else start it
         if args.out is None:
             raise UsageError("--resume auto needs --out FOLDER: the run to continue or start")
-        where = args.out if (Path(args.out) / _train.CHECKPOINT).exists() else None
+        where = args.out if _checkpoint.exists(Path(args.out) / _train.CHECKPOINT) else None
     resume = where is not None
     values: dict[str, Any] = {}
     if resume:
@@ -203,7 +204,7 @@ def settings(args: argparse.Namespace, world: int) -> tuple[TrainConfig, Path, b
         data=cfg.data,
     )
     if resume:
-        step = _checkpoint.load(out / _train.CHECKPOINT, cfg.identity())["step"]
+        step = _checkpoint.load_latest(out / _train.CHECKPOINT, cfg.identity())["step"]
         if step > cfg.steps:
             raise UsageError(
                 f"the checkpoint in {out} is at step {step}, beyond --steps "
@@ -258,7 +259,7 @@ def worker(
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         # Started again by the launcher after a process failed: continue from the latest
         # checkpoint of this very run (the folder is this run's: its lock is held).
-        resume = (Path(out) / _train.CHECKPOINT).exists()
+        resume = _checkpoint.exists(Path(out) / _train.CHECKPOINT)
     try:
         me = rank()  # asked now: after shutdown() every process would say 0
         try:
@@ -384,7 +385,12 @@ def torchrun_main(args: argparse.Namespace) -> int:
     return finish(outcome, TrainConfig(**cfg_dict), Path(out))
 
 
+def one_line_warning(message: Warning | str, *args: Any, **kwargs: Any) -> str:
+    return f"metaddp train: warning: {message}\n"
+
+
 def main(args: argparse.Namespace) -> int:
+    warnings.formatwarning = one_line_warning  # e.g. a damaged checkpoint that falls back
     if under_torchrun():
         return torchrun_main(args)
     try:
@@ -433,6 +439,6 @@ def signal_name(signum: int) -> str:
 
 def _checkpoint_step(out: Path) -> int:
     try:
-        return int(_checkpoint.load(out / _train.CHECKPOINT, {})["step"])
+        return int(_checkpoint.load_latest(out / _train.CHECKPOINT, {})["step"])
     except _checkpoint.CheckpointError:
         return 0

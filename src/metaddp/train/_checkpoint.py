@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,25 @@ KEYS = ("format", "step", "config", "model", "optimizer")
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, unreadable, or from another configuration."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """A checkpoint file that cannot be read back (truncated, overwritten, not a checkpoint)."""
+
+
+# Checkpoints kept: the newest as checkpoint.pt, the one before as checkpoint.1.pt, ...
+KEEP = 3
+
+
+def history(path: Path, keep: int = KEEP) -> list[Path]:
+    """``path`` and its older copies, newest first (``checkpoint.pt``, ``checkpoint.1.pt``...)."""
+    path = Path(path)
+    return [path] + [path.with_name(f"{path.stem}.{i}{path.suffix}") for i in range(1, keep)]
+
+
+def exists(path: Path) -> bool:
+    """Whether ``path`` or one of its older copies is there to resume from."""
+    return any(p.is_file() for p in history(path))
 
 
 def umask() -> int:
@@ -60,7 +80,11 @@ def save(
     model: Mapping[str, Any],
     optimizer: Mapping[str, Any],
 ) -> None:
-    """Write a checkpoint atomically.
+    """Write a checkpoint atomically, keeping the :data:`KEEP` - 1 before it.
+
+    The older copies move down one place first (``checkpoint.pt`` becomes
+    ``checkpoint.1.pt``...), each by an atomic rename, so a crash at any moment leaves every
+    complete checkpoint readable under one of the names :func:`load_latest` tries.
 
     Args:
         path: the file to (over)write.
@@ -76,6 +100,10 @@ def save(
         "model": dict(model),
         "optimizer": optimizer,
     }
+    older = history(Path(path))
+    for new, old in zip(older[:0:-1], older[-2::-1], strict=True):
+        if old.is_file():
+            os.replace(old, new)
     atomic_write(Path(path), lambda f: torch.save(state, f))
 
 
@@ -99,7 +127,7 @@ def load(path: Path, identity: Mapping[str, Any], map_location: Any = "cpu") -> 
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # torch raises several types for truncated or foreign files
-        raise CheckpointError(
+        raise CorruptCheckpoint(
             f"checkpoint {path} is corrupt or unreadable ({type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''}); restore it from a "
             "copy or start a new run"
@@ -109,7 +137,7 @@ def load(path: Path, identity: Mapping[str, Any], map_location: Any = "cpu") -> 
         or state.get("format") != FORMAT
         or any(k not in state for k in KEYS)
     ):
-        raise CheckpointError(f"{path} is not a metaddp training checkpoint")
+        raise CorruptCheckpoint(f"{path} is not a metaddp training checkpoint")
     saved = state["config"]
     diff = [
         f"{k}: checkpoint {saved.get(k)!r}, now {v!r}"
@@ -122,3 +150,27 @@ def load(path: Path, identity: Mapping[str, Any], map_location: Any = "cpu") -> 
             "with the same settings, or start a new run in another --out folder"
         )
     return state
+
+
+def load_latest(
+    path: Path, identity: Mapping[str, Any], map_location: Any = "cpu"
+) -> dict[str, Any]:
+    """The newest checkpoint of :func:`history` that reads back, warning about each that does
+    not: a damaged newest checkpoint falls back to the one before.
+
+    Raises:
+        CheckpointError: none can be read, or one comes from another configuration (that is
+            a wrong folder or wrong settings, never a reason to fall back).
+    """
+    first: CheckpointError | None = None
+    for candidate in history(Path(path)):
+        if not candidate.is_file():
+            continue
+        try:
+            state = load(candidate, identity, map_location)
+        except CorruptCheckpoint as e:
+            warnings.warn(f"{e}; trying the checkpoint before it", RuntimeWarning, stacklevel=2)
+            first = first or e
+            continue
+        return state
+    raise first or CheckpointError(f"no checkpoint at {path}: nothing to resume")

@@ -19,7 +19,7 @@ CONFIG_JSON = "config.json"
 CONFIG_TOML = "config.toml"
 # What a run writes; --force removes exactly these before a new run starts.
 ARTIFACTS = (
-    CHECKPOINT,
+    *(p.name for p in _checkpoint.history(Path(CHECKPOINT))),
     CONFIG_JSON,
     CONFIG_TOML,
     "metrics.csv",
@@ -40,7 +40,7 @@ def check_folder(out: Path, resume: bool, force: bool) -> None:
     """Refuse to start a new run over an earlier one (unless ``force``), or to resume nothing."""
     out = Path(out)
     if resume:
-        if not (out / CHECKPOINT).exists():
+        if not _checkpoint.exists(out / CHECKPOINT):
             raise RunFolderError(f"{out} holds no {CHECKPOINT}: nothing to resume")
         return
     if out.exists() and not out.is_dir():

@@ -78,7 +78,7 @@ class Trainer:
         self.optimizer = torch.optim.Adam(self.algorithm.parameters(), lr=cfg.outer_lr)
         self.start = 0
         if resume:
-            state = _checkpoint.load(
+            state = _checkpoint.load_latest(
                 self.out / CHECKPOINT, cfg.identity(), map_location=self.device
             )
             self.algorithm.load_state_dict(state["model"])
