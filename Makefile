@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml requirements-ci.txt
 	$(PY) -m pip install -q -e '.[test,train,digits]'
 	touch $(STAMP)
 
-# Sinusoid MAML (Finn et al. 2017), 5000 steps on 2 local processes (under a minute);
+# Sinusoid MAML (Finn et al. 2017), 5000 steps on 2 local processes (1-2 minutes on 2 cores);
 # prints the meta-test MSE before and after adaptation and where the plots are. runs/demo is the demo's own folder (--force).
 demo: $(STAMP)
 	$(VENV)/bin/metaddp train sinusoid --nproc 2 --layout task --steps 5000 --eval-every 1000 \
