@@ -104,3 +104,36 @@ def test_a_diverging_run_ends_in_one_line(tmp_path):
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("metaddp train: training stopped at step ")
     assert "lower the outer learning rate (--outer-lr 1e+30)" in lines[0]
+
+
+def test_torchrun_restarts_continue_the_run_with_resume_auto(tmp_path):
+    """``torchrun --max-restarts`` runs the command again after a worker dies: with
+    ``--resume auto`` the new attempt continues from the checkpoint (and its process groups
+    connect, though the launcher's store still holds the previous attempt's keys)."""
+    run = tmp_path / "run"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.Popen(
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+         "-m", "metaddp", "train", *TINY, "--steps", "160", "--checkpoint-every", "40",
+         "--out", str(run), "--resume", "auto"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: (run / "checkpoint.pt").exists() and len(rows(run)) >= 50)
+    workers = [pid for pid in all_children(proc.pid)]
+    assert len(workers) == 2
+    os.kill(workers[1], signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert [int(r["step"]) for r in rows(run)] == list(range(1, 161))
+
+
+def all_children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return sorted(out)
