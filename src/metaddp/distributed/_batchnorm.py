@@ -91,7 +91,8 @@ class BatchNormSync:
         if any(getattr(m.__dict__.get("forward"), "_metaddp_synced", False) for m in self.layers):
             raise RuntimeError(
                 "the BatchNorm layers of this module are already synchronized (MetaDDP does "
-                "it when it wraps a module, or an enclosing sync_batchnorm); do not nest it"
+                "it when it wraps a module, or an enclosing sync_batchnorm): do not nest it, "
+                "and call release() on a MetaDDP before wrapping its module again"
             )
         self._saved = [m.__dict__.get("forward") for m in self.layers]
         self.reduce = reduce  # read at every call: MetaDDP.local() swaps it for the identity
