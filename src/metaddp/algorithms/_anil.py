@@ -38,7 +38,7 @@ class ANIL(Algorithm):
     Args:
         body: the feature extractor (meta-trained, never adapted).
         head: the part adapted in the inner loop (usually the last linear layer).
-        inner_lr, steps, first_order, optimizer, learn_lr: as :class:`metaddp.MAML`; learned
+        inner_lr, steps, first_order, optimizer, learn_lr, memory: as :class:`metaddp.MAML`; learned
             rates cover the head's parameters only.
 
     Fast weights are the head's, named relative to the head (``"weight"``, ``"bias"``).
@@ -56,6 +56,7 @@ class ANIL(Algorithm):
         first_order: bool = False,
         optimizer: InnerOptimizer | OptimizerFactory | None = None,
         learn_lr: str | None = None,
+        memory: str = "default",
     ) -> None:
         super().__init__(
             BodyHead(body, head),
@@ -64,6 +65,7 @@ class ANIL(Algorithm):
             first_order=first_order,
             optimizer=optimizer,
             learn_lr=learn_lr,
+            memory=memory,
         )
 
     def adapted_module(self) -> nn.Module:

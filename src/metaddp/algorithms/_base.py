@@ -15,15 +15,20 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .._adapt import inner_loop
+from .._adapt import batch_share, check_finite, inner_loop
 from .._binding import Collectives, collectives_for
 from .._data import Batch, MetaBatch, Task
 from .._functional import call, params_of
+from .._remat import rematerialized_loop
 from .._types import LossFn, Params, Reduce
 from ..inner import InnerOptimizer, LearnedLR, LearningRate, sgd
 from ._learner import Learner
 
 OptimizerFactory = Callable[[LearningRate], InnerOptimizer]
+# "default": every inner step's graph is kept for the outer backward (memory grows with the
+# steps); "low": each step's graph is rebuilt during the backward (metaddp._remat), the same
+# meta-gradient in memory that does not grow with the steps.
+MEMORY_MODES = ("default", "low")
 
 
 def _unknown_count(n_local: int) -> int:
@@ -61,10 +66,14 @@ class Algorithm(nn.Module):
         first_order: bool = False,
         optimizer: InnerOptimizer | OptimizerFactory | None = None,
         learn_lr: str | None = None,
+        memory: str = "default",
     ) -> None:
         super().__init__()
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
+        if memory not in MEMORY_MODES:
+            raise ValueError(f"memory must be one of {', '.join(MEMORY_MODES)}, got {memory!r}")
+        self.memory = memory
         self.model = model
         self.inner_lr, self.steps, self.first_order = inner_lr, steps, first_order
         self.lr: LearnedLR | None = None
@@ -149,12 +158,30 @@ class Algorithm(nn.Module):
     ) -> Params:
         """The algorithm's inner loop on ``support`` from ``start`` (default: the
         meta-parameters), with its own optimizer, step count and order."""
+        module = self.adapted_module()
+        start = self.fast_weights() if start is None else start
+        steps = self.steps if steps is None else steps
+        if self.memory == "low" and not self.first_order and torch.is_grad_enabled():
+            if extra_grad is not None:
+                raise ValueError(f"{type(self).__name__} has no memory='low' mode")
+            rates = [] if self.lr is None else list(self.lr.parameters())
+            features = [support.x] if support.x.requires_grad else []  # ANIL's body output
+            return rematerialized_loop(
+                lambda fast, buffers: batch_share(module, fast, support, loss_fn, buffers),
+                start,
+                steps=steps,
+                optimizer=self.inner_optimizer(),
+                reduce=reduce,
+                extras=rates + features,
+                buffers=dict(module.named_buffers()),
+                check=lambda g, k: check_finite(g, k),
+            )
         return inner_loop(
-            self.adapted_module(),
-            self.fast_weights() if start is None else start,
+            module,
+            start,
             support,
             loss_fn,
-            steps=self.steps if steps is None else steps,
+            steps=steps,
             optimizer=self.inner_optimizer(),
             first_order=self.first_order,
             reduce=reduce,

@@ -34,6 +34,10 @@ class MAML(Algorithm):
         learn_lr: train the inner learning rate in the outer loop: ``"scalar"``,
             ``"tensor"`` (one per parameter tensor) or ``"parameter"`` (one per entry, as
             Meta-SGD). The rates are parameters of this module, kept in :attr:`lr`.
+        memory: ``"default"`` keeps every inner step's graph for the outer backward;
+            ``"low"`` rebuilds one step's graph at a time during it (:mod:`metaddp._remat`):
+            the same meta-gradient, with memory that does not grow with ``steps``, one more
+            collective per inner step on several ranks, and tasks run one by one.
         batched: run a rank's tasks stacked along a task dimension (``True``), one by one
             (``False``), or choose (``None``: by device and model, see ``use_batched``); same
             result.
@@ -61,6 +65,7 @@ class MAML(Algorithm):
         optimizer: InnerOptimizer | OptimizerFactory | None = None,
         learn_lr: str | None = None,
         batched: bool | None = None,
+        memory: str = "default",
     ) -> None:
         super().__init__(
             model,
@@ -69,6 +74,7 @@ class MAML(Algorithm):
             first_order=first_order,
             optimizer=optimizer,
             learn_lr=learn_lr,
+            memory=memory,
         )
         self.batched = batched
 
@@ -84,7 +90,13 @@ class MAML(Algorithm):
                 "overrides: use batched=None or False (or set stackable = True on the class "
                 "if the override keeps MAML's loss)"
             )
-        if self.stackable and use_batched(self.batched, tasks, self.model):
+        if self.memory == "low" and self.batched:
+            raise ValueError("memory='low' runs tasks one by one: use batched=None or False")
+        if (
+            self.stackable
+            and self.memory == "default"
+            and use_batched(self.batched, tasks, self.model)
+        ):
             return stacked_task_losses(
                 self.model,
                 self.fast_weights(),

@@ -24,7 +24,7 @@ class MetaSGD(MAML):
         first_order: drop second-order terms (the rates still get their gradient).
         optimizer: a factory taking the learning rate (default :func:`metaddp.sgd`).
         per: ``"parameter"`` (Meta-SGD), ``"tensor"`` or ``"scalar"``.
-        batched: as :class:`MAML`.
+        batched, memory: as :class:`MAML`.
     """
 
     def __init__(
@@ -37,6 +37,7 @@ class MetaSGD(MAML):
         optimizer: OptimizerFactory | None = None,
         per: str = "parameter",
         batched: bool | None = None,
+        memory: str = "default",
     ) -> None:
         super().__init__(
             model,
@@ -45,5 +46,6 @@ class MetaSGD(MAML):
             first_order=first_order,
             optimizer=optimizer,
             learn_lr=per,
+            memory=memory,
             batched=batched,
         )

@@ -28,6 +28,7 @@ class Settings:
         cg_steps: iMAML's conjugate-gradient budget.
         cg_tol: iMAML's relative residual to stop at. It cannot fall far below the dtype's
             precision: 1e-6 suits float32, 1e-10 float64.
+        memory: ``"default"`` or ``"low"`` (MAML, Meta-SGD, ANIL; see :class:`MAML`).
     """
 
     inner_lr: float = 0.01
@@ -36,22 +37,29 @@ class Settings:
     lam: float = 1.0
     cg_steps: int = 25
     cg_tol: float = 1e-6
+    memory: str = "default"
 
 
 Builder = Callable[[nn.Module, Settings], Algorithm]
 
 ALGORITHMS: dict[str, Builder] = {
     # Finn, Abbeel & Levine 2017: second-order meta-gradient through the inner loop.
-    "maml": lambda m, s: MAML(m, inner_lr=s.inner_lr, steps=s.steps, first_order=s.first_order),
+    "maml": lambda m, s: MAML(
+        m, inner_lr=s.inner_lr, steps=s.steps, first_order=s.first_order, memory=s.memory
+    ),
     # The same with the inner gradients held constant (first-order MAML, ibid. sec. 5.2).
     "fomaml": lambda m, s: MAML(m, inner_lr=s.inner_lr, steps=s.steps, first_order=True),
     # Li et al. 2017: a learned learning rate per parameter entry, initialised at inner_lr.
     "metasgd": lambda m, s: MetaSGD(
-        m, inner_lr=s.inner_lr, steps=s.steps, first_order=s.first_order
+        m, inner_lr=s.inner_lr, steps=s.steps, first_order=s.first_order, memory=s.memory
     ),
     # Raghu et al. 2020: only the last layer adapts, on features of the rest computed once.
     "anil": lambda m, s: ANIL(
-        *split_head(m), inner_lr=s.inner_lr, steps=s.steps, first_order=s.first_order
+        *split_head(m),
+        inner_lr=s.inner_lr,
+        steps=s.steps,
+        first_order=s.first_order,
+        memory=s.memory,
     ),
     # Nichol et al. 2018: the meta-gradient is the mean displacement theta - phi.
     "reptile": lambda m, s: Reptile(m, inner_lr=s.inner_lr, steps=s.steps),

@@ -64,6 +64,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--seed", type=int, default=S, help="default 0")
     g.add_argument("--dtype", choices=DTYPES, default=S, help="default float32")
     g.add_argument("--data", default=S, help="dataset folder (omniglot: Omniglot layout)")
+    g.add_argument(
+        "--memory",
+        choices=("default", "low"),
+        default=S,
+        help="low: rebuild each inner step's graph during the backward, the same "
+        "meta-gradient in memory that does not grow with --inner-steps (default: keep them)",
+    )
     g = p.add_argument_group("evaluation and output")
     g.add_argument("--eval-every", type=int, default=S, help="steps between meta-test runs (100)")
     g.add_argument("--eval-tasks", type=int, default=S, help="held-out tasks per meta-test (100)")

@@ -116,6 +116,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="1,2,4",
         help="comma-separated process counts; the first is the reference (default 1,2,4)",
     )
+    p.add_argument(
+        "--memory",
+        choices=("default", "low"),
+        default="default",
+        help="run MAML, Meta-SGD and ANIL scenarios with each inner step's graph rebuilt "
+        "during the backward (memory='low')",
+    )
     p.set_defaults(func=main)
 
 
@@ -137,6 +144,13 @@ def main(args: argparse.Namespace) -> int:
         return 2
     names = SCENARIOS if "all" in args.scenario else tuple(dict.fromkeys(args.scenario))
     todo = [c for n in names for c in checks(n)]
+    if args.memory != "default":  # the unrolled scenarios in the low-memory mode
+        todo = [
+            dataclasses.replace(c, problem=dataclasses.replace(c.problem, memory=args.memory))
+            if isinstance(c.problem, S.Problem)
+            else c
+            for c in todo
+        ]
     print(
         f"metaddp verify: {', '.join(names)} at world sizes {', '.join(map(str, sizes))} "
         f"(gloo, local processes; reference: {sizes[0]} process{'es' if sizes[0] > 1 else ''})"

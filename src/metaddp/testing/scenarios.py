@@ -92,6 +92,7 @@ class Problem:
     batchnorm: bool = False  # conv only: BatchNorm after each convolution, synchronized
     lam: float = 20.0  # iMAML's proximal strength
     cg_steps: int = 60  # iMAML's conjugate-gradient budget
+    memory: str = "default"  # "low": each inner step's graph rebuilt during the backward
 
     def build_model(self) -> nn.Module:
         torch.manual_seed(self.seed)
@@ -146,6 +147,7 @@ class Problem:
             lam=self.lam,
             cg_steps=self.cg_steps,
             cg_tol=1e-13,
+            memory=self.memory,
         )
         return build(self.algorithm, self.build_model(), settings).to(self.dtype)
 

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 DTYPES = ("float32", "float64")
 LAYOUTS = ("sample", "task", "hybrid")
+MEMORY_MODES = ("default", "low")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +48,8 @@ class TrainConfig:
         eval_steps: adaptation steps at evaluation.
         checkpoint_every: write a checkpoint every this many steps (and at the end).
         data: dataset folder (omniglot).
+        memory: "default" keeps every inner step's graph; "low" rebuilds one at a time in the
+            backward (the same meta-gradient; memory that does not grow with inner_steps).
     """
 
     task: str = "sinusoid"
@@ -69,6 +72,7 @@ class TrainConfig:
     eval_steps: int | None = None
     checkpoint_every: int = 100
     data: str | None = None
+    memory: str = "default"
 
     # Settings that define the trajectory: a checkpoint resumes only under the same ones.
     # The number of processes, the layout, the length of the run and evaluation may change.
@@ -137,6 +141,10 @@ class TrainConfig:
             )
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown layout {self.layout!r}; choose from {', '.join(LAYOUTS)}")
+        if self.memory not in MEMORY_MODES:
+            raise ValueError(
+                f"unknown memory mode {self.memory!r}; choose from {', '.join(MEMORY_MODES)}"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose from {', '.join(DTYPES)}")
         positive = (
@@ -170,6 +178,7 @@ class TrainConfig:
             lam=self.lam,
             cg_steps=25,
             cg_tol=1e-10 if self.dtype == "float64" else 1e-6,
+            memory=self.memory,
         )
 
     def identity(self) -> dict[str, Any]:

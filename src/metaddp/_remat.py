@@ -1,0 +1,169 @@
+"""Second-order inner loops in memory that does not grow with the number of inner steps.
+
+The default inner loop keeps every step's graph (built with ``create_graph=True``) alive until
+the outer backward, so its memory grows with the step count K. Here the loop is one autograd
+function. Its forward runs the K steps first order and keeps only each step's fast weights and
+optimizer state. Its backward walks the steps in reverse: it rebuilds one step's graph from
+the kept weights (the inner gradient with ``create_graph=True``, then the optimizer update)
+and pulls the adjoint of the step's outputs through it with one vector-Jacobian product
+(reverse over reverse), which holds the Hessian-vector product of the inner loss. Only one
+step's graph exists at a time.
+
+The result is the default's meta-gradient: the same operations, differentiated by autograd
+(``tests/test_remat.py`` compares them). Through a ``reduce`` the rebuilt step's inner gradient
+is again the global one, and the vector-Jacobian product passes through the reduction's
+adjoint (a SUM over the same ranks), so every rank runs the same collectives in the same
+order: per inner step one SUM forward, and in the backward one to rebuild and one adjoint:
+3K + 1 per meta-step with the final gradient SUM (the default: 2K + 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ._types import Params, Reduce
+from .inner import InnerOptimizer, State, apply_updates
+
+LossOf = Callable[[Params, "Params | None"], Tensor]
+"""``loss_of(fast, buffers)``: the support loss share at ``fast``, with the module's own buffers
+(``None``) or the given ones."""
+
+
+def _tensor_leaves(state: State) -> list[Tensor]:
+    return [leaf for leaf in tree_flatten(state)[0] if isinstance(leaf, Tensor)]
+
+
+def _with_leaves(state: State, tensors: Sequence[Tensor]) -> State:
+    leaves, spec = tree_flatten(state)
+    it = iter(tensors)
+    return tree_unflatten([next(it) if isinstance(x, Tensor) else x for x in leaves], spec)
+
+
+class _Loop:
+    """What one rematerialized loop needs besides its tensor inputs."""
+
+    def __init__(
+        self,
+        loss_of: LossOf,
+        names: list[str],
+        optimizer: InnerOptimizer,
+        steps: int,
+        reduce: Reduce,
+        buffers: Params,
+        check: Callable[[Params, int], None],
+    ) -> None:
+        self.loss_of, self.names, self.optimizer = loss_of, names, optimizer
+        self.steps, self.reduce, self.buffers, self.check = steps, reduce, buffers, check
+
+    def step(
+        self,
+        fast: Params,
+        state: State,
+        k: int,
+        *,
+        create_graph: bool,
+        buffers: Params | None = None,
+    ) -> tuple[Params, State]:
+        from ._adapt import grad
+
+        loss = self.loss_of(fast, buffers)
+        g = grad(loss, fast, reduce=self.reduce, create_graph=create_graph)
+        self.check(g, k)
+        updates, state = self.optimizer.update(g, state, fast)
+        return apply_updates(fast, updates), state
+
+
+class _Rematerialized(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, loop: _Loop, n: int, *inputs: Tensor) -> tuple[Tensor, ...]:
+        ctx.loop, ctx.n = loop, n
+        fast = dict(zip(loop.names, (t.detach() for t in inputs[:n]), strict=True))
+        state = loop.optimizer.init(fast)
+        kept = []
+        for k in range(loop.steps):
+            kept.append((fast, state))
+            with torch.enable_grad():
+                leaf = {
+                    name: t.requires_grad_()
+                    for name, t in ((name, v.detach()) for name, v in fast.items())
+                }
+                new, new_state = loop.step(leaf, state, k, create_graph=False)
+            fast = {name: v.detach() for name, v in new.items()}
+            state = _with_leaves(new_state, [t.detach() for t in _tensor_leaves(new_state)])
+        ctx.kept = kept
+        ctx.extras = inputs[n:]  # the very tensors the steps read (rates, features)
+        return tuple(fast.values())
+
+    @staticmethod
+    def backward(ctx: Any, *adjoint: Tensor | None) -> tuple[Tensor | None, ...]:
+        loop, n = ctx.loop, ctx.n
+        extras = list(ctx.extras)
+        if not loop.steps:
+            return (None, None, *adjoint, *(None for _ in extras))
+        last = ctx.kept[-1][0].values()  # shapes of the outputs (the K-th weights)
+        a_fast = [
+            torch.zeros_like(f) if a is None else a for a, f in zip(adjoint, last, strict=True)
+        ]
+        a_state: list[Tensor] | None = None  # the state's adjoint (none after the last step)
+        extra_grads = [torch.zeros_like(e) for e in extras]
+        for k in reversed(range(loop.steps)):
+            fast, state = ctx.kept[k]
+            # The rebuilt step runs on copies of the buffers: BatchNorm's running statistics
+            # moved once per step in the forward, and the outer graph still holds them.
+            copies = {name: b.clone() for name, b in loop.buffers.items()} or None
+            with torch.enable_grad():
+                leaf = {name: v.detach().requires_grad_() for name, v in fast.items()}
+                s_leaves = [t.detach().requires_grad_() for t in _tensor_leaves(state)]
+                new, new_state = loop.step(
+                    leaf, _with_leaves(state, s_leaves), k, create_graph=True, buffers=copies
+                )
+                outs = list(new.values()) + _tensor_leaves(new_state)
+                if a_state is None:
+                    a_state = [torch.zeros_like(t) for t in _tensor_leaves(new_state)]
+                grads = torch.autograd.grad(
+                    outs,
+                    list(leaf.values()) + s_leaves + extras,
+                    grad_outputs=a_fast + a_state,
+                    allow_unused=True,
+                    materialize_grads=True,
+                )
+            a_fast = list(grads[:n])
+            a_state = list(grads[n : n + len(s_leaves)])
+            for e, g in zip(extra_grads, grads[n + len(s_leaves) :], strict=True):
+                e.add_(g)
+        return (None, None, *a_fast, *extra_grads)
+
+
+def rematerialized_loop(
+    loss_of: LossOf,
+    params: Params,
+    *,
+    steps: int,
+    optimizer: InnerOptimizer,
+    reduce: Reduce,
+    extras: Sequence[Tensor] = (),
+    buffers: Params | None = None,
+    check: Callable[[Params, int], None] = lambda g, k: None,
+) -> Params:
+    """``steps`` second-order inner steps whose memory does not grow with ``steps``.
+
+    Args:
+        loss_of: this rank's share of the support loss at the given fast weights.
+        params: the weights to start from.
+        steps, optimizer, reduce: as :func:`metaddp.inner_loop`.
+        extras: every other tensor the steps depend on that needs a gradient (learned rates
+            the optimizer reads, features ``loss_of`` reads).
+        buffers: the module's buffers by name (BatchNorm's running statistics), which a step
+            updates in place: a rebuilt step runs on copies, so they move once per step, as
+            by default.
+        check: called with each step's reduced gradient and the step number.
+    """
+    names = list(params)
+    loop = _Loop(loss_of, names, optimizer, steps, reduce, dict(buffers or {}), check)
+    out = _Rematerialized.apply(loop, len(names), *params.values(), *extras)
+    return dict(zip(names, out, strict=True))
