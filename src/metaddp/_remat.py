@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ._adapt import grad
 from ._types import Params, Reduce
 from .inner import InnerOptimizer, State, apply_updates
 
@@ -69,8 +70,6 @@ class _Loop:
         create_graph: bool,
         buffers: Params | None = None,
     ) -> tuple[Params, State]:
-        from ._adapt import grad
-
         loss = self.loss_of(fast, buffers)
         g = grad(loss, fast, reduce=self.reduce, create_graph=create_graph)
         self.check(g, k)
