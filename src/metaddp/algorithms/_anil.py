@@ -79,10 +79,9 @@ class ANIL(Algorithm):
         steps: int | None = None,
         reduce: Reduce | None = None,
     ) -> Params:
-        """Head weights after the inner loop on precomputed support ``features``."""
-        return self.inner_loop(
-            features, loss_fn, steps=steps, reduce=self.collectives(reduce).reduce
-        )
+        """Head weights after the inner loop on precomputed support ``features``: the base
+        adaptation, whose adapted module is the head."""
+        return super().adapt(features, loss_fn, steps=steps, reduce=reduce)
 
     def adapt(
         self,
