@@ -128,3 +128,28 @@ def test_the_training_command_trains_alike_in_either_mode(tmp_path):
         losses[memory] = _train.train(cfg, out, progress=False)["losses"]
     # Float64, four outer steps of the same meta-gradient (see RTOL): the same trajectory.
     assert losses["low"] == pytest.approx(losses["default"], rel=RTOL)
+
+
+# Beyond SGD on an MLP, each against the default mode's meta-gradient on one process (itself
+# checked against the float64 reference in test_exact.py): learned rates with Adam inner steps
+# (13/11 samples: uneven shards), synchronized BatchNorm in the sample and hybrid layouts, ANIL
+# on BatchNorm features, and 2 + 3 samples per task, so that at 3 and 4 ranks some hold none.
+MIXED = [
+    dataclasses.replace(MLP, algorithm="metasgd", optimizer="adam", inner_lr=0.01, n_tasks=3,
+                        memory="low"),
+    dataclasses.replace(BN, memory="low"),
+    dataclasses.replace(BN, layout="hybrid", memory="low"),
+    dataclasses.replace(BN, algorithm="anil", memory="low", n_tasks=2),
+    dataclasses.replace(MLP, n_support=2, n_query=3, n_tasks=3, memory="low"),
+]
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_low_memory_across_ranks_with_adam_learned_rates_batchnorm_and_empty_shards(world):
+    results = run_local(worker, world, MIXED)
+    for i, p in enumerate(MIXED):
+        default = dataclasses.replace(p, memory="default", layout="sample")
+        want = S.meta_gradient(_with_grads(default))
+        tol = RTOL_ADAM if p.optimizer == "adam" else RTOL
+        for rank, r in enumerate(results):
+            assert rel(r[i]["grads"], want) < tol, f"{p} world {world} rank {rank}"

@@ -9,6 +9,11 @@ and pulls the adjoint of the step's outputs through it with one vector-Jacobian 
 (reverse over reverse), which holds the Hessian-vector product of the inner loss. Only one
 step's graph exists at a time.
 
+:func:`rematerialized_loss` goes one step further: the function also computes the query loss
+at the adapted weights, without a graph, and rebuilds it first in the backward. A task then
+keeps nothing but its K copies of the weights (and optimizer state) until the outer backward,
+so a meta-batch of many tasks holds one task's graph at a time.
+
 The result is the default's meta-gradient: the same operations, differentiated by autograd
 (``tests/test_remat.py`` compares them). Through a ``reduce`` the rebuilt step's inner gradient
 is again the global one, and the vector-Jacobian product passes through the reduction's
@@ -57,9 +62,16 @@ class _Loop:
         reduce: Reduce,
         buffers: Params,
         check: Callable[[Params, int], None],
+        then: LossOf | None = None,
     ) -> None:
         self.loss_of, self.names, self.optimizer = loss_of, names, optimizer
         self.steps, self.reduce, self.buffers, self.check = steps, reduce, buffers, check
+        self.then = then
+
+    def copies(self) -> Params | None:
+        """Copies of the buffers for a rebuilt forward: BatchNorm's running statistics moved
+        once per forward already, and the outer graph may still hold them."""
+        return {name: b.clone() for name, b in self.buffers.items()} or None
 
     def step(
         self,
@@ -94,27 +106,41 @@ class _Rematerialized(torch.autograd.Function):
                 new, new_state = loop.step(leaf, state, k, create_graph=False)
             fast = {name: v.detach() for name, v in new.items()}
             state = _with_leaves(new_state, [t.detach() for t in _tensor_leaves(new_state)])
-        ctx.kept = kept
+        ctx.kept, ctx.last = kept, fast
         ctx.extras = inputs[n:]  # the very tensors the steps read (rates, features)
+        if loop.then is not None:
+            return (loop.then(fast, None),)
         return tuple(fast.values())
 
     @staticmethod
     def backward(ctx: Any, *adjoint: Tensor | None) -> tuple[Tensor | None, ...]:
         loop, n = ctx.loop, ctx.n
         extras = list(ctx.extras)
-        if not loop.steps:
-            return (None, None, *adjoint, *(None for _ in extras))
-        last = ctx.kept[-1][0].values()  # shapes of the outputs (the K-th weights)
+        extra_grads = [torch.zeros_like(e) for e in extras]
+        if loop.then is not None:
+            # The query loss first: its gradient at the K-th weights is the loop's adjoint.
+            (a_loss,) = adjoint
+            with torch.enable_grad():
+                leaf = {name: v.detach().requires_grad_() for name, v in ctx.last.items()}
+                loss = loop.then(leaf, loop.copies())
+                grads = torch.autograd.grad(
+                    loss,
+                    list(leaf.values()) + extras,
+                    grad_outputs=a_loss,
+                    allow_unused=True,
+                    materialize_grads=True,
+                )
+            adjoint = grads[:n]
+            for e, g in zip(extra_grads, grads[n:], strict=True):
+                e.add_(g)
         a_fast = [
-            torch.zeros_like(f) if a is None else a for a, f in zip(adjoint, last, strict=True)
+            torch.zeros_like(f) if a is None else a
+            for a, f in zip(adjoint, ctx.last.values(), strict=True)
         ]
         a_state: list[Tensor] | None = None  # the state's adjoint (none after the last step)
-        extra_grads = [torch.zeros_like(e) for e in extras]
         for k in reversed(range(loop.steps)):
             fast, state = ctx.kept[k]
-            # The rebuilt step runs on copies of the buffers: BatchNorm's running statistics
-            # moved once per step in the forward, and the outer graph still holds them.
-            copies = {name: b.clone() for name, b in loop.buffers.items()} or None
+            copies = loop.copies()
             with torch.enable_grad():
                 leaf = {name: v.detach().requires_grad_() for name, v in fast.items()}
                 s_leaves = [t.detach().requires_grad_() for t in _tensor_leaves(state)]
@@ -166,3 +192,31 @@ def rematerialized_loop(
     loop = _Loop(loss_of, names, optimizer, steps, reduce, dict(buffers or {}), check)
     out = _Rematerialized.apply(loop, len(names), *params.values(), *extras)
     return dict(zip(names, out, strict=True))
+
+
+def rematerialized_loss(
+    loss_of: LossOf,
+    query_of: LossOf,
+    params: Params,
+    *,
+    steps: int,
+    optimizer: InnerOptimizer,
+    reduce: Reduce,
+    extras: Sequence[Tensor] = (),
+    buffers: Params | None = None,
+    check: Callable[[Params, int], None] = lambda g, k: None,
+) -> Tensor:
+    """``query_of`` at the weights after ``steps`` second-order inner steps, in memory that
+    grows with neither ``steps`` nor, across tasks, the query pass: nothing but the kept
+    weights lives until the backward.
+
+    Args:
+        loss_of: this rank's share of the support loss at the given fast weights.
+        query_of: this rank's share of the query loss at the given fast weights.
+        extras: every other tensor either loss depends on that needs a gradient.
+        Others: as :func:`rematerialized_loop`.
+    """
+    names = list(params)
+    loop = _Loop(loss_of, names, optimizer, steps, reduce, dict(buffers or {}), check, query_of)
+    (out,) = _Rematerialized.apply(loop, len(names), *params.values(), *extras)
+    return out

@@ -13,7 +13,6 @@ from collections.abc import Mapping
 
 from torch import Tensor, nn
 
-from .._adapt import batch_share
 from .._data import Batch, Task
 from .._functional import call
 from .._types import LossFn, Params, Reduce
@@ -101,6 +100,7 @@ class ANIL(Algorithm):
         return call(head, fast if fast is not None else self.fast_weights(), self.model.body(x))
 
     def task_loss(self, task: Task, loss_fn: LossFn, *, reduce: Reduce) -> Tensor:
-        head_fast = self.adapt(task.support, loss_fn, reduce=reduce)
-        query = Batch(self.model.body(task.query.x), task.query.y, task.query.n)
-        return batch_share(self.model.head, head_fast, query, loss_fn)
+        body = self.model.body
+        support = Batch(body(task.support.x), task.support.y, task.support.n)
+        query = Batch(body(task.query.x), task.query.y, task.query.n)
+        return self.adapted_loss(support, query, loss_fn, reduce=reduce)

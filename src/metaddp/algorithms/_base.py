@@ -19,7 +19,7 @@ from .._adapt import batch_share, check_finite, inner_loop
 from .._binding import Collectives, collectives_for
 from .._data import Batch, MetaBatch, Task
 from .._functional import call, params_of
-from .._remat import rematerialized_loop
+from .._remat import rematerialized_loop, rematerialized_loss
 from .._types import LossFn, Params, Reduce
 from ..inner import InnerOptimizer, LearnedLR, LearningRate, sgd
 from ._learner import Learner
@@ -161,18 +161,16 @@ class Algorithm(nn.Module):
         module = self.adapted_module()
         start = self.fast_weights() if start is None else start
         steps = self.steps if steps is None else steps
-        if self.memory == "low" and not self.first_order and torch.is_grad_enabled():
+        if self._rematerialize():
             if extra_grad is not None:
                 raise ValueError(f"{type(self).__name__} has no memory='low' mode")
-            rates = [] if self.lr is None else list(self.lr.parameters())
-            features = [support.x] if support.x.requires_grad else []  # ANIL's body output
             return rematerialized_loop(
                 lambda fast, buffers: batch_share(module, fast, support, loss_fn, buffers),
                 start,
                 steps=steps,
                 optimizer=self.inner_optimizer(),
                 reduce=reduce,
-                extras=rates + features,
+                extras=self._needing_grad(support, query),
                 buffers=dict(module.named_buffers()),
                 check=lambda g, k: check_finite(g, k),
             )
@@ -186,6 +184,39 @@ class Algorithm(nn.Module):
             first_order=self.first_order,
             reduce=reduce,
             extra_grad=extra_grad,
+        )
+
+    def _rematerialize(self) -> bool:
+        return self.memory == "low" and not self.first_order and torch.is_grad_enabled()
+
+    def _needing_grad(self, *batches: Batch) -> list[Tensor]:
+        """What the inner steps read besides the weights that needs a gradient: the learned
+        rates, and inputs computed from parameters (ANIL's body features)."""
+        rates = [] if self.lr is None else list(self.lr.parameters())
+        return rates + [b.x for b in batches if b.x.requires_grad]
+
+    def adapted_loss(
+        self, support: Batch, query: Batch, loss_fn: LossFn, *, reduce: Reduce
+    ) -> Tensor:
+        """This rank's share of the query loss after the inner loop on ``support``.
+
+        With ``memory="low"`` the query pass is rebuilt during the backward too, so a task
+        holds only its kept weights until then.
+        """
+        module = self.adapted_module()
+        if not self._rematerialize():
+            fast = self.inner_loop(support, loss_fn, reduce=reduce)
+            return batch_share(module, fast, query, loss_fn)
+        return rematerialized_loss(
+            lambda fast, buffers: batch_share(module, fast, support, loss_fn, buffers),
+            lambda fast, buffers: batch_share(module, fast, query, loss_fn, buffers),
+            self.fast_weights(),
+            steps=self.steps,
+            optimizer=self.inner_optimizer(),
+            reduce=reduce,
+            extras=self._needing_grad(support, query),
+            buffers=dict(module.named_buffers()),
+            check=lambda g, k: check_finite(g, k),
         )
 
     def adapt(

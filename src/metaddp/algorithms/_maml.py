@@ -12,7 +12,6 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from .._adapt import batch_share
 from .._data import Task
 from .._types import LossFn, Reduce
 from ..inner import InnerOptimizer
@@ -51,7 +50,8 @@ class MAML(Algorithm):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if "stackable" not in cls.__dict__ and any(
-            name in cls.__dict__ for name in ("task_loss", "adapt", "forward")
+            name in cls.__dict__
+            for name in ("task_loss", "adapted_loss", "inner_loop", "adapt", "forward")
         ):
             cls.stackable = False
 
@@ -80,8 +80,7 @@ class MAML(Algorithm):
 
     def task_loss(self, task: Task, loss_fn: LossFn, *, reduce: Reduce) -> Tensor:
         """This rank's share of one task's query loss after adaptation."""
-        fast = self.adapt(task.support, loss_fn, reduce=reduce)
-        return batch_share(self.model, fast, task.query, loss_fn)
+        return self.adapted_loss(task.support, task.query, loss_fn, reduce=reduce)
 
     def task_losses(self, tasks: Sequence[Task], loss_fn: LossFn, reduce: Reduce) -> Tensor:
         if self.batched and not self.stackable:

@@ -8,8 +8,9 @@ from collections.abc import Callable
 
 from torch import nn
 
+from ..inner import adam, sgd
 from ._anil import ANIL
-from ._base import Algorithm
+from ._base import Algorithm, OptimizerFactory
 from ._imaml import IMAML
 from ._maml import MAML
 from ._metasgd import MetaSGD
@@ -29,6 +30,8 @@ class Settings:
         cg_tol: iMAML's relative residual to stop at. It cannot fall far below the dtype's
             precision: 1e-6 suits float32, 1e-10 float64.
         memory: ``"default"`` or ``"low"`` (MAML, Meta-SGD, ANIL; see :class:`MAML`).
+        optimizer: the inner optimizer by name, one of :data:`INNER_OPTIMIZERS`, at
+            ``inner_lr`` (MAML, Meta-SGD, ANIL).
     """
 
     inner_lr: float = 0.01
@@ -38,20 +41,42 @@ class Settings:
     cg_steps: int = 25
     cg_tol: float = 1e-6
     memory: str = "default"
+    optimizer: str = "sgd"
 
+    def inner_optimizer(self) -> OptimizerFactory:
+        if self.optimizer not in INNER_OPTIMIZERS:
+            raise ValueError(
+                f"unknown inner optimizer {self.optimizer!r}; "
+                f"choose from {', '.join(INNER_OPTIMIZERS)}"
+            )
+        return INNER_OPTIMIZERS[self.optimizer]
+
+
+# Inner optimizers by name, as factories of the learning rate.
+INNER_OPTIMIZERS: dict[str, OptimizerFactory] = {"sgd": sgd, "adam": adam}
 
 Builder = Callable[[nn.Module, Settings], Algorithm]
 
 ALGORITHMS: dict[str, Builder] = {
     # Finn, Abbeel & Levine 2017: second-order meta-gradient through the inner loop.
     "maml": lambda m, s: MAML(
-        m, inner_lr=s.inner_lr, steps=s.steps, first_order=s.first_order, memory=s.memory
+        m,
+        inner_lr=s.inner_lr,
+        steps=s.steps,
+        first_order=s.first_order,
+        memory=s.memory,
+        optimizer=s.inner_optimizer(),
     ),
     # The same with the inner gradients held constant (first-order MAML, ibid. sec. 5.2).
     "fomaml": lambda m, s: MAML(m, inner_lr=s.inner_lr, steps=s.steps, first_order=True),
     # Li et al. 2017: a learned learning rate per parameter entry, initialised at inner_lr.
     "metasgd": lambda m, s: MetaSGD(
-        m, inner_lr=s.inner_lr, steps=s.steps, first_order=s.first_order, memory=s.memory
+        m,
+        inner_lr=s.inner_lr,
+        steps=s.steps,
+        first_order=s.first_order,
+        memory=s.memory,
+        optimizer=s.inner_optimizer(),
     ),
     # Raghu et al. 2020: only the last layer adapts, on features of the rest computed once.
     "anil": lambda m, s: ANIL(
@@ -60,6 +85,7 @@ ALGORITHMS: dict[str, Builder] = {
         steps=s.steps,
         first_order=s.first_order,
         memory=s.memory,
+        optimizer=s.inner_optimizer(),
     ),
     # Nichol et al. 2018: the meta-gradient is the mean displacement theta - phi.
     "reptile": lambda m, s: Reptile(m, inner_lr=s.inner_lr, steps=s.steps),

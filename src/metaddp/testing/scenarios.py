@@ -93,6 +93,7 @@ class Problem:
     lam: float = 20.0  # iMAML's proximal strength
     cg_steps: int = 60  # iMAML's conjugate-gradient budget
     memory: str = "default"  # "low": each inner step's graph rebuilt during the backward
+    optimizer: str = "sgd"  # the inner optimizer by name (INNER_OPTIMIZERS)
 
     def build_model(self) -> nn.Module:
         torch.manual_seed(self.seed)
@@ -148,6 +149,7 @@ class Problem:
             cg_steps=self.cg_steps,
             cg_tol=1e-13,
             memory=self.memory,
+            optimizer=self.optimizer,
         )
         return build(self.algorithm, self.build_model(), settings).to(self.dtype)
 
