@@ -153,3 +153,18 @@ def test_low_memory_across_ranks_with_adam_learned_rates_batchnorm_and_empty_sha
         tol = RTOL_ADAM if p.optimizer == "adam" else RTOL
         for rank, r in enumerate(results):
             assert rel(r[i]["grads"], want) < tol, f"{p} world {world} rank {rank}"
+
+
+@pytest.mark.parametrize("algorithm", ["maml", "anil"])
+def test_low_memory_through_adapt_gives_the_default_meta_gradient(algorithm):
+    # adapt() with a hand-written query loss: the rematerialized inner loop alone (the query
+    # pass is the caller's). ANIL's support features need their own gradient through it.
+    grads = {}
+    for memory in ("default", "low"):
+        p = dataclasses.replace(BN, algorithm=algorithm, memory=memory)
+        alg = p.build_algorithm()
+        for task in p.tasks():
+            fast = alg.adapt(task.support, p.loss_fn)
+            md.share(p.loss_fn(alg(task.query.x, fast=fast), task.query.y), task.query).backward()
+        grads[memory] = S.meta_gradient(alg)
+    assert rel(grads["low"], grads["default"]) < RTOL

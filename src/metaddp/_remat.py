@@ -33,21 +33,32 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._adapt import grad
 from ._types import Params, Reduce
-from .inner import InnerOptimizer, State, apply_updates
+from .inner import InnerOptimizer, SlotState, State, apply_updates
 
 LossOf = Callable[[Params, "Params | None"], Tensor]
 """``loss_of(fast, buffers)``: the support loss share at ``fast``, with the module's own buffers
 (``None``) or the given ones."""
 
 
-def _tensor_leaves(state: State) -> list[Tensor]:
-    return [leaf for leaf in tree_flatten(state)[0] if isinstance(leaf, Tensor)]
+def _unzip(state: State) -> tuple[list[Tensor], Callable[[Sequence[Tensor]], State]]:
+    """The state's tensors, and how to put other tensors in their places."""
+    if isinstance(state, SlotState):
+        # The common case, without a general tree walk (which visits every int of the shapes).
+        names = [list(slot) for slot in state.slots]
+        tensors = [slot[k] for slot in state.slots for k in slot]
 
+        def slots(new: Sequence[Tensor]) -> State:
+            it = iter(new)
+            return state._replace(slots=tuple({k: next(it) for k in ks} for ks in names))
 
-def _with_leaves(state: State, tensors: Sequence[Tensor]) -> State:
+        return tensors, slots
     leaves, spec = tree_flatten(state)
-    it = iter(tensors)
-    return tree_unflatten([next(it) if isinstance(x, Tensor) else x for x in leaves], spec)
+
+    def tree(new: Sequence[Tensor]) -> State:
+        it = iter(new)
+        return tree_unflatten([next(it) if isinstance(x, Tensor) else x for x in leaves], spec)
+
+    return [leaf for leaf in leaves if isinstance(leaf, Tensor)], tree
 
 
 class _Loop:
@@ -84,7 +95,8 @@ class _Loop:
     ) -> tuple[Params, State]:
         loss = self.loss_of(fast, buffers)
         g = grad(loss, fast, reduce=self.reduce, create_graph=create_graph)
-        self.check(g, k)
+        if not create_graph:  # checked once, in the forward; the rebuilt step is the same
+            self.check(g, k)
         updates, state = self.optimizer.update(g, state, fast)
         return apply_updates(fast, updates), state
 
@@ -105,7 +117,8 @@ class _Rematerialized(torch.autograd.Function):
                 }
                 new, new_state = loop.step(leaf, state, k, create_graph=False)
             fast = {name: v.detach() for name, v in new.items()}
-            state = _with_leaves(new_state, [t.detach() for t in _tensor_leaves(new_state)])
+            tensors, put = _unzip(new_state)
+            state = put([t.detach() for t in tensors])
         ctx.kept, ctx.last = kept, fast
         ctx.extras = inputs[n:]  # the very tensors the steps read (rates, features)
         if loop.then is not None:
@@ -143,13 +156,15 @@ class _Rematerialized(torch.autograd.Function):
             copies = loop.copies()
             with torch.enable_grad():
                 leaf = {name: v.detach().requires_grad_() for name, v in fast.items()}
-                s_leaves = [t.detach().requires_grad_() for t in _tensor_leaves(state)]
+                tensors, put = _unzip(state)
+                s_leaves = [t.detach().requires_grad_() for t in tensors]
                 new, new_state = loop.step(
-                    leaf, _with_leaves(state, s_leaves), k, create_graph=True, buffers=copies
+                    leaf, put(s_leaves), k, create_graph=True, buffers=copies
                 )
-                outs = list(new.values()) + _tensor_leaves(new_state)
+                new_tensors = _unzip(new_state)[0]
+                outs = list(new.values()) + new_tensors
                 if a_state is None:
-                    a_state = [torch.zeros_like(t) for t in _tensor_leaves(new_state)]
+                    a_state = [torch.zeros_like(t) for t in new_tensors]
                 grads = torch.autograd.grad(
                     outs,
                     list(leaf.values()) + s_leaves + extras,

@@ -170,7 +170,7 @@ class Algorithm(nn.Module):
                 steps=steps,
                 optimizer=self.inner_optimizer(),
                 reduce=reduce,
-                extras=self._needing_grad(support, query),
+                extras=self._needing_grad(support),
                 buffers=dict(module.named_buffers()),
                 check=lambda g, k: check_finite(g, k),
             )
