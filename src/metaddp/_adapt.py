@@ -15,6 +15,7 @@ from typing import overload
 import torch
 from torch import Tensor, nn
 
+from . import _host
 from ._data import Batch
 from ._functional import call
 from ._share import share
@@ -77,14 +78,27 @@ def grad(loss, params, *, reduce=identity_reduce, create_graph=True, retain_grap
 
 
 def check_finite(grads: Mapping[str, Tensor], step: int) -> None:
-    """Raise :class:`FloatingPointError` naming the first non-finite gradient."""
-    for k, g in grads.items():
-        if not torch.isfinite(g).all():
-            raise FloatingPointError(
-                f"inner step {step}: the gradient of {k!r} is not finite (NaN or Inf); lower "
-                "the inner learning rate, check the support data, or use adam(eps_root>0) if "
-                "a second-order step divides by a zero second moment"
-            )
+    """Raise :class:`FloatingPointError` naming the first non-finite gradient.
+
+    Inside a meta-step the verdict waits on the device and is read once, at the step's end
+    (:mod:`metaddp._host`): the error is the same, raised later in the step.
+    """
+    names = list(grads)
+    if not names:
+        return
+    finite = torch.stack([torch.isfinite(g).all() for g in grads.values()])
+
+    def verdict(ok: list[float]) -> Exception | None:
+        for name, fine in zip(names, ok, strict=True):
+            if not fine:
+                return FloatingPointError(
+                    f"inner step {step}: the gradient of {name!r} is not finite (NaN or Inf); "
+                    "lower the inner learning rate, check the support data, or use "
+                    "adam(eps_root>0) if a second-order step divides by a zero second moment"
+                )
+        return None
+
+    _host.check(finite, verdict)
 
 
 def inner_step(

@@ -28,11 +28,15 @@ class Collectives:
         reduce: differentiable SUM over the processes that split one task's samples.
         count_tasks: the number of tasks in the global meta-batch, from this process's count.
         where: a description for error messages.
+        step_ends_in_sync: whoever bound these reads the step's device-side checks at its
+            end (``MetaDDP.sync_grads``), so ``meta_loss`` may leave them there
+            (:mod:`metaddp._host`).
     """
 
     reduce: Reduce
     count_tasks: Callable[[int], int]
     where: str
+    step_ends_in_sync: bool = False
 
 
 LOCAL = Collectives(identity_reduce, int, "one process")

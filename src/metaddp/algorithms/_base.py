@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .. import _host
 from .._adapt import batch_share, check_finite, inner_loop
 from .._binding import Collectives, collectives_for
 from .._data import Batch, MetaBatch, Task
@@ -144,7 +145,7 @@ class Algorithm(nn.Module):
             bound = collectives_for(self, self.model)
         except RuntimeError:
             return Collectives(reduce, _unknown_count, "an explicit reduce")
-        return Collectives(reduce, bound.count_tasks, "an explicit reduce")
+        return Collectives(reduce, bound.count_tasks, "an explicit reduce", bound.step_ends_in_sync)
 
     def inner_loop(
         self,
@@ -254,6 +255,8 @@ class Algorithm(nn.Module):
             reduce: the sample-axis SUM, when not the wrapping MetaDDP's.
         """
         c = self.collectives(reduce)
+        if c.step_ends_in_sync:
+            _host.begin_step()  # the step's checks are read once, in sync_grads
         n_tasks = tasks.n if isinstance(tasks, MetaBatch) else c.count_tasks(len(tasks))
         if n_tasks <= 0:
             raise ValueError("a meta-batch needs at least one task, and no rank holds any")

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .. import _host
 from .._types import Reduce
 
 
@@ -48,9 +49,10 @@ def synced_batch_norm(bn: _BatchNorm, x: Tensor, reduce: Reduce) -> Tensor:
     xc = x - shift.view(shape)
     count = x.new_full((1,), x.numel() // channels if channels else 0)
     count, s1, s2 = reduce([count, xc.sum(dims), (xc * xc).sum(dims)])
-    n = float(count.detach())
-    if n < 1:
-        raise ValueError("BatchNorm over an empty global batch: no rank holds any sample")
+    # Judged on the host at the step's one read on a GPU (metaddp._host), at once on the CPU.
+    _host.check(
+        count, _at_least(1, "BatchNorm over an empty global batch: no rank holds any sample")
+    )
     mean_c = s1 / count  # mean of (x - shift)
     var = s2 / count - mean_c * mean_c  # biased variance, used to normalise
     y = (xc - mean_c.view(shape)) * torch.rsqrt(var + bn.eps).view(shape)
@@ -59,20 +61,33 @@ def synced_batch_norm(bn: _BatchNorm, x: Tensor, reduce: Reduce) -> Tensor:
     if bn.bias is not None:
         y = y + bn.bias.view(shape)
     if bn.training and bn.track_running_stats and bn.running_mean is not None:
-        if n < 2:
-            raise ValueError(
-                "BatchNorm in training mode needs more than one value per channel over the global "
-                "batch to estimate a variance"
-            )
+        _host.check(
+            count,
+            _at_least(
+                2,
+                "BatchNorm in training mode needs more than one value per channel over the "
+                "global batch to estimate a variance",
+            ),
+        )
         # track_running_stats registers all three buffers together.
         assert bn.running_var is not None and bn.num_batches_tracked is not None
         with torch.no_grad():
             bn.num_batches_tracked.add_(1)
-            f = (1.0 / float(bn.num_batches_tracked)) if bn.momentum is None else bn.momentum
+            f: float | Tensor = (
+                1.0 / bn.num_batches_tracked.to(x.dtype) if bn.momentum is None else bn.momentum
+            )
             mean = (mean_c + shift).detach()
+            n = count.detach()
             bn.running_mean.mul_(1 - f).add_(f * mean)
             bn.running_var.mul_(1 - f).add_(f * var.detach() * (n / (n - 1)))
     return y
+
+
+def _at_least(least: int, message: str) -> _host.Verdict:
+    def verdict(count: list[float]) -> Exception | None:
+        return ValueError(message) if count[0] < least else None
+
+    return verdict
 
 
 def has_batchnorm(module: nn.Module) -> bool:

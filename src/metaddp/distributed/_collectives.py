@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .. import _host
+
 Group = dist.ProcessGroup | None
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
@@ -216,6 +218,22 @@ class PendingSum:
         work = _guard(lambda: dist.all_reduce(flat, group=group, async_op=True), what)
         self._launched.append((idx, flat, work, tag, seq, numel))
 
+    def _tag_verdict(self, expected: float, seq: int, numel: int) -> _host.Verdict:
+        what, rank = self._what, group_rank()
+
+        def verdict(got: list[float]) -> Exception | None:
+            if got[0] == expected:
+                return None
+            return CollectiveError(
+                f"ranks are out of step at {_describe(what, seq, numel)} on rank {rank}: "
+                "another rank was at a different collective (the sequence tags summed to "
+                f"{got[0]:g}, expected {expected:g}). Every rank must run the same collectives "
+                "in the same order: check that inner-step counts, algorithms and meta-batch "
+                "layouts agree on all ranks."
+            )
+
+        return verdict
+
     def wait(self) -> list[Tensor]:
         """Wait for every bucket, check its tag, and return the sums (new tensors), in order."""
         if self._out is not None:
@@ -225,16 +243,9 @@ class PendingSum:
         for idx, flat, work, tag, seq, numel in self._launched:
             _guard(work.wait, self._what)
             if tag is not None:
-                got = flat[-1].item()
-                if got != world * tag:
-                    raise CollectiveError(
-                        f"ranks are out of step at {_describe(self._what, seq, numel)} on rank "
-                        f"{group_rank()}: another rank was at a different collective (the "
-                        f"sequence tags summed to {got:g}, expected {world * tag:g}). Every "
-                        "rank must run the same collectives in the same order: check that "
-                        "inner-step counts, algorithms and meta-batch layouts agree on all "
-                        "ranks."
-                    )
+                # Judged on the host at the step's one read (metaddp._host), not here: a read
+                # would wait for the device. A copy, so the bucket itself is not kept alive.
+                _host.check(flat[-1:].clone(), self._tag_verdict(world * tag, seq, numel))
             offset = 0
             for i in idx:
                 t = tensors[i]

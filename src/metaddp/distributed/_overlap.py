@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
+from .. import _host
 from ._collectives import (
     DEFAULT_BUCKET_BYTES,
     Group,
@@ -144,12 +145,16 @@ class GradReducer:
         )
         self._next = b + 1
 
-    def finish(self) -> list[str]:
+    def finish(self, extra: Sequence[Tensor] = ()) -> tuple[list[str], list[float]]:
         """Launch the remaining buckets, wait for all, write the sums into ``.grad``.
+
+        Args:
+            extra: 1-d tensors to SUM as well (one more small collective), read on the host
+                with the buckets' flags.
 
         Returns:
             The names of the parameters no rank produced a gradient for (their ``.grad`` is
-            left as it was, ``None``).
+            left as it was, ``None``), and the SUM of ``extra`` (concatenated).
 
         Raises:
             RuntimeError: a gradient changed after its bucket was launched (two backward
@@ -160,11 +165,21 @@ class GradReducer:
                 self._launch(self._next)
             missing: list[str] = []
             votes = []
-            for b, pending in enumerate(self._pending):
+            values = None
+            if extra:
+                tail = torch.cat([e.reshape(-1).to(self.params[0]) for e in extra])
+                values = launch_sum([tail], self.group, _ONE_BUCKET, Phase.VALUES, self.salt())
+            every = []
+            for pending in self._pending:
                 assert pending is not None
-                sums = pending.wait()
+                every.append(pending.wait())
+            tails = [] if values is None else values.wait()
+            # The step's one host read: every bucket's flags, the extra values, and the step's
+            # pending checks.
+            read = _host.read(*(sums[-1] for sums in every), *tails)
+            summed = read.pop() if tails else []
+            for b, (sums, flags) in enumerate(zip(every, read, strict=True)):
                 members = self.buckets[b]
-                flags = sums[-1].tolist()
                 votes.append(flags.pop())
                 with torch.no_grad():
                     # sums ends with the flags tensor itself, one longer than members.
@@ -193,4 +208,4 @@ class GradReducer:
                 "all but the last backward inside `with model.no_sync():`, or build MetaDDP "
                 "with overlap=False. Later steps no longer start sums early."
             )
-        return missing
+        return missing, summed

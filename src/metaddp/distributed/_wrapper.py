@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .. import _host
 from .._adapt import grad
 from .._binding import LOCAL, Collectives, bind, unbind
 from .._data import Batch, MetaBatch, Task
@@ -26,13 +27,14 @@ from ._batchnorm import BatchNormSync, has_batchnorm, sync_batchnorm
 from ._check import OutOfSyncError, WeightCheck, from_env
 from ._collectives import (
     DEFAULT_BUCKET_BYTES,
+    Phase,
     all_reduce_counts,
     all_reduce_sum,
-    all_reduce_sum_,
     broadcast_,
     global_count,
     global_value,
     group_size,
+    launch_sum,
     max_abs_difference,
     settings_salt,
 )
@@ -112,7 +114,9 @@ class MetaDDP(nn.Module):
                 self._reducer = GradReducer(
                     trained, self.mesh.group, bucket_bytes, salt=self._settings_salt
                 )
-        self._collectives = Collectives(self.reduce, self._count_tasks, repr(self.mesh))
+        self._collectives = Collectives(
+            self.reduce, self._count_tasks, repr(self.mesh), step_ends_in_sync=True
+        )
         bind(module, self._collectives)
         self._batchnorm: BatchNormSync | None = (
             sync_batchnorm(module, self.reduce) if has_batchnorm(module) else None
@@ -317,36 +321,53 @@ class MetaDDP(nn.Module):
                 "broadcast=True to copy rank 0's weights."
             )
 
-    def sync_grads(self) -> None:
+    def sync_grads(self, values: Tensor | None = None) -> list[float]:
         """SUM every meta-parameter's ``.grad`` over all ranks of the mesh (bucketed).
 
         Call after the outer ``backward()`` and before ``optimizer.step()``. A parameter with
         no gradient on some ranks counts as zero there; one with no gradient on any rank is
         an error unless ``allow_unused``.
+
+        This ends the meta-step: its checks, left on the device (a non-finite inner
+        gradient, ranks out of step), are read here, with one host read for the whole step.
+
+        Args:
+            values: a 1-d tensor (a loss share, stop votes...) to SUM over all ranks as well,
+                in the same read: no extra wait for the device.
+
+        Returns:
+            The SUM of ``values`` on the host (empty without ``values``).
         """
+        extra = [] if values is None else [values.detach().reshape(-1)]
         if self._reducer is not None:
-            missing = self._reducer.finish()
+            missing, summed = self._reducer.finish(extra)
             self._check_trained_unchanged()
             self._raise_missing(missing)
-            return
+            return summed
         params = [p for p in self.module.parameters() if p.requires_grad]
-        if not params:
-            return
         grads = [p.grad if p.grad is not None else p.detach().new_zeros(p.shape) for p in params]
         # One has-gradient flag per parameter rides in the same buckets as the gradients.
-        flags = params[0].detach().new_tensor([float(p.grad is not None) for p in params])
-        all_reduce_sum_(
-            grads + [flags],
-            group=self.mesh.group,
-            bucket_bytes=self.bucket_bytes,
-            salt=self._settings_salt(),
-        )
+        flags = torch.tensor([float(p.grad is not None) for p in params], dtype=torch.float64)
+        if params:
+            flags = flags.to(params[0].dtype).to(params[0].device)
+        tail = torch.cat([flags, *(v.to(flags) for v in extra)])
+        reduced = launch_sum(
+            grads + [tail],
+            self.mesh.group,
+            self.bucket_bytes,
+            Phase.GRADIENTS,
+            self._settings_salt(),
+        ).wait()
+        # The step's one host read: these flags and every check the step left on the device.
+        (got,) = _host.read(reduced[-1])
         names = {id(p): n for n, p in self.module.named_parameters()}
-        missing = [names[id(p)] for p, f in zip(params, flags.tolist(), strict=True) if f == 0]
+        missing = [names[id(p)] for p, f in zip(params, got, strict=False) if f == 0]
         self._raise_missing(missing)
-        for p, g, f in zip(params, grads, flags.tolist(), strict=True):
-            if f > 0:
-                p.grad = g
+        with torch.no_grad():
+            for p, g, f in zip(params, reduced, got, strict=False):
+                if f > 0:
+                    p.grad = g if p.grad is None else p.grad.copy_(g)
+        return got[len(params) :]
 
     def _check_trained_unchanged(self) -> None:
         assert self._reducer is not None

@@ -111,13 +111,20 @@ class Trainer:
         try:
             loss = self.learner.meta_loss(tasks, self.family.loss)
             loss.backward()
-        except FloatingPointError as e:  # a non-finite inner gradient, found on this rank
+            grads = [p.grad for p in self.algorithm.parameters() if p.grad is not None]
+            # Non-finite local gradients make the SUM non-finite on every rank, so a count
+            # of them, summed with the loss and the stop votes, tells every rank alike.
+            bad = torch.zeros_like(loss.detach())
+            for g in grads:
+                bad = bad + (~torch.isfinite(g).all()).to(bad.dtype)
+            flag = torch.full_like(bad, float(stop_requested))
+            values = torch.stack([loss.detach(), flag, bad])
+            # The step's one host read; a non-finite inner gradient found on this rank is
+            # raised here.
+            value, stops, nonfinite = self.learner.sync_grads(values)
+        except FloatingPointError as e:
             raise NonFiniteError(self._diagnose(step + 1, tasks, str(e))) from None
-        self.learner.sync_grads()
-        flag = torch.tensor(float(stop_requested), dtype=loss.dtype, device=loss.device)
-        value, stops = self.learner.global_value(torch.stack([loss.detach(), flag])).tolist()
-        grads = [p.grad for p in self.algorithm.parameters() if p.grad is not None]
-        if not math.isfinite(value) or not all(bool(torch.isfinite(g).all()) for g in grads):
+        if not math.isfinite(value) or nonfinite:
             raise NonFiniteError(self._diagnose(step + 1, tasks, f"the meta-loss is {value:g}"))
         self.optimizer.step()
         return value, stops > 0
