@@ -153,5 +153,5 @@ def test_digits_class_split():
 
 
 def test_unknown_task_is_named():
-    with pytest.raises(ValueError, match="unknown task 'mnist'; choose from sinusoid, digits, omniglot"):
+    with pytest.raises(ValueError, match="unknown task 'mnist'; choose from sinusoid, digits, glyphs, omniglot, miniimagenet"):
         tasks.family_class("mnist")

@@ -8,11 +8,12 @@ from __future__ import annotations
 from typing import Any
 
 from ._family import SPLITS, TaskFamily
-from ._fewshot import ConvNet, FewShotImages, rotations
+from ._fewshot import NORMS, ConvNet, FewShotImages, nearest_mean_accuracy, rotations
+from ._fonts import FontSetError
 from .omniglot import LayoutError
 from .sinusoid import Sinusoid
 
-FAMILIES = ("sinusoid", "digits", "omniglot")
+FAMILIES = ("sinusoid", "digits", "glyphs", "omniglot", "miniimagenet")
 
 
 def family_class(name: str) -> type[TaskFamily]:
@@ -23,10 +24,18 @@ def family_class(name: str) -> type[TaskFamily]:
         from .digits import Digits
 
         return Digits
+    if name == "glyphs":
+        from .glyphs import Glyphs
+
+        return Glyphs
     if name == "omniglot":
         from .omniglot import Omniglot
 
         return Omniglot
+    if name == "miniimagenet":
+        from .miniimagenet import MiniImageNet
+
+        return MiniImageNet
     raise ValueError(f"unknown task {name!r}; choose from {', '.join(FAMILIES)}")
 
 
@@ -38,28 +47,39 @@ def make(
     ways: int | None = None,
     hidden: int | None = None,
     data: str | None = None,
+    norm: str | None = None,
+    fonts: str | None = None,
 ) -> TaskFamily:
-    """Build family ``name`` with the given sizes (``ways`` and ``data`` where they apply)."""
+    """Build family ``name`` with the given sizes (``ways``, ``data``, ``norm`` and ``fonts``
+    where they apply; ``None``: the family's default)."""
     cls = family_class(name)
     opts: dict[str, Any] = {"shots": shots, "query": query}
     if hidden is not None:
         opts["hidden"] = hidden
     if cls.classification:
         opts["ways"] = ways if ways is not None else cls.defaults["ways"]
-    if cls.needs_data:
+    if cls.needs_data or cls.data_option:
         opts["root"] = data
+    if norm is not None and "norm" in cls.defaults:
+        opts["norm"] = norm
+    if fonts is not None:
+        cls.font_set(fonts)  # a family without fonts says so
+        opts["fonts"] = fonts
     return cls(**opts)
 
 
 __all__ = [
     "FAMILIES",
+    "NORMS",
     "SPLITS",
     "ConvNet",
     "FewShotImages",
+    "FontSetError",
     "LayoutError",
     "Sinusoid",
     "TaskFamily",
     "family_class",
     "make",
+    "nearest_mean_accuracy",
     "rotations",
 ]

@@ -33,6 +33,8 @@ class TaskFamily(abc.ABC):
     defaults: ClassVar[Mapping[str, Any]] = {}
     needs_data: ClassVar[bool] = False
     """Whether the family reads a dataset folder (``--data``)."""
+    data_option: ClassVar[bool] = False
+    """Whether the family takes a folder (``--data``) that it can also do without."""
     metric: ClassVar[str] = "loss"
     """What :meth:`loss` measures, as the run's metrics and plots name it ("MSE", "loss")."""
 
@@ -40,6 +42,14 @@ class TaskFamily(abc.ABC):
     def check_data(cls, data: str | None) -> None:
         """Raise ``ValueError`` naming the fix if ``data`` cannot serve this family (checked
         before a run creates anything); a family without a dataset accepts anything."""
+        return None
+
+    @classmethod
+    def font_set(cls, spec: str | None) -> str | None:
+        """The identity of the fonts ``spec`` names, for a family drawn from fonts (a run
+        records it and checks it on resume); ``None`` for the others, which take no fonts."""
+        if spec is not None:
+            raise ValueError(f"fonts is a setting of the glyphs task, not of {cls.name}")
         return None
 
     def task(self, seed: int, index: int, split: str = "train") -> Task:

@@ -37,10 +37,17 @@ class Digits(FewShotImages):
     name: ClassVar[str] = "digits"
     defaults: ClassVar[dict[str, Any]] = dict(FewShotImages.defaults, meta_batch=16)
 
-    def __init__(self, ways: int = 5, shots: int = 1, query: int = 15, hidden: int = 32) -> None:
+    def __init__(
+        self,
+        ways: int = 5,
+        shots: int = 1,
+        query: int = 15,
+        hidden: int = 32,
+        norm: str = "batch",
+    ) -> None:
         images, labels = load()
         pools = {
             "train": [r for d in TRAIN_DIGITS for r in rotations(images[labels == d], True)],
             "test": [images[labels == d] for d in TEST_DIGITS],
         }
-        super().__init__(pools, ways=ways, shots=shots, query=query, hidden=hidden)
+        super().__init__(pools, ways=ways, shots=shots, query=query, hidden=hidden, norm=norm)

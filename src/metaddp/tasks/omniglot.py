@@ -79,6 +79,8 @@ class Omniglot(FewShotImages):
 
     name: ClassVar[str] = "omniglot"
     needs_data: ClassVar[bool] = True
+    # Finn et al. 2017: 64 channels on 28x28 images.
+    defaults: ClassVar[dict[str, Any]] = dict(FewShotImages.defaults, hidden=64)
 
     @classmethod
     def check_data(cls, data: str | None) -> None:
@@ -92,17 +94,25 @@ class Omniglot(FewShotImages):
         ways: int = 5,
         shots: int = 1,
         query: int = 15,
-        hidden: int = 32,
+        hidden: int = 64,
         rotate: bool = True,
+        norm: str = "batch",
     ) -> None:
         if root is None:
             raise LayoutError("the omniglot task needs --data FOLDER (in the Omniglot layout)")
         self.root, self.rotate = Path(root), bool(rotate)
+        found = characters(self.root)
+        self.alphabets = {
+            split: {
+                a: sum(c.parent.name == a for c in chars) for a in {c.parent.name for c in chars}
+            }
+            for split, chars in found.items()
+        }
         pools = {
             split: [r for c in chars for r in rotations(load_character(c), self.rotate)]
-            for split, chars in characters(self.root).items()
+            for split, chars in found.items()
         }
-        super().__init__(pools, ways=ways, shots=shots, query=query, hidden=hidden)
+        super().__init__(pools, ways=ways, shots=shots, query=query, hidden=hidden, norm=norm)
 
     def describe(self) -> dict[str, Any]:
         return dict(super().describe(), rotate=self.rotate)
