@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..tasks import family_class
+from ..tasks import NORMS, family_class
 
 if TYPE_CHECKING:
     from ..algorithms import Settings
@@ -26,7 +26,7 @@ class TrainConfig:
     """Everything that defines a training run (``None``: the task family's default).
 
     Args:
-        task: task family ("sinusoid", "digits", "omniglot").
+        task: task family ("sinusoid", "digits", "glyphs", "omniglot", "miniimagenet").
         algorithm: meta-learning algorithm ("maml", "fomaml", "metasgd", "anil", "reptile",
             "imaml").
         steps: outer steps to train for (in total, counting resumed ones).
@@ -47,9 +47,14 @@ class TrainConfig:
         eval_tasks: held-out tasks per evaluation.
         eval_steps: adaptation steps at evaluation.
         checkpoint_every: write a checkpoint every this many steps (and at the end).
-        data: dataset folder (omniglot).
+        data: dataset folder (omniglot, miniimagenet), or the glyph cache folder (glyphs).
         memory: "default" keeps every inner step's graph; "low" rebuilds one at a time in the
             backward (the same meta-gradient; memory that does not grow with inner_steps).
+        norm: image tasks: "batch" (BatchNorm in every block of the network, synchronized
+            over the processes that share a task) or "none".
+        fonts: glyphs: "all" (matplotlib's and the system's fonts), "matplotlib", or the
+            identity of a font set (file names and hashes). A run records the identity of the
+            fonts it drew its glyphs from, and a resumed run checks that they are all here.
     """
 
     task: str = "sinusoid"
@@ -73,6 +78,8 @@ class TrainConfig:
     checkpoint_every: int = 100
     data: str | None = None
     memory: str = "default"
+    norm: str | None = None
+    fonts: str | None = None
 
     # Settings that define the trajectory: a checkpoint resumes only under the same ones.
     # The number of processes, the layout, the length of the run and evaluation may change.
@@ -91,6 +98,8 @@ class TrainConfig:
         "seed",
         "dtype",
         "data",
+        "norm",
+        "fonts",
     )
 
     def __post_init__(self) -> None:
@@ -121,11 +130,15 @@ class TrainConfig:
         """Fill the unset settings with the task family's defaults and check every value."""
         cls = family_class(self.task)
         filled: dict[str, Any] = {
-            k: cls.defaults.get(k) if v is None and k != "data" else v
+            k: cls.defaults.get(k) if v is None and k not in ("data", "fonts") else v
             for k, v in dataclasses.asdict(self).items()
         }
         if not cls.classification:
             filled["ways"] = None
+        if "norm" not in cls.defaults and self.norm is not None:
+            raise ValueError(f"norm is a setting of the image tasks, not of {self.task}")
+        # The fonts' identity replaces "all" or "matplotlib"; a recorded one must be found here.
+        filled["fonts"] = cls.font_set(self.fonts)
         if filled["eval_steps"] is None:
             filled["eval_steps"] = filled["inner_steps"]
         cfg = TrainConfig(**filled)
@@ -145,6 +158,8 @@ class TrainConfig:
             raise ValueError(
                 f"unknown memory mode {self.memory!r}; choose from {', '.join(MEMORY_MODES)}"
             )
+        if self.norm is not None and self.norm not in NORMS:
+            raise ValueError(f"unknown norm {self.norm!r}; choose from {', '.join(NORMS)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose from {', '.join(DTYPES)}")
         positive = (

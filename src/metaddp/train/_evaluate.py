@@ -77,3 +77,17 @@ def evaluate(
         out["test_acc_before"] = float(per_task[:, 2].mean())
         out["test_acc_after"], out["test_acc_after_ci"] = mean_ci95(per_task[:, 3].tolist())
     return out
+
+
+def baseline(family: TaskFamily, *, seed: int, n_tasks: int) -> dict[str, float]:
+    """The family's baseline accuracy on the same ``n_tasks`` held-out tasks as
+    :func:`evaluate` (for image tasks the raw-pixel nearest-class-mean classifier), with its 95%
+    interval: ``test_acc_baseline`` and ``test_acc_baseline_ci``; empty for a family without
+    one. Whole tasks on this process: it needs no network and no collective, and every process
+    gets the same numbers.
+    """
+    score = getattr(family, "baseline", None)
+    if score is None or not family.classification:
+        return {}
+    mean, ci = mean_ci95([score(family.task(seed, i, "test")) for i in range(n_tasks)])
+    return {"test_acc_baseline": mean, "test_acc_baseline_ci": ci}

@@ -14,9 +14,19 @@ from .._plotting import pyplot
 
 
 def training_curves(
-    rows: Sequence[dict[str, float]], path: Path, *, classification: bool, metric: str, title: str
+    rows: Sequence[dict[str, float]],
+    path: Path,
+    *,
+    classification: bool,
+    metric: str,
+    title: str,
+    baseline: tuple[float, float] | None = None,
 ) -> None:
-    """Meta-training loss per step (left) and meta-test score with its 95% CI (right)."""
+    """Meta-training loss per step (left) and meta-test score with its 95% CI (right).
+
+    ``baseline``: the accuracy (and 95% half-width) of a classifier that learns nothing on the
+    same held-out tasks (the raw-pixel nearest-class-mean for images), drawn as a level line.
+    """
     plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     steps = [r["step"] for r in rows]
@@ -43,6 +53,12 @@ def training_curves(
             alpha=0.3,
             label="95% CI",
         )
+    if ev and baseline is not None:
+        level, half = baseline
+        half = 0.0 if math.isnan(half) else half
+        b.axhline(level, color="0.3", ls="--", lw=1, label="pixel nearest-mean baseline")
+        b.axhspan(level - half, level + half, color="0.5", alpha=0.15, lw=0)
+    if ev:
         b.legend()
     b.set(
         xlabel="outer step",

@@ -29,7 +29,7 @@ from ..distributed import Mesh, MetaDDP, rank
 from ..tasks import make
 from . import _checkpoint
 from ._config import TrainConfig
-from ._evaluate import evaluate, to
+from ._evaluate import baseline, evaluate, to
 from ._folder import CHECKPOINT
 from ._metrics import MetricsLog, read
 from ._plots import training_curves
@@ -71,6 +71,8 @@ class Trainer:
             ways=cfg.ways,
             hidden=cfg.hidden,
             data=cfg.data,
+            norm=cfg.norm,
+            fonts=cfg.fonts,
         )
         torch.manual_seed(cfg.seed)
         algorithm = build(cfg.algorithm, self.family.model(), cfg.algorithm_settings())
@@ -193,9 +195,9 @@ class Trainer:
                 optimizer=self.optimizer.state_dict(),
             )
 
-    def plots(self) -> list[str]:
-        """The run's PNG figures (rank 0; none without matplotlib): training curves, then the
-        task family's own."""
+    def plots(self, summary: dict[str, Any]) -> list[str]:
+        """The run's PNG figures (rank 0; none without matplotlib): training curves (with the
+        baseline of ``summary``, if any), then the task family's own."""
         if not _plotting.available():
             return []
         folder = self.out / "plots"
@@ -206,6 +208,11 @@ class Trainer:
             classification=self.family.classification,
             metric=self.family.metric,
             title=f"{self.cfg.algorithm} on {self.cfg.task}",
+            baseline=(
+                (summary["test_acc_baseline"], summary["test_acc_baseline_ci"])
+                if "test_acc_baseline" in summary
+                else None
+            ),
         )
         with self.learner.local():  # whole held-out tasks on this process alone
             paths += self.family.plots(
@@ -314,12 +321,13 @@ class Trainer:
             "eval_steps": cfg.eval_steps,
             "metric": self.family.metric,
             **last_eval,
+            **baseline(self.family, seed=cfg.seed, n_tasks=cfg.eval_tasks),
         }
         if rank() == 0:
             _checkpoint.atomic_write(
                 self.out / "summary.json", lambda f: f.write(json.dumps(summary, indent=2).encode())
             )
-            summary["plots"] = self.plots()
+            summary["plots"] = self.plots(summary)
         if dist.is_initialized():
             dist.barrier()
         return summary
