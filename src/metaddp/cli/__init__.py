@@ -8,15 +8,16 @@ import sys
 
 # Each module defines ``add_parser(subparsers)`` registering its sub-command, whose parser
 # carries ``func=`` taking the parsed arguments and returning the exit status.
-COMMANDS = ["verify", "train"]
+COMMANDS = ["verify", "train", "data"]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="metaddp",
         description="Meta-learning on many processes whose meta-gradients do not depend on the "
-        "number of processes. Commands: train (meta-train on a task family) and "
-        "verify (compare results at several process counts with one process).",
+        "number of processes. Commands: train (meta-train on a task family), "
+        "verify (compare results at several process counts with one process) and data (what "
+        "an image task family holds, and a picture of a few of its tasks).",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
