@@ -58,6 +58,7 @@ class SafeUnpickler(pickle.Unpickler):
         ("numpy", "dtype"),
         ("numpy.core.multiarray", "scalar"),
         ("numpy._core.multiarray", "scalar"),
+        ("_codecs", "encode"),  # how protocol-2 pickles of Python 2 store bytes
         ("builtins", "dict"),
         ("builtins", "list"),
         ("collections", "OrderedDict"),
