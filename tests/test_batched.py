@@ -157,6 +157,13 @@ DIST_CASES = [
     (S.Problem(model="conv", steps=1, layout=layout), True) for layout in ("sample", "hybrid")
 ] + [
     (S.Problem(model="mlp", steps=2, first_order=True, layout="sample", n_tasks=3, n_support=3, n_query=2), True)
+] + [
+    # MAML's BatchNorm (batch statistics, no running ones), synchronized over the ranks that
+    # split a task: stacked, one SUM per layer per forward carries every task's statistics.
+    # Second order, uneven shards, and empty ones at 4 ranks.
+    (S.Problem(model="conv", batchnorm=True, running_stats=False, steps=2, inner_lr=0.3,
+               layout=layout, n_tasks=nt, n_support=ns, n_query=nq), True)
+    for layout in ("sample", "hybrid") for (nt, ns, nq) in SIZES
 ]
 
 
@@ -207,11 +214,35 @@ def test_subclasses_with_their_own_task_loss_keep_the_loop():
         forced.meta_loss(problem.tasks(), problem.loss_fn)
 
 
-def test_batch_norm_models_keep_the_loop_automatically():
+def test_batch_norm_stacks_unless_it_tracks_running_statistics():
     mlp = S.Problem(model="mlp")
     bn = nn.Sequential(nn.Linear(1, 4), nn.BatchNorm1d(4, track_running_stats=False), nn.Linear(4, 1))
     assert not any(True for _ in bn.buffers())
-    assert not use_batched(None, mlp.tasks(), bn)
+    assert use_batched(None, mlp.tasks(), bn)  # batch statistics per task: stacked
+    # Running statistics are updated in place, per task, which vmap cannot do: the loop.
+    tracked = nn.Sequential(nn.Linear(1, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+    assert not use_batched(None, mlp.tasks(), tracked)
+
+
+def _collectives_per_step(n_tasks_list):
+    out = []
+    for n_tasks in n_tasks_list:
+        p = S.Problem(model="conv", batchnorm=True, running_stats=False, steps=2, n_tasks=n_tasks)
+        for batched in (True, False):
+            with metaddp.counting() as c:
+                meta_step(p, batched, mesh=S.mesh_for("sample"))
+            out.append(c.calls)
+    return out
+
+
+def test_stacked_batch_norm_needs_no_more_collectives_for_more_tasks():
+    (stacked_2, loop_2, stacked_6, loop_6), _ = run_local(_collectives_per_step, 2, [2, 6])
+    # Stacked, one task's collectives (per BatchNorm layer and forward, per inner gradient,
+    # and their adjoints) carry every task: P + F for any number of tasks, F being the
+    # step's fixed ones (the gradient SUM...). The loop pays P per task: n P + F.
+    assert stacked_2 == stacked_6
+    per_task = loop_2 - stacked_2
+    assert per_task > 0 and loop_6 - loop_2 == 4 * per_task, (stacked_2, loop_2, loop_6)
 
 
 def _normalized_sgd_with_counter(lr: float) -> metaddp.InnerOptimizer:

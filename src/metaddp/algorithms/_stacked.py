@@ -46,6 +46,8 @@ def batchable(tasks: Sequence[Task]) -> str | None:
     """
     if not tasks:
         return "there are no tasks"
+    if any(t.support.n < 1 or t.query.n < 1 for t in tasks):
+        return "a task has no support or no query samples"
     s0, q0 = _signature(tasks[0].support), _signature(tasks[0].query)
     for i, t in enumerate(tasks[1:], 1):
         if _signature(t.support) != s0:
@@ -194,8 +196,9 @@ def use_batched(batched: bool | None, tasks: Sequence[Task], model: nn.Module) -
             and on CPU for models without convolutions (a sinusoid MLP meta-step measured
             tens of times faster stacked); the loop on CPU for convolutional models, whose
             vmapped convolutions measured slower there; the loop for models with buffers
-            (BatchNorm's in-place running statistics cannot be updated under ``vmap``) or
-            any BatchNorm layer, and for tasks of different sizes.
+            (BatchNorm's in-place running statistics cannot be updated under ``vmap``) and
+            for tasks of different sizes. BatchNorm with batch statistics only (MAML's) is
+            stacked like any layer, synchronized or not.
         tasks: this rank's tasks.
         model: the network.
     """
@@ -211,10 +214,9 @@ def use_batched(batched: bool | None, tasks: Sequence[Task], model: nn.Module) -
             )
         return True
     if why is not None or any(True for _ in model.buffers()):
-        return False
-    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
-        # Batch statistics are per task under vmap, but a synchronised BatchNorm reduces them
-        # over ranks with a collective that vmap cannot batch: keep such models on the loop.
+        # Buffers (BatchNorm's running statistics) are updated in place, per task, which vmap
+        # cannot do. BatchNorm without them (MAML's own: batch statistics, per task) stacks:
+        # a synchronized layer's one SUM carries every task's statistics at once.
         return False
     if tasks[0].support.x.device.type == "cuda":
         return True

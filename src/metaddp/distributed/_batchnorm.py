@@ -50,9 +50,11 @@ def synced_batch_norm(bn: _BatchNorm, x: Tensor, reduce: Reduce) -> Tensor:
     count = x.new_full((1,), x.numel() // channels if channels else 0)
     count, s1, s2 = reduce([count, xc.sum(dims), (xc * xc).sum(dims)])
     # Judged on the host at the step's one read on a GPU (metaddp._host), at once on the CPU.
-    _host.check(
-        count, _at_least(1, "BatchNorm over an empty global batch: no rank holds any sample")
-    )
+    # Under vmap (tasks stacked) the count cannot leave the transform; the stacked path only
+    # takes tasks with samples (metaddp.algorithms._stacked.batchable).
+    if not torch._C._functorch.is_functorch_wrapped_tensor(count):
+        empty = "BatchNorm over an empty global batch: no rank holds any sample"
+        _host.check(count, _at_least(1, empty))
     mean_c = s1 / count  # mean of (x - shift)
     var = s2 / count - mean_c * mean_c  # biased variance, used to normalise
     y = (xc - mean_c.view(shape)) * torch.rsqrt(var + bn.eps).view(shape)

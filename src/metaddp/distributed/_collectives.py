@@ -293,12 +293,15 @@ def _reduce_sum(
 
 class _AllReduceSum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, group, bucket_bytes, phase, *tensors):
-        ctx.group, ctx.bucket_bytes, ctx.phase = group, bucket_bytes, phase
+    def forward(group, bucket_bytes, phase, *tensors):  # type: ignore[no-untyped-def]
         return tuple(_reduce_sum(tensors, group, bucket_bytes, phase))
 
     @staticmethod
-    def backward(ctx, *grads):
+    def setup_context(ctx, inputs, output):  # type: ignore[no-untyped-def]
+        ctx.group, ctx.bucket_bytes, ctx.phase = inputs[:3]
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[no-untyped-def]
         # The adjoint of y_r = sum_s x_s (for every rank r) is dx_s = sum_r dy_r: the same
         # all-reduce. Calling the Function again (not a bare collective) keeps it on the
         # graph when create_graph=True, so third and higher orders work as well.
@@ -306,6 +309,14 @@ class _AllReduceSum(torch.autograd.Function):
         adjoint = {Phase.FORWARD: Phase.BACKWARD, Phase.BACKWARD: Phase.FORWARD}
         phase = adjoint.get(ctx.phase, ctx.phase)
         return (None, None, None, *_AllReduceSum.apply(ctx.group, ctx.bucket_bytes, phase, *grads))
+
+    @staticmethod
+    def vmap(info, in_dims, group, bucket_bytes, phase, *tensors):  # type: ignore[no-untyped-def]
+        # Under torch.vmap (tasks stacked), a SUM over ranks is elementwise: one collective
+        # carries every task's tensor at once, whatever dimension the tasks are stacked on.
+        # Unbatched inputs are summed as they are (every task shares them).
+        out = _AllReduceSum.apply(group, bucket_bytes, phase, *tensors)
+        return tuple(out), tuple(in_dims[3:])
 
 
 def all_reduce_sum(

@@ -43,13 +43,16 @@ class SmallConv(nn.Module):
     """Two 3x3 convolutions (each optionally followed by BatchNorm) and a linear head over
     8x8 single-channel images."""
 
-    def __init__(self, ways: int = 3, width: int = 4, batchnorm: bool = False) -> None:
+    def __init__(
+        self, ways: int = 3, width: int = 4, batchnorm: bool = False, running_stats: bool = True
+    ) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(1, width, 3, padding=1)
         self.conv2 = nn.Conv2d(width, width, 3, padding=1, stride=2)
         self.head = nn.Linear(width * 16, ways)
-        self.bn1 = nn.BatchNorm2d(width) if batchnorm else nn.Identity()
-        self.bn2 = nn.BatchNorm2d(width) if batchnorm else nn.Identity()
+        bn = lambda: nn.BatchNorm2d(width, track_running_stats=running_stats)  # noqa: E731
+        self.bn1 = bn() if batchnorm else nn.Identity()
+        self.bn2 = bn() if batchnorm else nn.Identity()
 
     def features(self, x: Tensor) -> Tensor:
         x = torch.tanh(self.bn1(self.conv1(x)))
@@ -90,6 +93,7 @@ class Problem:
     seed: int = 0
     algorithm: str = "maml"  # one of ALGORITHMS
     batchnorm: bool = False  # conv only: BatchNorm after each convolution, synchronized
+    running_stats: bool = True  # BatchNorm tracks running statistics (False: MAML's own)
     lam: float = 20.0  # iMAML's proximal strength
     cg_steps: int = 60  # iMAML's conjugate-gradient budget
     memory: str = "default"  # "low": each inner step's graph rebuilt during the backward
@@ -103,7 +107,7 @@ class Problem:
                 nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)
             )
         elif self.model == "conv":
-            net = SmallConv(batchnorm=self.batchnorm)
+            net = SmallConv(batchnorm=self.batchnorm, running_stats=self.running_stats)
         else:
             raise ValueError(f"unknown model {self.model!r}")
         return net.to(self.dtype)
