@@ -293,15 +293,15 @@ def _reduce_sum(
 
 class _AllReduceSum(torch.autograd.Function):
     @staticmethod
-    def forward(group, bucket_bytes, phase, *tensors):  # type: ignore[no-untyped-def]
+    def forward(group, bucket_bytes, phase, *tensors):
         return tuple(_reduce_sum(tensors, group, bucket_bytes, phase))
 
     @staticmethod
-    def setup_context(ctx, inputs, output):  # type: ignore[no-untyped-def]
+    def setup_context(ctx, inputs, output):
         ctx.group, ctx.bucket_bytes, ctx.phase = inputs[:3]
 
     @staticmethod
-    def backward(ctx, *grads):  # type: ignore[no-untyped-def]
+    def backward(ctx, *grads):
         # The adjoint of y_r = sum_s x_s (for every rank r) is dx_s = sum_r dy_r: the same
         # all-reduce. Calling the Function again (not a bare collective) keeps it on the
         # graph when create_graph=True, so third and higher orders work as well.
@@ -311,7 +311,7 @@ class _AllReduceSum(torch.autograd.Function):
         return (None, None, None, *_AllReduceSum.apply(ctx.group, ctx.bucket_bytes, phase, *grads))
 
     @staticmethod
-    def vmap(info, in_dims, group, bucket_bytes, phase, *tensors):  # type: ignore[no-untyped-def]
+    def vmap(info, in_dims, group, bucket_bytes, phase, *tensors):
         # Under torch.vmap (tasks stacked), a SUM over ranks is elementwise: one collective
         # carries every task's tensor at once, whatever dimension the tasks are stacked on.
         # Unbatched inputs are summed as they are (every task shares them).
