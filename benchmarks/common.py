@@ -61,10 +61,11 @@ class Case:
     queries: int = 15  # per class for conv4; samples for mlp
     size: int = 28
     seed: int = 0
+    hidden: int = 64  # Conv-4's channels
 
     def build(self, dtype: torch.dtype = torch.float32) -> nn.Module:
         torch.manual_seed(self.seed)
-        net = conv4(self.ways) if self.model == "conv4" else sine_mlp()
+        net = conv4(self.ways, self.hidden) if self.model == "conv4" else sine_mlp()
         return net.to(dtype)
 
     @property

@@ -74,3 +74,15 @@ def test_a_non_finite_inner_gradient_is_still_named_at_the_step_end():
     # Outside a meta-step, the same check raises at once.
     with pytest.raises(FloatingPointError, match="inner step 1"):
         learner.module.adapt(p.tasks()[0].support, p.loss_fn)
+
+
+def test_an_algorithm_alone_reads_once_at_the_end_of_meta_loss():
+    for p in PROBLEMS:
+        alg = p.build_algorithm()  # one process, no MetaDDP
+        with _host.as_on_a_device(), _host.counting() as reads, DispatchCounter() as ops:
+            alg.meta_loss(p.tasks(), p.loss_fn).backward()
+        assert (reads.reads, ops.host_reads) == (1, 0), p
+    bad = dataclasses.replace(PROBLEMS[1], inner_lr=1e30)
+    with _host.as_on_a_device(), pytest.raises(FloatingPointError, match="inner step 1"):
+        bad.build_algorithm().meta_loss(bad.tasks(), bad.loss_fn)
+    assert not _host.in_step()  # the failed step ended: later checks are judged at once

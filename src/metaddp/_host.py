@@ -6,8 +6,9 @@ each bucket's tag as it went would stall the stream dozens of times. So a check 
 two parts: a device tensor computed where the check belongs, and a verdict that judges its
 value on the host.
 
-Inside a step (from :func:`begin_step` to the :func:`read` that ends it; ``MetaDDP`` calls
-both, in ``meta_loss`` and ``sync_grads``), a check on an accelerator waits on the device,
+Inside a step (from :func:`begin_step` to the :func:`read` that ends it: an algorithm's
+``meta_loss`` begins one, and ends it itself or, under a ``MetaDDP``, leaves the end to
+``sync_grads``), a check on an accelerator waits on the device,
 and the step's one read fetches them together with what it needs itself in one transfer,
 then raises the first failed check's error: the same error an immediate check would raise,
 only later in the step. A check on the CPU costs nothing to read and is judged at once, as
@@ -95,6 +96,13 @@ def check(value: Tensor, verdict: Verdict) -> None:
     error = verdict(got)
     if error is not None:
         raise error
+
+
+def discard() -> None:
+    """Drop the pending checks and end the step (its work failed: nothing to judge)."""
+    global _in_step
+    _pending.clear()
+    _in_step = False
 
 
 def read(*tensors: Tensor, end_step: bool = True) -> list[list[float]]:

@@ -255,8 +255,20 @@ class Algorithm(nn.Module):
             reduce: the sample-axis SUM, when not the wrapping MetaDDP's.
         """
         c = self.collectives(reduce)
+        # The checks inside the step wait on the device and are read once (metaddp._host):
+        # in sync_grads under a MetaDDP, else at the end of this call.
+        _host.begin_step()
         if c.step_ends_in_sync:
-            _host.begin_step()  # the step's checks are read once, in sync_grads
+            return self._meta_loss(tasks, loss_fn, c)
+        try:
+            loss = self._meta_loss(tasks, loss_fn, c)
+        except BaseException:
+            _host.discard()
+            raise
+        _host.read()
+        return loss
+
+    def _meta_loss(self, tasks: Sequence[Task], loss_fn: LossFn, c: Collectives) -> Tensor:
         n_tasks = tasks.n if isinstance(tasks, MetaBatch) else c.count_tasks(len(tasks))
         if n_tasks <= 0:
             raise ValueError("a meta-batch needs at least one task, and no rank holds any")
