@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint verify bench clean
+.PHONY: demo test lint verify bench device-check clean
 
 $(STAMP): pyproject.toml requirements-ci.txt
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,11 @@ bench: $(STAMP)
 	$(PY) benchmarks/growth.py --json benchmarks/results/growth.json
 	$(PY) benchmarks/check_cost.py --json benchmarks/results/check_cost.json
 	$(PY) benchmarks/plots.py benchmarks/results
+
+# The GPU check (BENCHMARKS.md), here on the CPU at small sizes; on a GPU machine run
+# benchmarks/device.sh OUT (under 8 minutes).
+device-check: $(STAMP)
+	PYTHON=$(PY) bash benchmarks/device.sh runs/device-check --device cpu --quick
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

@@ -62,11 +62,12 @@ class Case:
     size: int = 28
     seed: int = 0
     hidden: int = 64  # Conv-4's channels
+    device: str = "cpu"
 
     def build(self, dtype: torch.dtype = torch.float32) -> nn.Module:
         torch.manual_seed(self.seed)
         net = conv4(self.ways, self.hidden) if self.model == "conv4" else sine_mlp()
-        return net.to(dtype)
+        return net.to(dtype).to(self.device)
 
     @property
     def loss_fn(self) -> Callable[[Tensor, Tensor], Tensor]:
@@ -99,7 +100,9 @@ class Case:
                 y = amp * torch.sin(x - phase)
                 sx, sy = x[: self.shots].to(dtype), y[: self.shots].to(dtype)
                 qx, qy = x[self.shots :].to(dtype), y[self.shots :].to(dtype)
-            out.append(metaddp.Task(metaddp.Batch(sx, sy, len(sx)), metaddp.Batch(qx, qy, len(qx))))
+            d = self.device
+            out.append(metaddp.Task(metaddp.Batch(sx.to(d), sy.to(d), len(sx)),
+                                    metaddp.Batch(qx.to(d), qy.to(d), len(qx))))
         return out
 
 
@@ -278,7 +281,8 @@ def reference_grads(case: Case) -> dict[str, Tensor]:
 def max_rel_diff(got: dict[str, Tensor], want: dict[str, Tensor]) -> float:
     """``max |got - want| / max |want|`` over every entry of every parameter."""
     scale = max(float(w.abs().max()) for w in want.values())
-    return max(float((got[k].double() - want[k]).abs().max()) for k in want) / scale
+    return max(float((got[k].double().cpu() - want[k].double().cpu()).abs().max())
+               for k in want) / scale
 
 
 def time_round_robin(steps: dict[str, Step], repeats: int, warmup: int = 1) -> dict[str, list[float]]:
@@ -287,14 +291,17 @@ def time_round_robin(steps: dict[str, Step], repeats: int, warmup: int = 1) -> d
     Interleaving spreads the load of anything else running on the machine over all rows
     alike, so ratios stay meaningful on a shared machine even when absolute times drift.
     """
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(warmup):
         for s in steps.values():
             s()
     times: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(repeats):
         for k, s in steps.items():
+            sync()
             t0 = time.perf_counter()
             s()
+            sync()  # a GPU step is done when its kernels are, not when they are queued
             times[k].append(time.perf_counter() - t0)
     return times
 

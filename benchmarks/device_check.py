@@ -1,0 +1,318 @@
+"""The one device check: what the GPU path does, in one run that fits a short lease.
+
+Sections (each runs even if an earlier one failed; each writes its rows to the results):
+
+- ``exact``: one-process meta-gradients on the device in float64 (stacked and looped MAML,
+  MAML's BatchNorm synchronized by MetaDDP, Meta-SGD, the low-memory mode) against the same
+  step in float64 on the CPU and against an independent per-task autograd loop.
+- ``peers``: one second-order MAML meta-step side by side (Conv-4 with BatchNorm, 5-way
+  1-shot, 15 queries, 32 tasks, K = 1 and 5): metaddp's automatic choice, hand-written
+  vmap, the per-task loop, higher, TorchOpt, and the plain batched forward+backward floor;
+  each row's median time, meta-gradient error against float64 and peak device memory.
+- ``syncs``: a MetaDDP meta-step under ``torch.cuda.set_sync_debug_mode("error")`` (on the
+  CPU: metaddp's host reads, counted as a device's), stacked and looped.
+- ``memory``: second order against K (1 to 100 on CUDA): default, ``memory="low"`` and
+  first-order peak device memory and time.
+- ``ranks``: two processes on this one device (gloo carrying device tensors: NCCL needs one
+  GPU per rank), sample-parallel, against one process.
+
+    python benchmarks/device_check.py OUT [--device cuda|cpu] [--quick]
+
+Writes ``OUT/device_check.json`` and ``OUT/device_check.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import metaddp as md  # noqa: E402
+from common import (  # noqa: E402
+    CONV,
+    IMPLEMENTATIONS,
+    available,
+    max_rel_diff,
+    median_ms,
+    reference_grads,
+    run_record,
+    time_round_robin,
+)
+from metaddp import _host  # noqa: E402
+from metaddp.distributed import Mesh  # noqa: E402
+from metaddp.testing import scenarios as S  # noqa: E402
+
+
+def peak_reset(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_mib(device: str) -> float | None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() / 2**20
+    return None
+
+
+def on(problem: S.Problem, device: str) -> tuple:
+    alg = problem.build_algorithm().to(device)
+    tasks = [
+        md.Task(*(md.Batch(b.x.to(device), b.y.to(device), b.n) for b in (t.support, t.query)))
+        for t in problem.tasks()
+    ]
+    return alg, tasks
+
+
+def grads_of(alg, tasks, loss_fn, wrap: bool) -> dict[str, torch.Tensor]:
+    alg.zero_grad(set_to_none=True)
+    if wrap:
+        learner = md.MetaDDP(alg, Mesh.for_layout("sample"))
+        learner.meta_loss(tasks, loss_fn).backward()
+        learner.sync_grads()
+        learner.release()
+    else:
+        alg.meta_loss(tasks, loss_fn).backward()
+    return {k: v.detach().double().cpu() for k, v in S.meta_gradient(alg).items()}
+
+
+EXACT = {
+    "MAML MLP, K=3, stacked": (S.Problem("mlp", steps=3), True, False),
+    "MAML MLP, K=3, loop": (S.Problem("mlp", steps=3), False, False),
+    "MAML conv + BatchNorm (batch statistics), K=2, stacked, MetaDDP": (
+        S.Problem("conv", batchnorm=True, running_stats=False, steps=2, inner_lr=0.3),
+        True,
+        True,
+    ),
+    "MAML conv + BatchNorm (running statistics), K=2, loop, MetaDDP": (
+        S.Problem("conv", batchnorm=True, steps=2, inner_lr=0.3),
+        False,
+        True,
+    ),
+    "Meta-SGD MLP, K=2": (S.Problem("mlp", steps=2, algorithm="metasgd"), None, False),
+    "MAML MLP, K=3, memory='low'": (S.Problem("mlp", steps=3, memory="low"), False, False),
+}
+
+
+def section_exact(device: str, quick: bool) -> list[dict]:
+    rows = []
+    for name, (p, batched, wrap) in EXACT.items():
+        want_alg, want_tasks = on(p, "cpu")
+        want = grads_of(want_alg, want_tasks, p.loss_fn, wrap)
+        alg, tasks = on(p, device)
+        if batched is not None and hasattr(alg, "batched"):
+            alg.batched = batched
+        got = grads_of(alg, tasks, p.loss_fn, wrap)
+        rows.append({"problem": name, "vs_cpu_float64": max_rel_diff(got, want)})
+    # An independent reference: the plain per-task autograd loop in float64 on the CPU.
+    case = dataclasses.replace(CONV, n_tasks=4, hidden=8 if quick else 64)
+    ref = reference_grads(case)
+    dev = dataclasses.replace(case, device=device)
+    for label, batched in (("stacked", True), ("loop", False)):
+        net = dev.build(torch.float64)
+        maml_step = (
+            IMPLEMENTATIONS["metaddp batched=True"]
+            if batched
+            else IMPLEMENTATIONS["metaddp batched=False"]
+        )
+        step = maml_step(dev, net, dev.tasks(torch.float64))
+        rows.append(
+            {
+                "problem": f"Conv-4 + BatchNorm, 4 tasks, K=1, {label}, float64",
+                "vs_independent_loop": max_rel_diff(step(), ref),
+            }
+        )
+    return rows
+
+
+PEERS = [
+    "metaddp",
+    "torch.func grad+vmap (hand-written)",
+    "per-task autograd loop",
+    "higher",
+    "TorchOpt MetaSGD",
+    "floor: plain batched fwd+bwd (not a meta-step)",
+]
+
+
+def section_peers(device: str, quick: bool) -> list[dict]:
+    impls, skipped = available(PEERS)
+    rows = []
+    n_tasks, repeats = (4, 2) if quick else (32, 10)
+    for k in (1,) if quick else (1, 5):
+        case = dataclasses.replace(CONV, n_tasks=n_tasks, steps=k, device=device,
+                                   hidden=8 if quick else 64)
+        ref = reference_grads(dataclasses.replace(case, device=device))
+        steps, errors, peaks = {}, {}, {}
+        for name, make in impls.items():
+            net = case.build()
+            steps[name] = make(case, net, case.tasks())
+            peak_reset(device)
+            errors[name] = max_rel_diff(steps[name](), ref)
+            peaks[name] = peak_mib(device)
+        times = time_round_robin(steps, repeats)
+        base = median_ms(times["metaddp"])
+        for name, ts in times.items():
+            rows.append({"K": k, "tasks": n_tasks, "implementation": name,
+                         "median_ms": median_ms(ts), "vs_metaddp": median_ms(ts) / base,
+                         "max_rel_diff": errors[name], "peak_mib": peaks[name]})
+    rows += [{"implementation": name, "skipped": why} for name, why in skipped.items()]
+    return rows
+
+
+def section_syncs(device: str, quick: bool) -> list[dict]:
+    rows = []
+    for label, p, batched in (
+        ("conv + BatchNorm, stacked", S.Problem("conv", batchnorm=True, running_stats=False,
+                                                steps=2, dtype=torch.float32), True),
+        ("conv + BatchNorm (running stats), loop", S.Problem("conv", batchnorm=True, steps=2,
+                                                             dtype=torch.float32), False),
+        ("MLP, stacked, K=3", S.Problem("mlp", steps=3, dtype=torch.float32), True),
+    ):
+        alg, tasks = on(p, device)
+        alg.batched = batched
+        learner = md.MetaDDP(alg, Mesh.for_layout("sample"))
+        batch = md.MetaBatch(tasks, len(tasks), range(len(tasks)))
+        for _ in range(2):  # warm-up
+            alg.zero_grad(set_to_none=True)
+            learner.meta_loss(batch, p.loss_fn).backward()
+            learner.sync_grads()
+        alg.zero_grad(set_to_none=True)
+        row = {"case": label}
+        if device.startswith("cuda"):
+            # Every host synchronisation in the step raises; sync_grads' one read is outside.
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                loss = learner.meta_loss(batch, p.loss_fn)
+                loss.backward()
+                row["syncs_before_sync_grads"] = "none"
+            except RuntimeError as e:
+                row["syncs_before_sync_grads"] = str(e).splitlines()[0][:200]
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            learner.sync_grads()
+        else:
+            with _host.as_on_a_device(), _host.counting() as reads:
+                learner.meta_loss(batch, p.loss_fn).backward()
+                learner.sync_grads()
+            row["host_reads_per_step"] = reads.reads
+        learner.release()
+        rows.append(row)
+    return rows
+
+
+def section_memory(device: str, quick: bool) -> list[dict]:
+    rows = []
+    ks = (1, 5) if quick else (1, 5, 10, 25, 50, 100)
+    case = dataclasses.replace(CONV, n_tasks=2 if quick else 8, device=device,
+                               hidden=8 if quick else 64)
+    tasks = case.tasks()
+    for k in ks:
+        row: dict = {"K": k}
+        for mode in ("default", "low", "first-order"):
+            net = case.build()
+            alg = md.MAML(net, inner_lr=case.inner_lr, steps=k, batched=False,
+                          first_order=mode == "first-order",
+                          memory="low" if mode == "low" else "default")
+            try:
+                net.zero_grad(set_to_none=True)
+                alg.meta_loss(tasks, case.loss_fn).backward()  # warm-up
+                net.zero_grad(set_to_none=True)
+                peak_reset(device)
+                t0 = time.perf_counter()
+                alg.meta_loss(tasks, case.loss_fn).backward()
+                peak = peak_mib(device)
+                row[mode] = {"seconds": time.perf_counter() - t0, "peak_mib": peak}
+            except torch.OutOfMemoryError:
+                row[mode] = {"error": "out of memory"}
+            del alg, net
+        rows.append(row)
+    return rows
+
+
+def _ranks_worker(device: str) -> dict[str, torch.Tensor]:
+    p = S.Problem("conv", batchnorm=True, running_stats=False, steps=2, inner_lr=0.3)
+    alg = p.build_algorithm().to(device)
+    learner = md.MetaDDP(alg, Mesh.for_layout("sample"))
+    tasks = learner.shard(p.n_tasks, lambda i: _to(p.task(i), device))
+    learner.meta_loss(tasks, p.loss_fn).backward()
+    learner.sync_grads()
+    return {k: v.detach().cpu() for k, v in S.meta_gradient(alg).items()}
+
+
+def _to(task: md.Task, device: str) -> md.Task:
+    return md.Task(*(md.Batch(b.x.to(device), b.y.to(device), b.n) for b in (task.support, task.query)))
+
+
+def section_ranks(device: str, quick: bool) -> list[dict]:
+    from metaddp.distributed.launch import run_local
+
+    one = run_local(_ranks_worker, 1, device)[0]
+    two = run_local(_ranks_worker, 2, device)
+    return [{"case": "conv + BatchNorm, K=2, 2 processes (gloo) vs 1, float64",
+             "device": device,
+             "max_rel_diff": max(max_rel_diff(r, one) for r in two)}]
+
+
+SECTIONS = {
+    "exact": section_exact,
+    "syncs": section_syncs,
+    "peers": section_peers,
+    "memory": section_memory,
+    "ranks": section_ranks,
+}
+
+
+def markdown(out: dict) -> str:
+    lines = [f"# Device check, {out['date']}", "", f"{out['machine']}; device {out['device']}", ""]
+    for name, sec in out["sections"].items():
+        lines += [f"## {name} ({sec.get('seconds', 0):.0f} s)", ""]
+        if "error" in sec:
+            lines += ["```", sec["error"], "```", ""]
+            continue
+        for row in sec["rows"]:
+            lines.append("- " + json.dumps(row))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="small sizes (CI keeps it alive)")
+    ap.add_argument("--sections", default=",".join(SECTIONS))
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.quick:
+        torch.set_num_threads(1)
+    out = run_record(device=args.device, sections={})
+    if args.device.startswith("cuda"):
+        out["gpu"] = torch.cuda.get_device_name()
+    failed = 0
+    for name in args.sections.split(","):
+        t0 = time.perf_counter()
+        try:
+            rows = SECTIONS[name](args.device, args.quick)
+            out["sections"][name] = {"rows": rows}
+        except Exception:
+            failed += 1
+            out["sections"][name] = {"error": traceback.format_exc()[-2000:]}
+        out["sections"][name]["seconds"] = time.perf_counter() - t0
+        print(f"{name}: {out['sections'][name]['seconds']:.1f} s", flush=True)
+        (args.out / "device_check.json").write_text(json.dumps(out, indent=1, default=str))
+    (args.out / "device_check.md").write_text(markdown(out))
+    print(markdown(out))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
