@@ -88,3 +88,10 @@ def test_a_parameter_no_rank_reaches_is_an_error_unless_allowed(world):
         assert "allow_unused=True" in msg
     for msg in run_local(unused_parameter, world, True):
         assert msg == "grad None"  # left as it was: nothing to sum
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_buckets_carry_a_tag_too(dtype):
+    for ok, caught in run_local(workers.half_precision_tags, 2, dtype):
+        assert ok == "sum [2.0, 2.0, 2.0]"  # 0.5 + 1.5: exact in either format
+        assert "ranks are out of step" in caught, caught

@@ -149,3 +149,20 @@ def seed_ddp_grad2() -> float:
     import seed_ddp  # examples/, on sys.path via conftest
 
     return seed_ddp.train()
+
+
+def half_precision_tags(dtype_name: str) -> list[str]:
+    """Half-precision buckets: agreeing ranks sum exactly; a rank one collective ahead is
+    caught by the bit tag."""
+    dtype = getattr(torch, dtype_name)
+    out = []
+    summed = md.all_reduce_sum([torch.full((3,), 0.5 + md.rank(), dtype=dtype)])[0]
+    out.append(f"sum {summed.tolist()}")
+    if md.rank() == 1:
+        _next_sequence(None)
+    try:
+        md.all_reduce_sum([torch.ones(4, dtype=dtype)])
+        out.append("no error")
+    except md.CollectiveError as e:
+        out.append(str(e))
+    return out

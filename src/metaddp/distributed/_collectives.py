@@ -25,7 +25,7 @@ import contextlib
 import dataclasses
 import enum
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,12 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20
 _TAGGED = (torch.float32, torch.float64)
 # Tags stay below 2**12 so that world * tag is exact in float32 for any world below 2**12.
 _TAG_MODULUS = 4093
+# Half-precision buckets carry their tag as 16 bits, one element each: summed over agreeing
+# ranks every element is 0 or the world size, which these formats hold exactly up to 2**8
+# (bfloat16's 8 significant bits) and 2**11 (float16's 11); any disagreement in any bit
+# shows as a value in between. Larger groups leave such buckets untagged.
+_BIT_TAGGED = {torch.bfloat16: 2**8, torch.float16: 2**11}
+_TAG_BITS = 16
 
 
 class Phase(enum.IntEnum):
@@ -207,29 +213,43 @@ class PendingSum:
         dtype = parts[0].dtype
         numel = sum(p.numel() for p in parts)
         seq = _next_sequence(group)
-        tag = None
+        code = seq * 31 + numel + self._phase * 1021 + self._salt
+        tag = None  # (elements at the bucket's end, their verdict)
         if dtype in _TAGGED:
-            tag = float(1 + (seq * 31 + numel + self._phase * 1021 + self._salt) % _TAG_MODULUS)
-            parts.append(torch.full((1,), tag, dtype=dtype, device=parts[0].device))
+            value = float(1 + code % _TAG_MODULUS)
+            parts.append(torch.full((1,), value, dtype=dtype, device=parts[0].device))
+            tag = (1, self._tag_verdict(lambda got: got == [self._world * value], seq, numel))
+        elif self._world <= _BIT_TAGGED.get(dtype, 0):
+            # Made on the device (a fill and a shift), so no host-to-device copy waits.
+            shifts = torch.arange(_TAG_BITS, device=parts[0].device)
+            bits = torch.full((_TAG_BITS,), code % 2**_TAG_BITS, device=parts[0].device)
+            parts.append(((bits >> shifts) & 1).to(dtype))
+            tag = (_TAG_BITS, self._tag_verdict(self._bits_agree, seq, numel))
         flat = torch.cat(parts).to(device)
         if _strict:
             _check_header(group, seq, numel, int(self._phase), what, device)
         _record(flat.numel(), flat.numel() * flat.element_size())
         work = _guard(lambda: dist.all_reduce(flat, group=group, async_op=True), what)
-        self._launched.append((idx, flat, work, tag, seq, numel))
+        self._launched.append((idx, flat, work, tag))
 
-    def _tag_verdict(self, expected: float, seq: int, numel: int) -> _host.Verdict:
+    def _bits_agree(self, got: list[float]) -> bool:
+        return all(b in (0, self._world) for b in got)
+
+    def _tag_verdict(
+        self, agree: Callable[[list[float]], bool], seq: int, numel: int
+    ) -> _host.Verdict:
         what, rank = self._what, group_rank()
 
         def verdict(got: list[float]) -> Exception | None:
-            if got[0] == expected:
+            if agree(got):
                 return None
+            summed = ", ".join(f"{g:g}" for g in got)
             return CollectiveError(
                 f"ranks are out of step at {_describe(what, seq, numel)} on rank {rank}: "
                 "another rank was at a different collective (the sequence tags summed to "
-                f"{got[0]:g}, expected {expected:g}). Every rank must run the same collectives "
-                "in the same order: check that inner-step counts, algorithms and meta-batch "
-                "layouts agree on all ranks."
+                f"{summed}, which agreeing ranks never give). Every rank must run the same "
+                "collectives in the same order: check that inner-step counts, algorithms and "
+                "meta-batch layouts agree on all ranks."
             )
 
         return verdict
@@ -238,14 +258,15 @@ class PendingSum:
         """Wait for every bucket, check its tag, and return the sums (new tensors), in order."""
         if self._out is not None:
             return self._out
-        tensors, world = self._tensors, self._world
+        tensors = self._tensors
         out: list[Tensor | None] = [None] * len(tensors)
-        for idx, flat, work, tag, seq, numel in self._launched:
+        for idx, flat, work, tag in self._launched:
             _guard(work.wait, self._what)
             if tag is not None:
                 # Judged on the host at the step's one read (metaddp._host), not here: a read
                 # would wait for the device. A copy, so the bucket itself is not kept alive.
-                _host.check(flat[-1:].clone(), self._tag_verdict(world * tag, seq, numel))
+                width, verdict = tag
+                _host.check(flat[-width:].clone(), verdict)
             offset = 0
             for i in idx:
                 t = tensors[i]
