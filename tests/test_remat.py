@@ -108,10 +108,10 @@ def test_low_memory_across_ranks_is_exact_with_3k_plus_1_collectives(world):
             got = r[i]
             assert rel(got["grads"], want) < RTOL, f"{p.layout} world {world} rank {rank}"
             if p.layout == "sample":
-                # Per task: K forward SUMs, then K rebuilt (forward) and K adjoint SUMs; besides,
-                # the weights' broadcast when MetaDDP is built, the meta-gradient SUM and the
-                # SUM of the loss's value.
-                assert got["calls"] == p.n_tasks * 3 * p.steps + 3, got["calls"]
+                # The MLP's tasks are stacked (all at once): K forward SUMs, then K rebuilt
+                # (forward) and K adjoint SUMs; besides, the weights' broadcast when MetaDDP is
+                # built, the meta-gradient SUM and the SUM of the loss's value.
+                assert got["calls"] == 3 * p.steps + 3, got["calls"]
 
 
 def test_the_training_command_trains_alike_in_either_mode(tmp_path):

@@ -35,8 +35,9 @@ class MAML(Algorithm):
             Meta-SGD). The rates are parameters of this module, kept in :attr:`lr`.
         memory: ``"default"`` keeps every inner step's graph for the outer backward;
             ``"low"`` rebuilds one step's graph at a time during it (:mod:`metaddp._remat`):
-            the same meta-gradient, with memory that does not grow with ``steps``, one more
-            collective per inner step on several ranks, and tasks run one by one.
+            the same meta-gradient, with memory that does not grow with ``steps`` and one
+            more collective per inner step on several ranks. Stacked tasks rebuild one
+            stacked step at a time; tasks one by one keep only their weights until then.
         batched: run a rank's tasks stacked along a task dimension (``True``), one by one
             (``False``), or choose (``None``: by device and model, see ``use_batched``); same
             result.
@@ -89,13 +90,7 @@ class MAML(Algorithm):
                 "overrides: use batched=None or False (or set stackable = True on the class "
                 "if the override keeps MAML's loss)"
             )
-        if self.memory == "low" and self.batched:
-            raise ValueError("memory='low' runs tasks one by one: use batched=None or False")
-        if (
-            self.stackable
-            and self.memory == "default"
-            and use_batched(self.batched, tasks, self.model)
-        ):
+        if self.stackable and use_batched(self.batched, tasks, self.model):
             return stacked_task_losses(
                 self.model,
                 self.fast_weights(),
@@ -105,5 +100,7 @@ class MAML(Algorithm):
                 optimizer=self.inner_optimizer(),
                 first_order=self.first_order,
                 reduce=reduce,
+                rematerialize=self._rematerialize(),
+                extras=self._needing_grad(),
             )
         return super().task_losses(tasks, loss_fn, reduce)

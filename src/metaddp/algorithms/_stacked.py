@@ -26,9 +26,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .._adapt import inner_step
+from .._adapt import check_finite, inner_step
 from .._data import Batch, Task
 from .._functional import call
+from .._remat import rematerialized_loss
 from .._share import share
 from .._types import LossFn, Params, Reduce
 from ..inner import InnerOptimizer, State
@@ -143,6 +144,8 @@ def stacked_task_losses(
     optimizer: InnerOptimizer,
     first_order: bool = False,
     reduce: Reduce,
+    rematerialize: bool = False,
+    extras: Sequence[Tensor] = (),
 ) -> Tensor:
     """Sum over ``tasks`` of their query shares after ``steps`` inner steps.
 
@@ -159,6 +162,10 @@ def stacked_task_losses(
         first_order: treat inner gradients as constants.
         reduce: differentiable SUM of the inner gradients over the ranks sharing the tasks'
             samples (identity on one process); called once per inner step for all tasks.
+        rematerialize: second order in memory that does not grow with ``steps``
+            (``memory="low"``, :mod:`metaddp._remat`), for all tasks at once.
+        extras: what the optimizer reads that needs a gradient (learned rates), with
+            ``rematerialize``.
 
     Returns:
         A scalar: the sum of this rank's query shares of its tasks.
@@ -174,6 +181,18 @@ def stacked_task_losses(
     # back through it into params[k] is the sum over tasks, as in the loop.
     fast: Params = {k: params[k].unsqueeze(0).expand(n_local, *params[k].shape) for k in names}
     optimizer = per_task(optimizer, n_local)
+    if rematerialize and not first_order and torch.is_grad_enabled():
+        # memory="low": every task's steps at once, one stacked step's graph at a time.
+        return rematerialized_loss(
+            lambda w, buffers: stacked_shares(model, w, sx, sy, sn, loss_fn).sum(),
+            lambda w, buffers: stacked_shares(model, w, qx, qy, qn, loss_fn).sum(),
+            fast,
+            steps=steps,
+            optimizer=optimizer,
+            reduce=reduce,
+            extras=list(extras),
+            check=check_finite,
+        )
     state = optimizer.init(fast)
     with torch.enable_grad():
         for step in range(steps):
