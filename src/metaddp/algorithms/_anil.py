@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
 from torch import Tensor, nn
 
 from .._data import Batch, Task
@@ -56,6 +57,7 @@ class ANIL(Algorithm):
         optimizer: InnerOptimizer | OptimizerFactory | None = None,
         learn_lr: str | None = None,
         memory: str = "default",
+        autocast: torch.dtype | None = None,
     ) -> None:
         super().__init__(
             BodyHead(body, head),
@@ -65,6 +67,7 @@ class ANIL(Algorithm):
             optimizer=optimizer,
             learn_lr=learn_lr,
             memory=memory,
+            autocast=autocast,
         )
 
     def adapted_module(self) -> nn.Module:

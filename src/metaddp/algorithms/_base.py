@@ -9,6 +9,7 @@ algorithm (the identity on one process); ``reduce=`` overrides it. The losses ar
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -68,6 +69,7 @@ class Algorithm(nn.Module):
         optimizer: InnerOptimizer | OptimizerFactory | None = None,
         learn_lr: str | None = None,
         memory: str = "default",
+        autocast: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if steps < 0:
@@ -75,6 +77,11 @@ class Algorithm(nn.Module):
         if memory not in MEMORY_MODES:
             raise ValueError(f"memory must be one of {', '.join(MEMORY_MODES)}, got {memory!r}")
         self.memory = memory
+        if autocast not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"autocast must be None, torch.bfloat16 or torch.float16, got {autocast}"
+            )
+        self.autocast = autocast
         self.model = model
         self.inner_lr, self.steps, self.first_order = inner_lr, steps, first_order
         self.lr: LearnedLR | None = None
@@ -116,6 +123,7 @@ class Algorithm(nn.Module):
             "inner_lr": self.inner_lr,
             "first_order": self.first_order,
             "learn_lr": None if self.lr is None else self.lr.per,
+            "autocast": None if self.autocast is None else str(self.autocast),
         }
 
     def signature(self) -> str:
@@ -229,9 +237,20 @@ class Algorithm(nn.Module):
         reduce: Reduce | None = None,
     ) -> Params:
         """Fast weights after ``steps`` (default: the algorithm's) inner steps on ``support``."""
-        return self.inner_loop(
-            support, loss_fn, steps=steps, reduce=self.collectives(reduce).reduce
-        )
+        with self.autocasting():
+            return self.inner_loop(
+                support, loss_fn, steps=steps, reduce=self.collectives(reduce).reduce
+            )
+
+    def autocasting(self) -> contextlib.AbstractContextManager[object]:
+        """The forward passes' precision: ``torch.autocast`` to :attr:`autocast` on the
+        parameters' device when set (the meta-parameters, their gradients and every
+        reduction stay in the parameters' dtype), else nothing."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        like = next(self.parameters(), None)
+        device = like.device.type if like is not None else "cpu"
+        return torch.autocast(device, dtype=self.autocast)
 
     def task_losses(self, tasks: Sequence[Task], loss_fn: LossFn, reduce: Reduce) -> Tensor:
         """The sum of :meth:`task_loss` over ``tasks`` (one by one)."""
@@ -259,9 +278,11 @@ class Algorithm(nn.Module):
         # in sync_grads under a MetaDDP, else at the end of this call.
         _host.begin_step()
         if c.step_ends_in_sync:
-            return self._meta_loss(tasks, loss_fn, c)
+            with self.autocasting():
+                return self._meta_loss(tasks, loss_fn, c)
         try:
-            loss = self._meta_loss(tasks, loss_fn, c)
+            with self.autocasting():
+                loss = self._meta_loss(tasks, loss_fn, c)
         except BaseException:
             _host.discard()
             raise

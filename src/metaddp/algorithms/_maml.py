@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+import torch
 from torch import Tensor, nn
 
 from .._data import Task
@@ -38,6 +39,10 @@ class MAML(Algorithm):
             the same meta-gradient, with memory that does not grow with ``steps`` and one
             more collective per inner step on several ranks. Stacked tasks rebuild one
             stacked step at a time; tasks one by one keep only their weights until then.
+        autocast: run the forward passes (inner and query) under ``torch.autocast`` in this
+            dtype (``torch.bfloat16`` or ``torch.float16``); the meta-parameters, gradients and
+            reductions keep the parameters' dtype. Faster matrix work on a GPU, at the
+            precision measured in BENCHMARKS.md.
         batched: run a rank's tasks stacked along a task dimension (``True``), one by one
             (``False``), or choose (``None``: by device and model, see ``use_batched``); same
             result.
@@ -67,6 +72,7 @@ class MAML(Algorithm):
         learn_lr: str | None = None,
         batched: bool | None = None,
         memory: str = "default",
+        autocast: torch.dtype | None = None,
     ) -> None:
         super().__init__(
             model,
@@ -76,6 +82,7 @@ class MAML(Algorithm):
             optimizer=optimizer,
             learn_lr=learn_lr,
             memory=memory,
+            autocast=autocast,
         )
         self.batched = batched
 

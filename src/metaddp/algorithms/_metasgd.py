@@ -8,6 +8,7 @@ module (:attr:`MAML.lr`), so :class:`metaddp.MetaDDP` keeps them in sync across 
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ._base import OptimizerFactory
@@ -38,6 +39,7 @@ class MetaSGD(MAML):
         per: str = "parameter",
         batched: bool | None = None,
         memory: str = "default",
+        autocast: torch.dtype | None = None,
     ) -> None:
         super().__init__(
             model,
@@ -47,5 +49,6 @@ class MetaSGD(MAML):
             optimizer=optimizer,
             learn_lr=per,
             memory=memory,
+            autocast=autocast,
             batched=batched,
         )
