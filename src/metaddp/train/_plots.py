@@ -59,7 +59,7 @@ def training_curves(
         b.axhline(level, color="0.3", ls="--", lw=1, label="pixel nearest-mean baseline")
         b.axhspan(level - half, level + half, color="0.5", alpha=0.15, lw=0)
     if ev:
-        b.legend()
+        b.legend(fontsize="small")
     b.set(
         xlabel="outer step",
         ylabel="query accuracy" if classification else f"query {metric}",
