@@ -76,8 +76,16 @@ def lr_for(lr: LearningRate, name: str, like: Tensor | None = None) -> float | T
     return lr
 
 
+class Shapes(tuple):
+    """``((name, shape), ...)``: one value to tree utilities (``torch.utils._pytree`` treats a
+    tuple subclass as a leaf), so flattening a state visits its tensors, not every int of
+    every shape. Compares equal to the plain tuple."""
+
+    __slots__ = ()
+
+
 def _shapes(params: Mapping[str, Tensor]) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    return tuple((k, tuple(p.shape)) for k, p in params.items())
+    return Shapes((k, tuple(p.shape)) for k, p in params.items())
 
 
 def check_state(state: SlotState, grads: Mapping[str, Tensor], who: str) -> None:
