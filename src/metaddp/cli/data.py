@@ -87,7 +87,7 @@ def grid(family: FewShotImages, *, seed: int, tasks: int, split: str, path: Path
     fig, axes = plt.subplots(
         ways,
         tasks * (cols + 1) - 1,
-        figsize=(0.9 * (tasks * (cols + 1) - 1), 0.9 * ways + 0.6),
+        figsize=(max(3.5, 0.9 * (tasks * (cols + 1) - 1)), 0.9 * ways + 0.8),
         squeeze=False,
     )
     for ax in axes.flat:
@@ -114,8 +114,9 @@ def grid(family: FewShotImages, *, seed: int, tasks: int, split: str, path: Path
             axes[0, left + offset].set_title(part, fontsize=8, loc="left")
         axes[0, left + cols // 2].set_title(f"task {t}", fontsize=9, pad=14)
     fig.suptitle(
-        f"{family.name}: {tasks} {split} tasks, {ways}-way {shots}-shot, {query} query per class",
-        fontsize=10,
+        f"{family.name}: {tasks} {split} task{'s' if tasks > 1 else ''}\n"
+        f"{ways}-way {shots}-shot, {query} query per class",
+        fontsize=9,
     )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
