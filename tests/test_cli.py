@@ -41,7 +41,7 @@ def test_help_lists_only_the_commands_that_exist(capsys):
     # argparse lists sub-commands indented by four spaces; wrapped help lines by more.
     listed = {line.split()[0] for line in text.splitlines()
               if line.startswith("    ") and not line.startswith("     ")}
-    assert listed == {"train", "verify"}
+    assert listed == {"train", "verify", "data"}
     assert "bench" not in text.lower()
     for command in listed:  # and each of them answers --help
         with pytest.raises(SystemExit) as done:

@@ -49,18 +49,18 @@ def test_one_host_read_per_meta_step_on_one_process():
         assert counts == [(1, 0)] * 3, (p, counts)
 
 
-def _worker(overlap):
-    return reads_per_step(PROBLEMS, overlap=overlap)
+def _worker():
+    return [reads_per_step(PROBLEMS, overlap=overlap) for overlap in (True, False)]
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_one_host_read_per_meta_step_across_ranks(overlap):
+def test_one_host_read_per_meta_step_across_ranks():
     # Two ranks split every task's samples: per step, the inner gradients' SUMs (each with a
     # sequence tag to check), BatchNorm's statistics, the gradient buckets (launched during the
     # backward once the ranks agree they may, with overlap) and their has-gradient flags.
-    for rank, result in enumerate(run_local(_worker, 2, overlap)):
-        for p, counts in zip(PROBLEMS, result, strict=True):
-            assert counts == [(1, 0)] * 3, (rank, p, counts)
+    for rank, result in enumerate(run_local(_worker, 2)):
+        for overlap, per_problem in zip((True, False), result, strict=True):
+            for p, counts in zip(PROBLEMS, per_problem, strict=True):
+                assert counts == [(1, 0)] * 3, (rank, overlap, p, counts)
 
 
 def test_a_non_finite_inner_gradient_is_still_named_at_the_step_end():

@@ -93,14 +93,32 @@ def worker(problems: list[S.Problem]) -> list[dict]:
     return out
 
 
-# 13/11 samples: uneven shards at 2 and 3 ranks; hybrid at 4 ranks (2 x 2).
+# 13/11 samples: uneven shards at 3 ranks; hybrid at 4 ranks (2 x 2).
 DIST = [dataclasses.replace(MLP, layout=layout, memory="low") for layout in S.LAYOUTS]
 
+# Beyond SGD on an MLP, each against the default mode's meta-gradient on one process (itself
+# checked against the float64 reference in test_exact.py): learned rates with Adam inner steps
+# (13/11 samples: uneven shards), synchronized BatchNorm in the sample and hybrid layouts, ANIL
+# on BatchNorm features, and 2 + 3 samples per task, so that at 3 and 4 ranks some hold none.
+MIXED = [
+    dataclasses.replace(MLP, algorithm="metasgd", optimizer="adam", inner_lr=0.01, n_tasks=3,
+                        memory="low"),
+    dataclasses.replace(BN, memory="low"),
+    dataclasses.replace(BN, layout="hybrid", memory="low"),
+    dataclasses.replace(BN, algorithm="anil", memory="low", n_tasks=2),
+    dataclasses.replace(MLP, n_support=2, n_query=3, n_tasks=3, memory="low"),
+]
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_low_memory_across_ranks_is_exact_with_3k_plus_1_collectives(world):
-    results = run_local(worker, world, DIST)
-    for p, i in zip(DIST, range(len(DIST)), strict=True):
+
+@pytest.fixture(scope="module", params=[3, 4], ids=lambda w: f"world{w}")
+def across_ranks(request):
+    # One group of processes per world size runs every problem.
+    return request.param, run_local(worker, request.param, DIST + MIXED)
+
+
+def test_low_memory_across_ranks_is_exact_with_3k_plus_1_collectives(across_ranks):
+    world, results = across_ranks
+    for i, p in enumerate(DIST):
         _, want = reference.maml_meta_grad(p.build_model(), p.tasks(), steps=p.steps,
                                            inner_lr=p.inner_lr, first_order=False,
                                            classification=False)
@@ -112,6 +130,16 @@ def test_low_memory_across_ranks_is_exact_with_3k_plus_1_collectives(world):
                 # (forward) and K adjoint SUMs; besides, the weights' broadcast when MetaDDP is
                 # built, the meta-gradient SUM and the SUM of the loss's value.
                 assert got["calls"] == 3 * p.steps + 3, got["calls"]
+
+
+def test_low_memory_across_ranks_with_adam_learned_rates_batchnorm_and_empty_shards(across_ranks):
+    world, results = across_ranks
+    for i, p in enumerate(MIXED, start=len(DIST)):
+        default = dataclasses.replace(p, memory="default", layout="sample")
+        want = S.meta_gradient(_with_grads(default))
+        tol = RTOL_ADAM if p.optimizer == "adam" else RTOL
+        for rank, r in enumerate(results):
+            assert rel(r[i]["grads"], want) < tol, f"{p} world {world} rank {rank}"
 
 
 def test_the_training_command_trains_alike_in_either_mode(tmp_path):
@@ -129,30 +157,6 @@ def test_the_training_command_trains_alike_in_either_mode(tmp_path):
     # Float64, four outer steps of the same meta-gradient (see RTOL): the same trajectory.
     assert losses["low"] == pytest.approx(losses["default"], rel=RTOL)
 
-
-# Beyond SGD on an MLP, each against the default mode's meta-gradient on one process (itself
-# checked against the float64 reference in test_exact.py): learned rates with Adam inner steps
-# (13/11 samples: uneven shards), synchronized BatchNorm in the sample and hybrid layouts, ANIL
-# on BatchNorm features, and 2 + 3 samples per task, so that at 3 and 4 ranks some hold none.
-MIXED = [
-    dataclasses.replace(MLP, algorithm="metasgd", optimizer="adam", inner_lr=0.01, n_tasks=3,
-                        memory="low"),
-    dataclasses.replace(BN, memory="low"),
-    dataclasses.replace(BN, layout="hybrid", memory="low"),
-    dataclasses.replace(BN, algorithm="anil", memory="low", n_tasks=2),
-    dataclasses.replace(MLP, n_support=2, n_query=3, n_tasks=3, memory="low"),
-]
-
-
-@pytest.mark.parametrize("world", [3, 4])
-def test_low_memory_across_ranks_with_adam_learned_rates_batchnorm_and_empty_shards(world):
-    results = run_local(worker, world, MIXED)
-    for i, p in enumerate(MIXED):
-        default = dataclasses.replace(p, memory="default", layout="sample")
-        want = S.meta_gradient(_with_grads(default))
-        tol = RTOL_ADAM if p.optimizer == "adam" else RTOL
-        for rank, r in enumerate(results):
-            assert rel(r[i]["grads"], want) < tol, f"{p} world {world} rank {rank}"
 
 
 @pytest.mark.parametrize("algorithm", ["maml", "anil"])
