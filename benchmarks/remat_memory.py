@@ -66,7 +66,7 @@ class _Held:
         self.owner.release(self.key)
 
 
-def measure(case_name: str, steps: int, mode: str, repeats: int) -> dict:
+def measure(case_name: str, steps: int, mode: str, repeats: int, n_tasks: int) -> dict:
     """In this (fresh) process: peak saved-tensor memory and median time of one meta-step."""
     import torch
 
@@ -74,7 +74,7 @@ def measure(case_name: str, steps: int, mode: str, repeats: int) -> dict:
     from common import CONV, SINE
 
     torch.set_num_threads(1)
-    case = {"conv": dataclasses.replace(CONV, n_tasks=4), "sine": SINE}[case_name]
+    case = {"conv": dataclasses.replace(CONV, n_tasks=n_tasks), "sine": SINE}[case_name]
     net = case.build()
     alg = metaddp.MAML(net, inner_lr=case.inner_lr, steps=steps, batched=False,
                        first_order=mode == "first-order",
@@ -94,20 +94,72 @@ def measure(case_name: str, steps: int, mode: str, repeats: int) -> dict:
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    return {"peak_mib": counter.peak / 2**20, "seconds": statistics.median(times)}
+    # What the low mode keeps besides: each task's K + 1 copies of the weights (SGD: no state).
+    weights = sum(p.numel() * p.element_size() for p in net.parameters())
+    kept = weights * (steps + 1) * len(tasks) if mode == "low" else 0
+    return {"peak_mib": counter.peak / 2**20, "seconds": statistics.median(times),
+            "kept_mib": kept / 2**20}
+
+
+def interleaved_times(case_name: str, steps: int, repeats: int, n_tasks: int) -> dict:
+    """Default and low-memory steps alternated in one process: each round runs both, so load
+    from anything else on the machine falls on both alike. Best and median seconds of each."""
+    import torch
+
+    import metaddp
+    from common import CONV, SINE
+
+    torch.set_num_threads(1)
+    case = {"conv": dataclasses.replace(CONV, n_tasks=n_tasks), "sine": SINE}[case_name]
+    tasks = case.tasks()
+    steps_of = {}
+    for mode in ("default", "low"):
+        net = case.build()
+        # The automatic choice: on the CPU the MLP's tasks stacked, Conv-4's one by one.
+        alg = metaddp.MAML(net, inner_lr=case.inner_lr, steps=steps, memory=mode)
+
+        def step(net=net, alg=alg) -> None:
+            net.zero_grad(set_to_none=True)
+            alg.meta_loss(tasks, case.loss_fn).backward()
+
+        step()  # warm-up
+        steps_of[mode] = step
+    times: dict[str, list[float]] = {m: [] for m in steps_of}
+    for _ in range(repeats):
+        for mode, step in steps_of.items():
+            t0 = time.perf_counter()
+            step()
+            times[mode].append(time.perf_counter() - t0)
+    return {m: {"best": min(t), "median": statistics.median(t)} for m, t in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", default="1,5,10,25")
+    ap.add_argument("--steps", default="1,5,10,25,50")
     ap.add_argument("--cases", default="sine,conv")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--conv-tasks", type=int, default=8)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--one", nargs=3, help=argparse.SUPPRESS)  # case steps mode, in a child
+    ap.add_argument("--times", action="store_true",
+                    help="only time default against low, interleaved in one process")
     args = ap.parse_args(argv)
+    if args.times:
+        from common import run_record, save_json
+
+        rows = []
+        for case in args.cases.split(","):
+            for k in map(int, args.steps.split(",")):
+                t = interleaved_times(case, k, args.repeats, args.conv_tasks)
+                rows.append({"case": case, "steps": k, **t})
+                print(f"{case:<6} K={k:<3} default best {t['default']['best']:.3f} s, low best "
+                      f"{t['low']['best']:.3f} s: low/default {t['low']['best'] / t['default']['best']:.2f}"
+                      f" (medians {t['low']['median'] / t['default']['median']:.2f})", flush=True)
+        save_json(args.json, run_record(rows=rows))
+        return 0
     if args.one:
         case, k, mode = args.one
-        print(json.dumps(measure(case, int(k), mode, args.repeats)))
+        print(json.dumps(measure(case, int(k), mode, args.repeats, args.conv_tasks)))
         return 0
     from common import run_record, save_json
 
@@ -118,13 +170,16 @@ def main(argv: list[str] | None = None) -> int:
             got = {}
             for mode in MODES:
                 out = subprocess.run([sys.executable, __file__, "--one", case, str(k), mode,
-                                      "--repeats", str(args.repeats)],
+                                      "--repeats", str(args.repeats),
+                                      "--conv-tasks", str(args.conv_tasks)],
                                      capture_output=True, text=True, check=True)
                 got[mode] = json.loads(out.stdout.strip().splitlines()[-1])
             rows.append({"case": case, "steps": k, **got})
             print(f"{case:<6} {k:>3} " + " ".join(
-                f"{got[m]['peak_mib']:>16.1f} {got[m]['seconds']:>14.3f}" for m in MODES),
-                flush=True)
+                f"{got[m]['peak_mib']:>16.1f} {got[m]['seconds']:>14.3f}" for m in MODES)
+                + f"  low/default: memory {got['low']['peak_mib'] / got['default']['peak_mib']:.3f}"
+                f" time {got['low']['seconds'] / got['default']['seconds']:.2f}"
+                f"  (low keeps {got['low']['kept_mib']:.1f} MiB of weights)", flush=True)
     save_json(args.json, run_record(rows=rows))
     return 0
 
