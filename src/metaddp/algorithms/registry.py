@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 from ..inner import adam, sgd
@@ -32,6 +33,8 @@ class Settings:
         memory: ``"default"`` or ``"low"`` (MAML, Meta-SGD, ANIL; see :class:`MAML`).
         optimizer: the inner optimizer by name, one of :data:`INNER_OPTIMIZERS`, at
             ``inner_lr`` (MAML, Meta-SGD, ANIL).
+        autocast: ``"bf16"`` or ``"fp16"``: forward passes in that precision (MAML, Meta-SGD,
+            ANIL; see :class:`MAML`), or ``None``.
     """
 
     inner_lr: float = 0.01
@@ -42,6 +45,13 @@ class Settings:
     cg_tol: float = 1e-6
     memory: str = "default"
     optimizer: str = "sgd"
+    autocast: str | None = None
+
+    def autocast_dtype(self) -> torch.dtype | None:
+        dtypes = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
+        if self.autocast not in dtypes:
+            raise ValueError(f"unknown autocast {self.autocast!r}; choose from bf16, fp16")
+        return dtypes[self.autocast]
 
     def inner_optimizer(self) -> OptimizerFactory:
         if self.optimizer not in INNER_OPTIMIZERS:
@@ -66,6 +76,7 @@ ALGORITHMS: dict[str, Builder] = {
         first_order=s.first_order,
         memory=s.memory,
         optimizer=s.inner_optimizer(),
+        autocast=s.autocast_dtype(),
     ),
     # The same with the inner gradients held constant (first-order MAML, ibid. sec. 5.2).
     "fomaml": lambda m, s: MAML(m, inner_lr=s.inner_lr, steps=s.steps, first_order=True),
@@ -77,6 +88,7 @@ ALGORITHMS: dict[str, Builder] = {
         first_order=s.first_order,
         memory=s.memory,
         optimizer=s.inner_optimizer(),
+        autocast=s.autocast_dtype(),
     ),
     # Raghu et al. 2020: only the last layer adapts, on features of the rest computed once.
     "anil": lambda m, s: ANIL(
@@ -86,6 +98,7 @@ ALGORITHMS: dict[str, Builder] = {
         first_order=s.first_order,
         memory=s.memory,
         optimizer=s.inner_optimizer(),
+        autocast=s.autocast_dtype(),
     ),
     # Nichol et al. 2018: the meta-gradient is the mean displacement theta - phi.
     "reptile": lambda m, s: Reptile(m, inner_lr=s.inner_lr, steps=s.steps),

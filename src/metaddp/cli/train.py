@@ -71,6 +71,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="low: rebuild each inner step's graph during the backward, the same "
         "meta-gradient in memory that does not grow with --inner-steps (default: keep them)",
     )
+    g.add_argument(
+        "--inner-optimizer",
+        choices=("sgd", "adam"),
+        default=S,
+        help="the differentiable inner optimizer, at --inner-lr (default sgd)",
+    )
+    g.add_argument(
+        "--autocast",
+        choices=("bf16", "fp16"),
+        default=S,
+        help="forward passes in this precision, meta-gradients in --dtype (default: off)",
+    )
     g = p.add_argument_group("evaluation and output")
     g.add_argument("--eval-every", type=int, default=S, help="steps between meta-test runs (100)")
     g.add_argument("--eval-tasks", type=int, default=S, help="held-out tasks per meta-test (100)")

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 DTYPES = ("float32", "float64")
 LAYOUTS = ("sample", "task", "hybrid")
 MEMORY_MODES = ("default", "low")
+INNER_OPTIMIZERS = ("sgd", "adam")
+AUTOCASTS = ("bf16", "fp16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +52,9 @@ class TrainConfig:
         data: dataset folder (omniglot, miniimagenet), or the glyph cache folder (glyphs).
         memory: "default" keeps every inner step's graph; "low" rebuilds one at a time in the
             backward (the same meta-gradient; memory that does not grow with inner_steps).
+        inner_optimizer: "sgd" or "adam", at inner_lr (MAML, Meta-SGD, ANIL).
+        autocast: "bf16" or "fp16": the forward passes under torch.autocast in that dtype,
+            meta-gradients in the run's dtype (MAML, Meta-SGD, ANIL); None: off.
         norm: image tasks: "batch" (BatchNorm in every block of the network, synchronized
             over the processes that share a task) or "none".
         fonts: glyphs: "all" (matplotlib's and the system's fonts), "matplotlib", or the
@@ -78,6 +83,8 @@ class TrainConfig:
     checkpoint_every: int = 100
     data: str | None = None
     memory: str = "default"
+    inner_optimizer: str = "sgd"
+    autocast: str | None = None
     norm: str | None = None
     fonts: str | None = None
 
@@ -100,6 +107,8 @@ class TrainConfig:
         "data",
         "norm",
         "fonts",
+        "inner_optimizer",
+        "autocast",
     )
 
     def __post_init__(self) -> None:
@@ -158,6 +167,15 @@ class TrainConfig:
             raise ValueError(
                 f"unknown memory mode {self.memory!r}; choose from {', '.join(MEMORY_MODES)}"
             )
+        if self.inner_optimizer not in INNER_OPTIMIZERS:
+            raise ValueError(
+                f"unknown inner optimizer {self.inner_optimizer!r}; "
+                f"choose from {', '.join(INNER_OPTIMIZERS)}"
+            )
+        if self.autocast is not None and self.autocast not in AUTOCASTS:
+            raise ValueError(
+                f"unknown autocast {self.autocast!r}; choose from {', '.join(AUTOCASTS)}"
+            )
         if self.norm is not None and self.norm not in NORMS:
             raise ValueError(f"unknown norm {self.norm!r}; choose from {', '.join(NORMS)}")
         if self.dtype not in DTYPES:
@@ -194,6 +212,8 @@ class TrainConfig:
             cg_steps=25,
             cg_tol=1e-10 if self.dtype == "float64" else 1e-6,
             memory=self.memory,
+            optimizer=self.inner_optimizer,
+            autocast=self.autocast,
         )
 
     def identity(self) -> dict[str, Any]:

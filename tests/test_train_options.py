@@ -1,0 +1,44 @@
+"""metaddp train's inner optimizer and forward precision: each in effect, each refused when
+unknown, each part of the run's identity."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from metaddp import train as _train
+from metaddp.train import TrainConfig
+
+BASE = dict(task="sinusoid", steps=3, meta_batch=3, shots=5, query=5, hidden=8, inner_steps=2,
+            eval_every=0, eval_tasks=3)
+
+
+def losses(tmp_path, **options):
+    cfg = TrainConfig(**BASE, **options).resolved()
+    out = tmp_path / "-".join(f"{k}{v}" for k, v in options.items())
+    _train.prepare_folder(out, cfg, False, force=False)
+    return _train.train(cfg, out, progress=False)["losses"]
+
+
+def test_the_inner_optimizer_and_autocast_are_in_effect(tmp_path):
+    sgd = losses(tmp_path, inner_optimizer="sgd")
+    adam = losses(tmp_path, inner_optimizer="adam")
+    bf16 = losses(tmp_path, autocast="bf16")
+    assert all(math.isfinite(v) for v in sgd + adam + bf16)
+    # The first loss is after the first inner loop: Adam's steps differ from SGD's at once.
+    assert adam[0] != sgd[0]
+    # bfloat16 forward passes round at about 4e-3: visibly, but not wildly, off float32.
+    assert bf16[0] != sgd[0] and bf16[0] == pytest.approx(sgd[0], rel=5e-2)
+
+
+@pytest.mark.parametrize("option", [dict(inner_optimizer="rmsprop"), dict(autocast="fp8")])
+def test_unknown_values_are_one_line_errors(option):
+    with pytest.raises(ValueError, match="unknown"):
+        TrainConfig(**BASE, **option).resolved()
+
+
+def test_both_are_part_of_the_identity_a_resume_checks():
+    a = TrainConfig(**BASE).resolved().identity()
+    b = TrainConfig(**BASE, inner_optimizer="adam", autocast="bf16").resolved().identity()
+    assert {k for k in a if a[k] != b[k]} == {"inner_optimizer", "autocast"}
