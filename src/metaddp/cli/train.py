@@ -223,6 +223,9 @@ def settings(args: argparse.Namespace, world: int) -> tuple[TrainConfig, Path, b
         data=cfg.data,
     )
     if resume:
+        # A run still going in the folder rotates its checkpoints under us: say that the
+        # folder is busy before reading them (begin() takes the lock for good).
+        RunLock.acquire(out).release()
         step = _checkpoint.load_latest(out / _train.CHECKPOINT, cfg.identity())["step"]
         if step > cfg.steps:
             raise UsageError(
