@@ -42,3 +42,14 @@ def test_both_are_part_of_the_identity_a_resume_checks():
     a = TrainConfig(**BASE).resolved().identity()
     b = TrainConfig(**BASE, inner_optimizer="adam", autocast="bf16").resolved().identity()
     assert {k for k in a if a[k] != b[k]} == {"inner_optimizer", "autocast"}
+
+
+def test_a_run_from_before_these_settings_resumes_as_it_ran(tmp_path):
+    from metaddp.train import _checkpoint
+
+    # Written before norm, inner_optimizer and autocast existed: an image run's network had no
+    # BatchNorm, inner steps were SGD, and forward passes ran in the run's dtype.
+    old_image = {"task": "digits", "ways": 5}
+    assert _checkpoint.settings_before(old_image) == {
+        "norm": "none", "inner_optimizer": "sgd", "autocast": None}
+    assert _checkpoint.settings_before({"task": "sinusoid", "ways": None})["norm"] is None

@@ -38,7 +38,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "train",
-        help="meta-train on a task family (sinusoid, digits, omniglot)",
+        help="meta-train on a task family (" + ", ".join(FAMILIES) + ")",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -63,7 +63,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--hidden", type=int, default=S, help="network width")
     g.add_argument("--seed", type=int, default=S, help="default 0")
     g.add_argument("--dtype", choices=DTYPES, default=S, help="default float32")
-    g.add_argument("--data", default=S, help="dataset folder (omniglot: Omniglot layout)")
+    g.add_argument(
+        "--data",
+        default=S,
+        help="dataset folder (omniglot, miniimagenet), or the glyph cache folder (glyphs)",
+    )
+    g.add_argument(
+        "--norm",
+        choices=("batch", "none"),
+        default=S,
+        help="image tasks: BatchNorm in every block, synchronized (default batch), or none",
+    )
+    g.add_argument(
+        "--fonts",
+        default=S,
+        help="glyphs: all (default: matplotlib's and the system's fonts) or matplotlib",
+    )
     g.add_argument(
         "--memory",
         choices=("default", "low"),
@@ -194,7 +209,9 @@ def settings(args: argparse.Namespace, world: int) -> tuple[TrainConfig, Path, b
                 f"{args.out} (or copy the run there and resume that)"
             )
         _train.check_folder(out, resume=True, force=False)
-        values.update(_train.saved_config(out))
+        saved = _train.saved_config(out)
+        # A run from before a setting existed resumes as it ran (no BatchNorm, SGD steps...).
+        values.update({**_checkpoint.settings_before(saved), **saved})
     if args.config is not None:
         values.update(read_toml(args.config))
     values.update(flags)
@@ -221,6 +238,8 @@ def settings(args: argparse.Namespace, world: int) -> tuple[TrainConfig, Path, b
         ways=cfg.ways,
         hidden=cfg.hidden,
         data=cfg.data,
+        norm=cfg.norm,
+        fonts=cfg.fonts,
     )
     if resume:
         # A run still going in the folder rotates its checkpoints under us: say that the
@@ -336,6 +355,11 @@ def report(summary: dict, cfg: TrainConfig, out: Path) -> None:
         print(
             f"  accuracy before adaptation {summary['test_acc_before']:.4f}, after "
             f"{summary['test_acc_after']:.4f} ± {summary['test_acc_after_ci']:.4f}"
+        )
+    if "test_acc_baseline" in summary:
+        print(
+            f"  pixel nearest-mean baseline on the same tasks "
+            f"{summary['test_acc_baseline']:.4f} ± {summary['test_acc_baseline_ci']:.4f}"
         )
     name = summary.get("metric", "loss")
     print(

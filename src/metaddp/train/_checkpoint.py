@@ -107,6 +107,13 @@ def save(
     atomic_write(Path(path), lambda f: torch.save(state, f))
 
 
+def settings_before(config: Mapping[str, Any]) -> dict[str, Any]:
+    """What a setting added since meant in checkpoints written before it existed: the image
+    network had no BatchNorm, inner steps were SGD, forward passes ran in the run's dtype."""
+    image = config.get("ways") is not None
+    return {"norm": "none" if image else None, "inner_optimizer": "sgd", "autocast": None}
+
+
 def load(path: Path, identity: Mapping[str, Any], map_location: Any = "cpu") -> dict[str, Any]:
     """Read a checkpoint and check that it belongs to a run with the same ``identity``.
 
@@ -138,7 +145,7 @@ def load(path: Path, identity: Mapping[str, Any], map_location: Any = "cpu") -> 
         or any(k not in state for k in KEYS)
     ):
         raise CorruptCheckpoint(f"{path} is not a metaddp training checkpoint")
-    saved = state["config"]
+    saved = {**settings_before(state["config"]), **state["config"]}
     diff = [
         f"{k}: checkpoint {saved.get(k)!r}, now {v!r}"
         for k, v in identity.items()
