@@ -77,6 +77,23 @@ def grad(loss, params, *, reduce=identity_reduce, create_graph=True, retain_grap
     return dict(zip(params, reduced, strict=True)) if named else reduced
 
 
+def finite_flags(tensors: Sequence[Tensor]) -> Tensor:
+    """Whether each tensor is finite, as one bool tensor on the device (no host read).
+
+    One multi-tensor kernel: the largest |entry| of a tensor is NaN or Inf exactly when the
+    tensor has a non-finite entry (a max never overflows). Empty tensors are finite.
+    """
+    full = [t for t in tensors if t.numel()]
+    if not full:
+        return torch.ones(len(tensors), dtype=torch.bool)
+    finite = torch.isfinite(torch.stack(torch._foreach_norm(full, ord=float("inf"))))
+    if len(full) == len(tensors):
+        return finite
+    out = finite.new_ones(len(tensors))
+    out[[i for i, t in enumerate(tensors) if t.numel()]] = finite
+    return out
+
+
 def check_finite(grads: Mapping[str, Tensor], step: int) -> None:
     """Raise :class:`FloatingPointError` naming the first non-finite gradient.
 
@@ -86,10 +103,7 @@ def check_finite(grads: Mapping[str, Tensor], step: int) -> None:
     names = [k for k, g in grads.items() if g.numel()]
     if not names:
         return
-    # One multi-tensor kernel: the largest |entry| of each gradient is NaN or Inf exactly
-    # when the gradient has a non-finite entry (a max never overflows).
-    largest = torch._foreach_norm([grads[k] for k in names], ord=float("inf"))
-    finite = torch.isfinite(torch.stack(largest))
+    finite = finite_flags([grads[k] for k in names])
 
     def verdict(ok: list[float]) -> Exception | None:
         for name, fine in zip(names, ok, strict=True):

@@ -127,6 +127,18 @@ def read(*tensors: Tensor, end_step: bool = True) -> list[list[float]]:
     return values[len(pending) :]
 
 
+def upload(values: Sequence[float], like: Tensor) -> Tensor:
+    """``values`` as a 1-d tensor of ``like``'s dtype on its device, without a wait.
+
+    A copy from ordinary (pageable) host memory to a GPU first waits for the device's
+    stream; one from pinned memory, made asynchronous, does not.
+    """
+    t = torch.tensor(list(values), dtype=like.dtype)
+    if like.device.type == "cuda":
+        return t.pin_memory().to(like.device, non_blocking=True)
+    return t.to(like.device)
+
+
 def _fetch(tensors: Sequence[Tensor]) -> list[list[float]]:
     if not tensors:
         return []

@@ -181,7 +181,7 @@ class Algorithm(nn.Module):
                 reduce=reduce,
                 extras=self._needing_grad(support),
                 buffers=dict(module.named_buffers()),
-                check=lambda g, k: check_finite(g, k),
+                check=check_finite,
             )
         return inner_loop(
             module,
@@ -225,7 +225,7 @@ class Algorithm(nn.Module):
             reduce=reduce,
             extras=self._needing_grad(support, query),
             buffers=dict(module.named_buffers()),
-            check=lambda g, k: check_finite(g, k),
+            check=check_finite,
         )
 
     def adapt(

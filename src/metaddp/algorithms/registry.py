@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -67,39 +68,28 @@ INNER_OPTIMIZERS: dict[str, OptimizerFactory] = {"sgd": sgd, "adam": adam}
 
 Builder = Callable[[nn.Module, Settings], Algorithm]
 
-ALGORITHMS: dict[str, Builder] = {
-    # Finn, Abbeel & Levine 2017: second-order meta-gradient through the inner loop.
-    "maml": lambda m, s: MAML(
-        m,
+
+def _unrolled(s: Settings) -> dict[str, Any]:
+    """The options MAML, Meta-SGD and ANIL share."""
+    return dict(
         inner_lr=s.inner_lr,
         steps=s.steps,
         first_order=s.first_order,
         memory=s.memory,
         optimizer=s.inner_optimizer(),
         autocast=s.autocast_dtype(),
-    ),
+    )
+
+
+ALGORITHMS: dict[str, Builder] = {
+    # Finn, Abbeel & Levine 2017: second-order meta-gradient through the inner loop.
+    "maml": lambda m, s: MAML(m, **_unrolled(s)),
     # The same with the inner gradients held constant (first-order MAML, ibid. sec. 5.2).
     "fomaml": lambda m, s: MAML(m, inner_lr=s.inner_lr, steps=s.steps, first_order=True),
     # Li et al. 2017: a learned learning rate per parameter entry, initialised at inner_lr.
-    "metasgd": lambda m, s: MetaSGD(
-        m,
-        inner_lr=s.inner_lr,
-        steps=s.steps,
-        first_order=s.first_order,
-        memory=s.memory,
-        optimizer=s.inner_optimizer(),
-        autocast=s.autocast_dtype(),
-    ),
+    "metasgd": lambda m, s: MetaSGD(m, **_unrolled(s)),
     # Raghu et al. 2020: only the last layer adapts, on features of the rest computed once.
-    "anil": lambda m, s: ANIL(
-        *split_head(m),
-        inner_lr=s.inner_lr,
-        steps=s.steps,
-        first_order=s.first_order,
-        memory=s.memory,
-        optimizer=s.inner_optimizer(),
-        autocast=s.autocast_dtype(),
-    ),
+    "anil": lambda m, s: ANIL(*split_head(m), **_unrolled(s)),
     # Nichol et al. 2018: the meta-gradient is the mean displacement theta - phi.
     "reptile": lambda m, s: Reptile(m, inner_lr=s.inner_lr, steps=s.steps),
     # Rajeswaran et al. 2019: implicit gradient by conjugate gradient on I + H / lam.

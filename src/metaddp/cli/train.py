@@ -27,7 +27,7 @@ from typing import Any
 
 from .. import train as _train
 from ..distributed._mesh import DEFAULT_TIMEOUT
-from ..tasks import FAMILIES, family_class, make
+from ..tasks import FAMILIES, family_class
 from ..train import DTYPES, LAYOUTS, RunLock, TrainConfig, _checkpoint, read_toml
 
 S = argparse.SUPPRESS
@@ -229,18 +229,7 @@ def settings(args: argparse.Namespace, world: int) -> tuple[TrainConfig, Path, b
         )
         _train.check_folder(out, resume=False, force=args.force)
     family_class(cfg.task).check_data(cfg.data)
-    # Building the family runs its own checks (e.g. enough classes for --ways).
-    assert cfg.shots is not None and cfg.query is not None  # filled by resolved()
-    make(
-        cfg.task,
-        shots=cfg.shots,
-        query=cfg.query,
-        ways=cfg.ways,
-        hidden=cfg.hidden,
-        data=cfg.data,
-        norm=cfg.norm,
-        fonts=cfg.fonts,
-    )
+    cfg.family()  # building it runs the family's own checks (e.g. enough classes for --ways)
     if resume:
         # A run still going in the folder rotates its checkpoints under us: say that the
         # folder is busy before reading them (begin() takes the lock for good).

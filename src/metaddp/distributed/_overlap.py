@@ -135,10 +135,8 @@ class GradReducer:
     def _launch(self, b: int) -> None:
         members = [self.params[i] for i in self.buckets[b]]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in members]
-        flags = torch.tensor(
-            [float(p.grad is not None) for p in members] + [self._my_vote],
-            dtype=members[0].dtype,
-            device=members[0].device,
+        flags = _host.upload(
+            [float(p.grad is not None) for p in members] + [self._my_vote], members[0]
         )
         self._pending[b] = launch_sum(
             grads + [flags], self.group, _ONE_BUCKET, Phase.GRADIENTS, self.salt()

@@ -347,9 +347,8 @@ class MetaDDP(nn.Module):
         params = [p for p in self.module.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else p.detach().new_zeros(p.shape) for p in params]
         # One has-gradient flag per parameter rides in the same buckets as the gradients.
-        flags = torch.tensor([float(p.grad is not None) for p in params], dtype=torch.float64)
-        if params:
-            flags = flags.to(params[0].dtype).to(params[0].device)
+        has_grad = [float(p.grad is not None) for p in params]
+        flags = _host.upload(has_grad, params[0]) if params else torch.zeros(0)
         tail = torch.cat([flags, *(v.to(flags) for v in extra)])
         reduced = launch_sum(
             grads + [tail],

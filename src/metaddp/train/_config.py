@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..tasks import NORMS, family_class
+from ..tasks import NORMS, TaskFamily, family_class, make
 
 if TYPE_CHECKING:
     from ..algorithms import Settings
@@ -198,6 +198,21 @@ class TrainConfig:
         for k in ("inner_lr", "outer_lr", "lam"):
             if not (getattr(self, k) > 0 and math.isfinite(getattr(self, k))):
                 raise ValueError(f"{k} must be a positive finite number, got {getattr(self, k)!r}")
+
+    def family(self) -> TaskFamily:
+        """The task family these settings describe (building it runs the family's checks,
+        e.g. enough classes for ``ways``)."""
+        assert self.shots is not None and self.query is not None  # filled by resolved()
+        return make(
+            self.task,
+            shots=self.shots,
+            query=self.query,
+            ways=self.ways,
+            hidden=self.hidden,
+            data=self.data,
+            norm=self.norm,
+            fonts=self.fonts,
+        )
 
     def algorithm_settings(self) -> Settings:
         """What the algorithm registry builds this run's algorithm with."""

@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 
 from .. import _plotting
+from .._adapt import finite_flags
 from .._data import Task
 from .._share import share
 from ..algorithms import build
 from ..distributed import Mesh, MetaDDP, rank
-from ..tasks import make
 from . import _checkpoint
 from ._config import TrainConfig
 from ._evaluate import baseline, evaluate, to
@@ -64,16 +64,7 @@ class Trainer:
         self.cfg, self.out = cfg, Path(out)
         self.device = device_for(backend)
         self.dtype: torch.dtype = getattr(torch, cfg.dtype)
-        self.family = make(
-            cfg.task,
-            shots=cfg.shots,
-            query=cfg.query,
-            ways=cfg.ways,
-            hidden=cfg.hidden,
-            data=cfg.data,
-            norm=cfg.norm,
-            fonts=cfg.fonts,
-        )
+        self.family = cfg.family()
         torch.manual_seed(cfg.seed)
         algorithm = build(cfg.algorithm, self.family.model(), cfg.algorithm_settings())
         self.algorithm = algorithm.to(device=self.device, dtype=self.dtype)
@@ -116,11 +107,9 @@ class Trainer:
             grads = [p.grad for p in self.algorithm.parameters() if p.grad is not None]
             # Non-finite local gradients make the SUM non-finite on every rank, so a count
             # of them, summed with the loss and the stop votes, tells every rank alike.
-            bad = torch.zeros_like(loss.detach())
-            for g in grads:
-                bad = bad + (~torch.isfinite(g).all()).to(bad.dtype)
-            flag = torch.full_like(bad, float(stop_requested))
-            values = torch.stack([loss.detach(), flag, bad])
+            bad = (~finite_flags(grads)).sum().to(loss) if grads else torch.zeros_like(loss)
+            flag = torch.full_like(loss.detach(), float(stop_requested))
+            values = torch.stack([loss.detach(), flag, bad.detach()])
             # The step's one host read; a non-finite inner gradient found on this rank is
             # raised here.
             value, stops, nonfinite = self.learner.sync_grads(values)
