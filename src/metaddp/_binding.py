@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 from torch import nn
@@ -31,12 +32,15 @@ class Collectives:
         step_ends_in_sync: whoever bound these reads the step's device-side checks at its
             end (``MetaDDP.sync_grads``), so ``meta_loss`` may leave them there
             (:mod:`metaddp._host`).
+        exact: in deterministic mode, the order-free copies and sums the meta-loss must go
+            through (``metaddp.distributed.ExactSums``); ``None`` otherwise.
     """
 
     reduce: Reduce
     count_tasks: Callable[[int], int]
     where: str
     step_ends_in_sync: bool = False
+    exact: Any = None
 
 
 LOCAL = Collectives(identity_reduce, int, "one process")

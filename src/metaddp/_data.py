@@ -33,6 +33,37 @@ def shard(tensor: Tensor, index: int, parts: int) -> Tensor:
     return tensor[r.start : r.stop]
 
 
+class Chunks(NamedTuple):
+    """A batch of ``n`` samples cut by global index into ``n_chunks`` chunks of ``size`` samples
+    (the last may be shorter), of which one part of the ranks holds ``mine``.
+
+    The cut depends on ``n`` and the chunk limit alone, never on the number of parts: the
+    same samples meet in the same chunk on any number of processes.
+    """
+
+    n: int
+    size: int
+    n_chunks: int
+    mine: range
+
+    @classmethod
+    def of(cls, n: int, limit: int, index: int = 0, parts: int = 1) -> Chunks:
+        """At most ``limit`` chunks of equal size (but the last); part ``index`` of ``parts``
+        holds a contiguous run of whole chunks (:func:`shard_range` over chunks)."""
+        if limit < 1:
+            raise ValueError(f"a batch must be cut into at least one chunk, got {limit}")
+        size = max(1, -(-n // limit))
+        n_chunks = -(-n // size)
+        return cls(n, size, n_chunks, shard_range(n_chunks, index, parts))
+
+    @property
+    def samples(self) -> range:
+        """The global indices of the samples in this part's chunks."""
+        return range(
+            min(self.mine.start * self.size, self.n), min(self.mine.stop * self.size, self.n)
+        )
+
+
 class Batch(NamedTuple):
     """This rank's part of a batch of ``n`` samples: inputs ``x``, targets ``y``."""
 

@@ -293,6 +293,8 @@ class Algorithm(nn.Module):
         n_tasks = tasks.n if isinstance(tasks, MetaBatch) else c.count_tasks(len(tasks))
         if n_tasks <= 0:
             raise ValueError("a meta-batch needs at least one task, and no rank holds any")
+        if c.exact is not None:
+            return self.exact_meta_loss(tasks, loss_fn, n_tasks, c.exact)
         if not tasks:
             # A rank holding no task contributes nothing: a zero that backward() accepts but
             # that reaches no parameter. MetaDDP's gradient SUM counts its missing gradients
@@ -301,6 +303,17 @@ class Algorithm(nn.Module):
             zero = torch.zeros(()) if like is None else like.detach().new_zeros(())
             return zero.requires_grad_()
         return self.task_losses(tasks, loss_fn, c.reduce) / n_tasks
+
+    def exact_meta_loss(
+        self, tasks: Sequence[Task], loss_fn: LossFn, n_tasks: int, sums: Any
+    ) -> Tensor:
+        """The meta-loss in deterministic mode (``MetaDDP(..., deterministic=True)``): this
+        rank's share, every sum order-free (:mod:`metaddp.algorithms._exact`)."""
+        raise TypeError(
+            f"deterministic mode runs MAML, first-order MAML and Meta-SGD; "
+            f"{type(self).__name__} has no deterministic form: build MetaDDP without "
+            "deterministic=True to train it (exact to rounding)"
+        )
 
     def clone(self, *, reduce: Reduce | None = None) -> Learner:
         """A learner holding its own fast weights, in the style of learn2learn's ``clone``.

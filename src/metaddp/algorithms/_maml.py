@@ -14,9 +14,10 @@ import torch
 from torch import Tensor, nn
 
 from .._data import Task
-from .._types import LossFn, Reduce
+from .._types import LossFn, Params, Reduce
 from ..inner import InnerOptimizer
 from ._base import Algorithm, OptimizerFactory
+from ._exact import exact_meta_loss
 from ._stacked import stacked_task_losses, use_batched
 
 
@@ -89,6 +90,37 @@ class MAML(Algorithm):
     def task_loss(self, task: Task, loss_fn: LossFn, *, reduce: Reduce) -> Tensor:
         """This rank's share of one task's query loss after adaptation."""
         return self.adapted_loss(task.support, task.query, loss_fn, reduce=reduce)
+
+    def exact_meta_loss(
+        self, tasks: Sequence[Task], loss_fn: LossFn, n_tasks: int, sums: Any
+    ) -> Tensor:
+        if not self.stackable:
+            return super().exact_meta_loss(tasks, loss_fn, n_tasks, sums)
+        if self.memory != "default":
+            raise ValueError(
+                "deterministic mode keeps every inner step's graph: use memory='default'"
+            )
+        factory = self._factory
+
+        def build(rates: Params | None) -> InnerOptimizer:
+            if rates is None:
+                assert self.optimizer is not None
+                return self.optimizer
+            assert factory is not None
+            return factory(rates)
+
+        return exact_meta_loss(
+            self.model,
+            self.fast_weights(),
+            tasks,
+            loss_fn,
+            n_tasks=n_tasks,
+            steps=self.steps,
+            first_order=self.first_order,
+            build=build,
+            rates=None if self.lr is None else self.lr.as_dict(),
+            sums=sums,
+        )
 
     def task_losses(self, tasks: Sequence[Task], loss_fn: LossFn, reduce: Reduce) -> Tensor:
         if self.batched and not self.stackable:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .. import _host
+from .. import _host, _mask
 from .._types import Reduce
 
 
@@ -47,8 +47,16 @@ def synced_batch_norm(bn: _BatchNorm, x: Tensor, reduce: Reduce) -> Tensor:
         x.dtype
     )
     xc = x - shift.view(shape)
-    count = x.new_full((1,), x.numel() // channels if channels else 0)
-    count, s1, s2 = reduce([count, xc.sum(dims), (xc * xc).sum(dims)])
+    mask = _mask.current()
+    if mask is None:
+        count = x.new_full((1,), x.numel() // channels if channels else 0)
+        count, s1, s2 = reduce([count, xc.sum(dims), (xc * xc).sum(dims)])
+    else:
+        # Padded samples (mask 0) stay out of the statistics, and so out of their gradients.
+        w = mask.to(x.dtype).view([-1] + [1] * (x.dim() - 1))
+        count = (w.sum() * (x[0, 0].numel() if x.shape[0] else 0)).reshape(1)
+        xw = xc * w
+        count, s1, s2 = reduce([count, xw.sum(dims), (xw * xc).sum(dims)])
     # Judged on the host at the step's one read on a GPU (metaddp._host), at once on the CPU.
     # Under vmap (tasks stacked) the count cannot leave the transform; the stacked path only
     # takes tasks with samples (metaddp.algorithms._stacked.batchable).

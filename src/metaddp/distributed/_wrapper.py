@@ -38,8 +38,25 @@ from ._collectives import (
     max_abs_difference,
     settings_salt,
 )
+from ._exact import DEFAULT_CHUNKS, ExactSums
 from ._mesh import Mesh
 from ._overlap import GradReducer
+
+
+def _take(batch: Batch, samples: range) -> Batch:
+    return Batch(
+        batch.x[samples.start : samples.stop], batch.y[samples.start : samples.stop], batch.n
+    )
+
+
+def _deterministic_kernels() -> None:
+    """Kernels whose results do not depend on the run or on the batch's shape: deterministic
+    algorithms everywhere, and on the CPU no oneDNN (its convolutions change with the number
+    of chunks stacked in one call, measured)."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.mkldnn.enabled = False  # type: ignore[assignment]
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
 
 
 class MetaDDP(nn.Module):
@@ -65,6 +82,17 @@ class MetaDDP(nn.Module):
             the ranks that split a task's samples, and :meth:`meta_loss` checks that every
             task's shards add up to its global sizes; a difference raises
             :class:`metaddp.OutOfSyncError` naming the tensor. Costs nothing when off.
+        deterministic: the same bits at any number of processes and layout (MAML,
+            first-order MAML, Meta-SGD): every batch is cut by global index into at most
+            ``chunks`` chunks, each computed alone, and every sum is a fixed-point integer
+            sum (:mod:`metaddp.algorithms._exact`). :meth:`shard` cuts tasks into whole
+            chunks; the meta-gradient is complete on every rank after the backward, and
+            :meth:`sync_grads` only reads the step's checks. It sets
+            ``torch.use_deterministic_algorithms(True)`` and turns oneDNN off on the CPU
+            (whose convolutions change with the batch's shape); bits agree for the same
+            torch build, device type and thread count. Costs in BENCHMARKS.md.
+        chunks: with ``deterministic``, the most chunks a batch is cut into. Keep it fixed
+            across the runs to compare; sample axes longer than it leave ranks idle.
 
     What the wrapper does to the module, so that results never depend on the world size:
 
@@ -87,6 +115,8 @@ class MetaDDP(nn.Module):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         overlap: bool = True,
         check: bool | None = None,
+        deterministic: bool = False,
+        chunks: int = DEFAULT_CHUNKS,
     ) -> None:
         super().__init__()
         if isinstance(module, (DistributedDataParallel, nn.DataParallel)):
@@ -106,20 +136,28 @@ class MetaDDP(nn.Module):
             broadcast_(state, src=0, group=self.mesh.group)
         else:
             self.check_in_sync()
+        self.exact: ExactSums | None = None
+        if deterministic:
+            self.exact = ExactSums(self.mesh, chunks)
+            _deterministic_kernels()
         # Hooks only where there is something to overlap with: on one rank the sum is a copy.
         self._reducer: GradReducer | None = None
-        if overlap and group_size(self.mesh.group) > 1:
+        if overlap and group_size(self.mesh.group) > 1 and self.exact is None:
             trained = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
             if trained:
                 self._reducer = GradReducer(
                     trained, self.mesh.group, bucket_bytes, salt=self._settings_salt
                 )
         self._collectives = Collectives(
-            self.reduce, self._count_tasks, repr(self.mesh), step_ends_in_sync=True
+            self.reduce,
+            self._count_tasks,
+            repr(self.mesh),
+            step_ends_in_sync=True,
+            exact=self.exact,
         )
         bind(module, self._collectives)
         self._batchnorm: BatchNormSync | None = (
-            sync_batchnorm(module, self.reduce) if has_batchnorm(module) else None
+            sync_batchnorm(module, self._batch_statistics) if has_batchnorm(module) else None
         )
         self.checking = from_env() if check is None else bool(check)
         self._weight_check = WeightCheck(module, self.mesh.sample_group) if self.checking else None
@@ -130,6 +168,13 @@ class MetaDDP(nn.Module):
     def reduce(self, tensors: list[Tensor]) -> list[Tensor]:
         """Differentiable SUM over the ranks that share a task's samples (for inner loops)."""
         return all_reduce_sum(tensors, group=self.mesh.sample_group, bucket_bytes=self.bucket_bytes)
+
+    def _batch_statistics(self, tensors: list[Tensor]) -> list[Tensor]:
+        # Deterministic mode's chunks pool their statistics order-free; elsewhere (and for
+        # adapt() in that mode) the differentiable SUM.
+        if self.exact is not None and self.exact.pooling():
+            return self.exact.pool(tensors)
+        return self.reduce(tensors)
 
     def _settings_salt(self) -> int:
         # The wrapped module's settings (an algorithm's inner steps, learning rate...) enter
@@ -170,7 +215,7 @@ class MetaDDP(nn.Module):
         finally:
             bind(self.module, self._collectives)
             if self._batchnorm is not None:
-                self._batchnorm.reduce = self.reduce
+                self._batchnorm.reduce = self._batch_statistics
             if self._weight_check is not None:
                 self._weight_check.enabled = True
 
@@ -192,13 +237,22 @@ class MetaDDP(nn.Module):
         share of the samples. ``tasks`` is the whole meta-batch, or its size with
         ``make_task(i)`` building global task ``i`` (then only this rank's tasks are built)."""
         m = self.mesh
-        return MetaBatch.shard(
-            tasks,
-            make_task,
-            task_index=m.task_index,
-            task_parts=m.tasks,
-            sample_index=m.sample_index,
-            sample_parts=m.samples,
+        if self.exact is None:
+            return MetaBatch.shard(
+                tasks,
+                make_task,
+                task_index=m.task_index,
+                task_parts=m.tasks,
+                sample_index=m.sample_index,
+                sample_parts=m.samples,
+            )
+        # Deterministic mode: every batch cut into whole chunks (ExactSums.cut).
+        whole = MetaBatch.shard(tasks, make_task, task_index=m.task_index, task_parts=m.tasks)
+        cut = self.exact.cut
+        return MetaBatch(
+            [Task(*(_take(b, cut(b.n).samples) for b in t)) for t in whole],
+            whole.n,
+            whole.indices,
         )
 
     def meta_loss(self, tasks: Sequence[Task], loss_fn: LossFn) -> Tensor:
@@ -225,6 +279,7 @@ class MetaDDP(nn.Module):
         """A learner with its own fast weights (learn2learn's ``clone()``), reducing its inner
         gradients over the sample axis: ``learner.adapt(share)``, ``learner(x)``."""
         algorithm = self._algorithm("clone")
+        self._not_exact("clone()")
         clone = getattr(algorithm, "clone", None)
         if clone is None:
             raise TypeError(f"{type(algorithm).__name__} has no clone()")
@@ -257,9 +312,18 @@ class MetaDDP(nn.Module):
         keeps second-order terms; a first-order step whose loss is backpropagated again
         later needs ``retain_graph=True``.
         """
+        self._not_exact("grad()")
         return grad(
             loss, params, reduce=self.reduce, create_graph=create_graph, retain_graph=retain_graph
         )
+
+    def _not_exact(self, what: str) -> None:
+        if self.exact is not None:
+            raise TypeError(
+                f"MetaDDP.{what} is not available in deterministic mode, whose meta-gradient "
+                "comes whole from learner.meta_loss(...): a hand-written loop would sum in "
+                "float order. Use meta_loss, or build MetaDDP without deterministic=True"
+            )
 
     def global_value(self, share: Tensor) -> Tensor:
         """The global value of a share (a loss, for logging): SUM over all ranks, detached."""
@@ -339,6 +403,8 @@ class MetaDDP(nn.Module):
             The SUM of ``values`` on the host (empty without ``values``).
         """
         extra = [] if values is None else [values.detach().reshape(-1)]
+        if self.exact is not None:
+            return self._finish_exact(extra)
         if self._reducer is not None:
             missing, summed = self._reducer.finish(extra)
             self._check_trained_unchanged()
@@ -367,6 +433,27 @@ class MetaDDP(nn.Module):
                 if f > 0:
                     p.grad = g if p.grad is None else p.grad.copy_(g)
         return got[len(params) :]
+
+    def _finish_exact(self, extra: list[Tensor]) -> list[float]:
+        # Deterministic mode: the backward of meta_loss already summed the meta-gradient on
+        # every rank (ExactSums.spread_tasks); only the values and the step's checks remain.
+        assert self.exact is not None
+        if not self.exact.used:
+            _host.discard()
+            raise RuntimeError(
+                "deterministic mode: sync_grads() follows the backward of learner.meta_loss(...), "
+                "which sums the meta-gradient itself; no meta_loss ran since the last "
+                "sync_grads(), so these gradients would be one rank's"
+            )
+        self.exact.used = False
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        like = params[0] if params else torch.zeros(0)
+        tail = torch.cat([like.detach().new_zeros(0), *(v.to(like) for v in extra)])
+        summed = launch_sum([tail], self.mesh.group, phase=Phase.VALUES).wait()[0]
+        (got,) = _host.read(summed)
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        self._raise_missing([names[id(p)] for p in params if p.grad is None])
+        return got
 
     def _check_trained_unchanged(self) -> None:
         assert self._reducer is not None

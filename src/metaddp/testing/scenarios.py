@@ -98,6 +98,8 @@ class Problem:
     cg_steps: int = 60  # iMAML's conjugate-gradient budget
     memory: str = "default"  # "low": each inner step's graph rebuilt during the backward
     optimizer: str = "sgd"  # the inner optimizer by name (INNER_OPTIMIZERS)
+    deterministic: bool = False  # MetaDDP's deterministic mode (bit-identical at any world)
+    chunks: int = 8  # its most chunks per batch
 
     def build_model(self) -> nn.Module:
         torch.manual_seed(self.seed)
@@ -161,7 +163,12 @@ class Problem:
 def run(problem: Problem) -> dict:
     """One meta-step of ``problem`` on this rank: the global loss, the meta-gradient (see
     :func:`meta_gradient`) and the model's buffers after the step."""
-    learner = MetaDDP(problem.build_algorithm(), Mesh.for_layout(problem.layout))
+    learner = MetaDDP(
+        problem.build_algorithm(),
+        Mesh.for_layout(problem.layout),
+        deterministic=problem.deterministic,
+        chunks=problem.chunks,
+    )
     loss = learner.meta_loss(learner.shard(problem.n_tasks, problem.task), problem.loss_fn)
     loss.backward()
     learner.sync_grads()

@@ -1,0 +1,245 @@
+"""MAML in deterministic mode: the same bits on any number of processes.
+
+A float sum depends on the order of its additions, and kernels sum over whatever samples a
+process holds: so the default mode agrees across process counts only to rounding. Here the
+order of every sum is fixed by the problem, not by the split:
+
+* every batch is cut by global index into chunks (:class:`metaddp.Chunks`); a process holds
+  whole chunks. Each chunk runs with its own copy of the weights, all chunks of a process in
+  one ``torch.vmap`` call, so every chunk's gradient is computed alone, by the same kernels,
+  whichever process holds it and whatever else it holds (short chunks are padded and
+  masked, so every chunk has one shape);
+* every sum over chunks, tasks or processes (inner gradients, BatchNorm statistics, the loss,
+  the meta-gradient) is the mesh's order-free sum (``sums``: fixed point in 64-bit integers),
+  reached through copies whose adjoint it is, so the backward sums in the same way.
+
+The values every process holds alike are therefore equal bit for bit, and so is the
+meta-gradient, which is complete on every process when the backward ends. This module never
+knows about ranks: it asks ``sums`` for copies and sums.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .. import _mask
+from .._adapt import check_finite
+from .._data import Batch, Chunks, Task
+from .._functional import call
+from .._types import LossFn, Params
+from ..inner import InnerOptimizer, apply_updates
+
+_TENSOR = object()
+
+
+class Sums(Protocol):
+    """What the executor asks of the processes (``metaddp.distributed.ExactSums``)."""
+
+    chunks: int
+
+    def cut(self, n: int) -> Chunks: ...
+    def spread_tasks(self, tensors: Sequence[Tensor], n_local: int) -> list[Tensor]: ...
+    def spread_units(self, tensors: Sequence[Tensor], width: int) -> list[Tensor]: ...
+    def gather_units(self, tensors: Sequence[Tensor]) -> list[Tensor]: ...
+    def total(self, values: Tensor) -> Tensor: ...
+    def units(self, tasks: int, width: int) -> Any: ...
+
+
+def _chunked(batches: Sequence[Batch], chunks: Chunks) -> tuple[Tensor, Tensor, Tensor, int]:
+    """This rank's chunks of every task, padded to one shape: ``x [T*m, size, ...]``,
+    ``y``, ``mask [T*m, size]`` and ``m`` (a rank without chunks gets one empty chunk)."""
+    held = len(chunks.samples)
+    for i, b in enumerate(batches):
+        if b.n != chunks.n or b.x.shape[0] != held:
+            raise ValueError(
+                f"deterministic mode: task {i}'s shard holds {b.x.shape[0]} of {b.n} samples, "
+                f"but this rank's chunks of a batch of {chunks.n} hold {held}. Cut meta-batches "
+                "with learner.shard(...), which cuts every batch into whole chunks, and give "
+                "every task the same support and query sizes"
+            )
+    width = max(len(chunks.mine), 1)
+    xs, ys, ms = [], [], []
+    for b in batches:
+        x0, y0 = b.x, b.y
+        if not held:  # no chunk here: one padded chunk that counts for nothing
+            x0, y0 = b.x.new_zeros((0, *b.x.shape[1:])), b.y.new_zeros((0, *b.y.shape[1:]))
+        for c in range(width):
+            lo, hi = c * chunks.size, min((c + 1) * chunks.size, held)
+            pad = chunks.size - max(hi - lo, 0)
+            x, y = x0[lo:hi], y0[lo:hi]
+            mask = x.new_ones(hi - lo if hi > lo else 0, dtype=torch.float32)
+            if pad:
+                # Padding repeats a real target where there is one (any valid class), else
+                # zeros; its loss is multiplied by zero.
+                fill = y0[:1].expand(pad, *y0.shape[1:]) if y0.shape[0] else None
+                x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
+                y = torch.cat([y, fill if fill is not None else y.new_zeros((pad, *y.shape[1:]))])
+                mask = torch.cat([mask, mask.new_zeros(pad)])
+            xs.append(x)
+            ys.append(y)
+            ms.append(mask)
+    return torch.stack(xs), torch.stack(ys), torch.stack(ms), width
+
+
+def _chunk_values(
+    model: nn.Module,
+    weights: Mapping[str, Tensor],
+    x: Tensor,
+    y: Tensor,
+    mask: Tensor,
+    loss_fn: LossFn,
+    divisor: float,
+) -> Tensor:
+    """Every chunk's sum of its samples' losses over ``divisor`` (``[U]``), chunks vmapped."""
+
+    def one(w: Mapping[str, Tensor], xc: Tensor, yc: Tensor, mc: Tensor) -> Tensor:
+        with _mask.sample_mask(mc):
+            per = loss_fn(call(model, w, xc), yc)
+        per = per.flatten(1).mean(1) if per.dim() > 1 else per
+        return (per * mc.to(per.dtype)).sum() / divisor
+
+    return torch.vmap(one)(dict(weights), x, y, mask)
+
+
+def _per_task(
+    build: Callable[[Params | None], InnerOptimizer], rates: Params | None, n: int
+) -> tuple[Callable[[Params], Any], Callable[[Params, Any, Params], tuple[Params, Any]]]:
+    """``init`` and ``update`` of the inner optimizer on stacked ``[T, ...]`` weights, task by
+    task under ``torch.vmap``, each task with its own copy of the learned rates."""
+
+    def init(params: Params) -> Any:
+        row0 = None if rates is None else {k: v[0] for k, v in rates.items()}
+        state = build(row0).init({k: v[0] for k, v in params.items()})
+        leaves, spec = tree_flatten(state)
+        return tree_unflatten(
+            [
+                leaf.unsqueeze(0).expand(n, *leaf.shape).contiguous()
+                if isinstance(leaf, Tensor)
+                else leaf
+                for leaf in leaves
+            ],
+            spec,
+        )
+
+    def update(grads: Params, state: Any, params: Params) -> tuple[Params, Any]:
+        leaves, spec = tree_flatten(state)
+        tensor_leaves = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
+        out: dict = {}
+
+        def one(g: Params, p: Params, ts: list[Tensor], r: Params | None):
+            it = iter(ts)
+            st = tree_unflatten(
+                [next(it) if isinstance(leaf, Tensor) else leaf for leaf in leaves], spec
+            )
+            updates, new = build(r).update(g, st, p)
+            new_leaves, out["spec"] = tree_flatten(new)
+            out["other"] = [_TENSOR if isinstance(leaf, Tensor) else leaf for leaf in new_leaves]
+            return updates, [leaf for leaf in new_leaves if isinstance(leaf, Tensor)]
+
+        updates, new_tensors = torch.vmap(one, in_dims=(0, 0, 0, None if rates is None else 0))(
+            dict(grads), dict(params), tensor_leaves, None if rates is None else dict(rates)
+        )
+        it = iter(new_tensors)
+        new = tree_unflatten(
+            [next(it) if leaf is _TENSOR else leaf for leaf in out["other"]], out["spec"]
+        )
+        return updates, new
+
+    return init, update
+
+
+def exact_meta_loss(
+    model: nn.Module,
+    params: Params,
+    tasks: Sequence[Task],
+    loss_fn: LossFn,
+    *,
+    n_tasks: int,
+    steps: int,
+    first_order: bool,
+    build: Callable[[Params | None], InnerOptimizer],
+    rates: Params | None,
+    sums: Sums,
+) -> Tensor:
+    """This rank's share of the meta-batch's mean query loss, every sum order-free.
+
+    Args:
+        model: the network, evaluated functionally on chunk copies of the fast weights.
+        params: the meta-parameters.
+        tasks: this rank's tasks, every batch cut into whole chunks (``sums.cut``).
+        n_tasks: tasks in the global meta-batch.
+        steps, first_order: the inner loop.
+        build: the inner optimizer, from a task's learned rates (``None`` without them).
+        rates: the learned rates by parameter name (``None`` without them).
+        sums: the processes' copies and sums.
+
+    Returns:
+        A scalar whose sum over ranks is the meta-loss; its backward leaves the complete
+        meta-gradient on every rank.
+    """
+    if any(True for _ in model.buffers()):
+        raise ValueError(
+            "deterministic mode cannot run models with buffers (BatchNorm's running "
+            "statistics are updated in place per task): build BatchNorm layers with "
+            "track_running_stats=False, as MAML does"
+        )
+    names = list(params)
+    rate_leaves: list[Tensor] = []
+    rate_of: dict[str, int] = {}
+    if rates is not None:
+        for k, r in rates.items():
+            found = next((i for i, t in enumerate(rate_leaves) if t is r), None)
+            if found is None:
+                rate_leaves.append(r)
+                found = len(rate_leaves) - 1
+            rate_of[k] = found
+    n_local = len(tasks)
+    copies = sums.spread_tasks([params[k] for k in names] + rate_leaves, n_local)
+    if not n_local:
+        # No task here: a zero that still reaches the copies, so that the meta-gradient's
+        # sum in their backward runs on this rank too.
+        zero = sum((c.sum() for c in copies), params[names[0]].new_zeros(())) * 0
+        return sums.total(zero.expand(0))
+    fast: Params = dict(zip(names, copies[: len(names)], strict=True))
+    task_rates = None
+    if rates is not None:
+        spread_rates = copies[len(names) :]
+        task_rates = {k: spread_rates[i] for k, i in rate_of.items()}
+    init, update = _per_task(build, task_rates, n_local)
+    support, query = sums.cut(tasks[0].support.n), sums.cut(tasks[0].query.n)
+    sx, sy, sm, sw = _chunked([t.support for t in tasks], support)
+    qx, qy, qm, qw = _chunked([t.query for t in tasks], query)
+
+    def chunk_values(fast: Params, width: int, x, y, mask, divisor: int) -> tuple[list, Tensor]:
+        # A copy of each task's weights per chunk; every chunk's loss, chunks vmapped.
+        copies = sums.spread_units([fast[k] for k in names], width)
+        flat = [c.reshape(n_local * width, *c.shape[2:]) for c in copies]
+        with sums.units(n_local, width):
+            values = _chunk_values(
+                model, dict(zip(names, flat, strict=True)), x, y, mask, loss_fn, divisor
+            )
+        return flat, values
+
+    state = init(fast)
+    with torch.enable_grad():
+        for step in range(steps):
+            flat, values = chunk_values(fast, sw, sx, sy, sm, support.n)
+            grads = torch.autograd.grad(
+                values.sum(),
+                flat,
+                create_graph=not first_order,
+                allow_unused=True,
+                materialize_grads=True,
+            )
+            summed = sums.gather_units([g.reshape(n_local, sw, *g.shape[1:]) for g in grads])
+            g_fast = dict(zip(names, summed, strict=True))
+            check_finite(g_fast, step)
+            updates, state = update(g_fast, state, fast)
+            fast = apply_updates(fast, updates)
+        _, values = chunk_values(fast, qw, qx, qy, qm, query.n * n_tasks)
+    return sums.total(values)

@@ -1,0 +1,138 @@
+"""The mesh's side of deterministic mode: order-free sums over the task and sample axes.
+
+In this mode every value that the ranks hold alike (fast weights, inner gradients, batch
+statistics, the meta-loss, the meta-gradient) is held in full and bit for bit alike on every
+rank; what a rank holds alone is one chunk's contribution. Two differentiable operations
+connect them, each the other's adjoint (:mod:`metaddp.distributed._fixed`):
+
+* *spread*: copies of a value all ranks hold, one per local chunk (or task);
+* *gather*: the fixed-point sum of every chunk's contribution over the ranks that hold them.
+
+So the meta-gradient is complete on every rank when the backward ends: the spread of the
+meta-parameters to the tasks sums their gradients in its backward, over the task axis.
+Nothing here knows what the chunks compute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from .._data import Chunks
+from ._collectives import Phase, all_reduce_sum, group_rank
+from ._fixed import gather, spread
+from ._mesh import Mesh
+
+DEFAULT_CHUNKS = 8
+
+
+class ExactSums:
+    """Order-free sums over a :class:`metaddp.Mesh`, for chunks of ``chunks`` at most per batch.
+
+    Args:
+        mesh: the ranks' layout.
+        chunks: the most chunks a batch is cut into; the same at every world size. A sample
+            axis longer than ``chunks`` leaves ranks without chunks (they still take part).
+    """
+
+    def __init__(self, mesh: Mesh, chunks: int = DEFAULT_CHUNKS) -> None:
+        if chunks < 1:
+            raise ValueError(f"chunks must be a positive number, got {chunks}")
+        self.mesh, self.chunks = mesh, int(chunks)
+        self._units: list[tuple[int, int]] = []
+        self.used = False  # set by spread_tasks: the step's gradients are complete
+
+    def cut(self, n: int) -> Chunks:
+        """The chunks of a batch of ``n`` samples, and this rank's (on the sample axis)."""
+        return Chunks.of(n, self.chunks, self.mesh.sample_index, self.mesh.samples)
+
+    def spread_tasks(self, tensors: Sequence[Tensor], n_local: int) -> list[Tensor]:
+        """``[*s] -> [n_local, *s]``: a copy per local task of values every rank holds; the
+        backward sums the copies' gradients over the task axis (the meta-gradient)."""
+        self.used = True
+        out = spread([t.unsqueeze(0) for t in tensors], [n_local] * len(tensors), self._tasks)
+        return [o.squeeze(0) for o in out]
+
+    def spread_units(self, tensors: Sequence[Tensor], width: int) -> list[Tensor]:
+        """``[T, *s] -> [T, width, *s]``: a copy per local chunk of each task's value."""
+        return spread(tensors, [width] * len(tensors), self.mesh.sample_group)
+
+    def gather_units(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        """``[T, m, *s] -> [T, *s]``: each task's sum over its chunks on every rank."""
+        return gather(tensors, self.mesh.sample_group)
+
+    def total(self, values: Tensor) -> Tensor:
+        """The sum of every rank's ``values`` (1-d), returned as this rank's share of it: the
+        whole on the mesh's first rank, zero elsewhere, so that shares add up to it exactly.
+        Its backward gives every contribution the whole adjoint."""
+        whole = gather([values.reshape(1, -1)], self.mesh.group)[0].reshape(())
+        return _FirstRankShare.apply(whole, self.mesh.group)
+
+    @property
+    def _tasks(self):
+        # Ranks of one sample group hold the same tasks, in full: summing over the ranks with
+        # this rank's sample index (one per task group) counts every task once.
+        return self.mesh.task_group
+
+    @contextlib.contextmanager
+    def units(self, tasks: int, width: int) -> Iterator[None]:
+        """Inside, :meth:`pool` sums over a vmapped axis of ``tasks * width`` chunks."""
+        self._units.append((tasks, width))
+        try:
+            yield
+        finally:
+            self._units.pop()
+
+    def pooling(self) -> bool:
+        return bool(self._units)
+
+    def pool(self, tensors: list[Tensor]) -> list[Tensor]:
+        """Under ``torch.vmap`` over the chunks of :meth:`units`: every chunk gets its task's
+        sum over all its chunks (BatchNorm's statistics). Self-adjoint."""
+        return list(_Pool.apply(self, *tensors))
+
+
+class _FirstRankShare(torch.autograd.Function):
+    @staticmethod
+    def forward(whole, group):
+        return whole * (1.0 if group_rank(group) == 0 else 0.0)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Every rank's contribution needs the adjoint of the whole: the sum of the shares'
+        # adjoints, of which only the first rank's is not multiplied by zero (exact).
+        w = 1.0 if group_rank(ctx.group) == 0 else 0.0
+        return all_reduce_sum([grad * w], ctx.group, phase=Phase.BACKWARD)[0], None
+
+
+class _Pool(torch.autograd.Function):
+    @staticmethod
+    def forward(sums, *tensors):
+        raise RuntimeError("ExactSums.pool runs under torch.vmap over chunks only")
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("ExactSums.pool runs under torch.vmap over chunks only")
+
+    @staticmethod
+    def vmap(info, in_dims, sums, *tensors):
+        tasks, width = sums._units[-1]
+        units = tasks * width
+        phys = []
+        for t, d in zip(tensors, in_dims[1:], strict=True):
+            t = t.movedim(d, 0) if d is not None else t.unsqueeze(0).expand(units, *t.shape)
+            phys.append(t.reshape(tasks, width, *t.shape[1:]))
+        group = sums.mesh.sample_group
+        whole = spread(gather(phys, group), [width] * len(phys), group)
+        return tuple(w.reshape(units, *w.shape[2:]) for w in whole), (0,) * len(whole)

@@ -1,0 +1,188 @@
+"""Sums whose bits do not depend on how the summands are split: fixed point in 64-bit integers.
+
+A floating-point sum depends on the order of its additions, so a gradient summed over 3
+samples on one rank and 2 on another differs in its last bits from the same gradient summed
+over 5 on one rank. Integer addition is associative: here every summand is converted to an
+``int64`` multiple of a power of two agreed by all ranks, the integers are added (locally,
+then by one SUM all-reduce), and the total is converted back once. Any split of the summands
+over ranks, and any order, gives the same bits.
+
+The scale: for each output row, ``M`` is the largest ``|x|`` of its summands on any rank (one
+MAX all-reduce), ``2**e > M``, and a summand becomes ``round(x * 2**(62 - h - e))`` where
+``2**h`` (:data:`SUMMANDS`) bounds the number of summands, so no sum can overflow. The bound
+is a constant, not the actual count, because the scale must not depend on how many summands
+a rank holds. The total is exact to ``2**-(62 - h)`` of ``M`` (2e-13): far below float32's
+rounding, so the result is as accurate as a float32 sum or more. A non-finite summand makes
+its row NaN.
+
+Two differentiable forms are adjoint to each other, so they compose to any order:
+
+* :class:`_Gather`: ``[T, m, ...] -> [T, ...]``, the sum over the ``m`` local summands of each
+  row and over the group's ranks; every rank gets the same total.
+* :class:`_Spread`: ``[T, ...] -> [T, m, ...]``, copies of a value every rank holds alike.
+
+Nothing here knows what is summed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import _host
+from ._collectives import (
+    CollectiveError,
+    Group,
+    _guard,
+    _record,
+    comm_device,
+    group_rank,
+    group_size,
+)
+
+_BITS = 62  # |every partial sum| < 2**62 < 2**63
+_HEADROOM = 20
+SUMMANDS = 2**_HEADROOM  # the most summands one output entry may have, over all ranks
+
+
+def _agree_max(values: Tensor, group: Group, tag: float) -> Tensor:
+    """Elementwise MAX over ``group`` of a 1-d float64 tensor, with an out-of-step tag."""
+    if group_size(group) == 1:
+        return values
+    device = comm_device(group)
+    tag_t = torch.tensor([tag, -tag], dtype=torch.float64, device=values.device)
+    flat = torch.cat([values, tag_t]).to(device)
+    _record(flat.numel(), flat.numel() * 8)
+    _guard(lambda: dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group), "fixed-point scale")
+    rank = group_rank(group)
+
+    def verdict(got: list[float]) -> Exception | None:
+        hi, lo = got[0], -got[1]
+        if hi == lo:
+            return None
+        return CollectiveError(
+            f"ranks are out of step at a deterministic sum on rank {rank}: its call tags range "
+            f"{lo:g}..{hi:g} across ranks. Every rank must run the same sums in the same order: "
+            "check that inner-step counts, algorithms and meta-batch layouts agree."
+        )
+
+    _host.check(flat[-2:].clone(), verdict)
+    return flat[:-2].to(values.device)
+
+
+def _int_sum(ints: Tensor, group: Group) -> Tensor:
+    if group_size(group) == 1:
+        return ints
+    device = comm_device(group)
+    flat = ints.to(device)
+    _record(flat.numel(), flat.numel() * 8)
+    _guard(lambda: dist.all_reduce(flat, group=group), "fixed-point sum")
+    return flat.to(ints.device)
+
+
+_calls: dict[int, int] = {}
+
+
+def _tag(group: Group) -> float:
+    seq = _calls.get(id(group), 0)
+    _calls[id(group)] = seq + 1
+    return float(1 + seq % 4093)
+
+
+def fixed_sum(tensors: Sequence[Tensor], group: Group) -> list[Tensor]:
+    """For each ``x: [T, m, *s]``, the sum over dimension 1 and over ``group``: ``[T, *s]``.
+
+    Bit-identical for any split of the summands over ranks and any order; at most
+    :data:`SUMMANDS` summands per entry over all ranks. Not differentiable
+    (see :func:`gather`). Two collectives whatever the number of tensors (none on one rank,
+    where the conversion still runs, so one process gives the same bits as several).
+    """
+    tensors = list(tensors)
+    if not tensors:
+        return []
+    # One scale per output row: M = max |x| over the row's summands on every rank.
+    rows = [
+        t.detach().abs().flatten(1).amax(1) if t.numel() else t.new_zeros(t.shape[0])
+        for t in tensors
+    ]
+    local = torch.cat([r.double() for r in rows])
+    # NaN would be lost by MAX on some backends: carry "not finite" as +inf.
+    local = torch.where(torch.isfinite(local), local, torch.full_like(local, math.inf))
+    m = _agree_max(local, group, _tag(group))
+    finite = torch.isfinite(m)
+    _, e = torch.frexp(torch.where(finite, m, torch.zeros_like(m)))  # m < 2**e
+    k = (_BITS - _HEADROOM) - e.to(torch.float64)  # the power of two every summand is scaled by
+    ints, offset = [], 0
+    for t in tensors:
+        rows_k = k[offset : offset + t.shape[0]]
+        offset += t.shape[0]
+        shape = [t.shape[0]] + [1] * (t.dim() - 1)
+        scaled = torch.ldexp(t.detach().double(), rows_k.view(shape))
+        scaled = torch.where(torch.isfinite(scaled), scaled, torch.zeros_like(scaled))
+        ints.append(scaled.round().to(torch.int64).sum(1).reshape(-1))
+    total = _int_sum(torch.cat(ints), group)
+    out, offset, row = [], 0, 0
+    for t in tensors:
+        n_rows = t.shape[0]
+        size = n_rows * math.prod(t.shape[2:])
+        part = total[offset : offset + size].view(n_rows, *t.shape[2:])
+        offset += size
+        rows_k = k[row : row + n_rows].view([n_rows] + [1] * (t.dim() - 2))
+        ok = finite[row : row + n_rows].view(rows_k.shape)
+        row += n_rows
+        value = torch.ldexp(part.double(), -rows_k)
+        value = torch.where(ok, value, torch.full_like(value, math.nan))
+        out.append(value.to(t.dtype))
+    return out
+
+
+class _Gather(torch.autograd.Function):
+    """``[T, m, *s] -> [T, *s]``: :func:`fixed_sum`; its adjoint is :class:`_Spread`."""
+
+    @staticmethod
+    def forward(group, *tensors):
+        return tuple(fixed_sum(tensors, group))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group = inputs[0]
+        ctx.widths = [t.shape[1] for t in inputs[1:]]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, *_Spread.apply(ctx.group, ctx.widths, *grads))
+
+
+class _Spread(torch.autograd.Function):
+    """``[T, *s] -> [T, m, *s]``: ``m`` copies of a value every rank holds alike; its adjoint
+    is :class:`_Gather` (the sum of every copy's adjoint, on every rank)."""
+
+    @staticmethod
+    def forward(group, widths, *tensors):
+        return tuple(
+            t.unsqueeze(1).expand(t.shape[0], m, *t.shape[1:]).contiguous()
+            for t, m in zip(tensors, widths, strict=True)
+        )
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group = inputs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, *_Gather.apply(ctx.group, *grads))
+
+
+def gather(tensors: Sequence[Tensor], group: Group) -> list[Tensor]:
+    """Differentiable :func:`fixed_sum` (``[T, m, *s] -> [T, *s]``); backward: copies."""
+    return list(_Gather.apply(group, *tensors))
+
+
+def spread(tensors: Sequence[Tensor], widths: Sequence[int], group: Group) -> list[Tensor]:
+    """Differentiable copies (``[T, *s] -> [T, m, *s]``, ``m`` from ``widths``) of values every
+    rank of ``group`` holds alike; backward: :func:`fixed_sum` of the copies' adjoints."""
+    return list(_Spread.apply(group, list(widths), *tensors))
