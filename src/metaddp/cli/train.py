@@ -98,6 +98,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=S,
         help="forward passes in this precision, meta-gradients in --dtype (default: off)",
     )
+    g.add_argument(
+        "--deterministic",
+        action="store_true",
+        default=S,
+        help="the same bits at any --nproc and --layout: weights, losses and evaluations "
+        "(MAML, FOMAML, Meta-SGD; costs in BENCHMARKS.md)",
+    )
+    g.add_argument(
+        "--chunks",
+        type=int,
+        default=S,
+        help="with --deterministic: the most chunks a batch is cut into (default 8); keep it "
+        "fixed across the runs to compare",
+    )
     g = p.add_argument_group("evaluation and output")
     g.add_argument("--eval-every", type=int, default=S, help="steps between meta-test runs (100)")
     g.add_argument("--eval-tasks", type=int, default=S, help="held-out tasks per meta-test (100)")
@@ -281,6 +295,10 @@ def worker(
 
     from ..distributed._mesh import default_backend, init, rank, shutdown
 
+    if cfg_dict.get("deterministic"):
+        # CPU kernels split their work by the thread count, which changes their bits: one
+        # thread per process, whatever the number of processes.
+        threads = 1
     if threads:
         torch.set_num_threads(threads)
     if under_torchrun():

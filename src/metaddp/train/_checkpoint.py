@@ -109,9 +109,16 @@ def save(
 
 def settings_before(config: Mapping[str, Any]) -> dict[str, Any]:
     """What a setting added since meant in checkpoints written before it existed: the image
-    network had no BatchNorm, inner steps were SGD, forward passes ran in the run's dtype."""
+    network had no BatchNorm, inner steps were SGD, forward passes ran in the run's dtype,
+    and runs were not deterministic."""
     image = config.get("ways") is not None
-    return {"norm": "none" if image else None, "inner_optimizer": "sgd", "autocast": None}
+    return {
+        "norm": "none" if image else None,
+        "inner_optimizer": "sgd",
+        "autocast": None,
+        "deterministic": False,
+        "chunks": 8,
+    }
 
 
 def load(path: Path, identity: Mapping[str, Any], map_location: Any = "cpu") -> dict[str, Any]:

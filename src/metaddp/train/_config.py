@@ -60,6 +60,9 @@ class TrainConfig:
         fonts: glyphs: "all" (matplotlib's and the system's fonts), "matplotlib", or the
             identity of a font set (file names and hashes). A run records the identity of the
             fonts it drew its glyphs from, and a resumed run checks that they are all here.
+        deterministic: the same bits at any number of processes and layout (MAML, FOMAML,
+            Meta-SGD): weights, losses and evaluations (``MetaDDP(deterministic=True)``).
+        chunks: with ``deterministic``, the most chunks a batch is cut into.
     """
 
     task: str = "sinusoid"
@@ -87,6 +90,8 @@ class TrainConfig:
     autocast: str | None = None
     norm: str | None = None
     fonts: str | None = None
+    deterministic: bool = False
+    chunks: int = 8
 
     # Settings that define the trajectory: a checkpoint resumes only under the same ones.
     # The number of processes, the layout, the length of the run and evaluation may change.
@@ -109,6 +114,8 @@ class TrainConfig:
         "fonts",
         "inner_optimizer",
         "autocast",
+        "deterministic",
+        "chunks",
     )
 
     def __post_init__(self) -> None:
@@ -188,6 +195,7 @@ class TrainConfig:
             "hidden",
             "eval_tasks",
             "checkpoint_every",
+            "chunks",
         )
         for k in positive:
             if getattr(self, k) is None or getattr(self, k) < 1:
@@ -195,6 +203,17 @@ class TrainConfig:
         for k in ("inner_steps", "eval_every", "eval_steps"):
             if getattr(self, k) < 0:
                 raise ValueError(f"{k} must be >= 0, got {getattr(self, k)!r}")
+        if self.deterministic:
+            if self.algorithm not in DETERMINISTIC_ALGORITHMS:
+                raise ValueError(
+                    f"deterministic runs train {', '.join(DETERMINISTIC_ALGORITHMS)}, not "
+                    f"{self.algorithm}"
+                )
+            if self.memory != "default" or self.autocast is not None:
+                raise ValueError(
+                    "deterministic runs keep every inner step's graph in the run's dtype: "
+                    "drop memory/autocast"
+                )
         for k in ("inner_lr", "outer_lr", "lam"):
             if not (getattr(self, k) > 0 and math.isfinite(getattr(self, k))):
                 raise ValueError(f"{k} must be a positive finite number, got {getattr(self, k)!r}")
@@ -239,10 +258,13 @@ class TrainConfig:
 
 
 # What each setting holds, from the field's annotation ("int | None" -> int).
+DETERMINISTIC_ALGORITHMS = ("maml", "fomaml", "metasgd")
+
 KINDS: dict[str, tuple[tuple[type, ...], str]] = {
     "int": ((int,), "an integer"),
     "float": ((int, float), "a number"),
     "str": ((str,), "a string"),
+    "bool": ((bool,), "true or false"),
 }
 
 
@@ -252,8 +274,9 @@ def check_type(name: str, value: Any) -> None:
     annotation = str({f.name: f.type for f in dataclasses.fields(TrainConfig)}[name])
     if value is None and "None" in annotation:
         return
-    types, what = KINDS[annotation.split(" | ")[0]]
-    if isinstance(value, bool) or not isinstance(value, types):
+    kind = annotation.split(" | ")[0]
+    types, what = KINDS[kind]
+    if (isinstance(value, bool) and kind != "bool") or not isinstance(value, types):
         raise ValueError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
 
 

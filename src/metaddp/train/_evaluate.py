@@ -14,7 +14,7 @@ from .._data import Task, shard_range
 from .._share import share
 from .._types import MetaAlgorithm
 from ..distributed import Mesh, all_reduce_sum
-from ..distributed._collectives import Phase
+from ..distributed._collectives import Phase, group_rank, group_size
 from ..tasks import TaskFamily
 from ._metrics import mean_ci95
 
@@ -38,6 +38,7 @@ def evaluate(
     steps: int,
     dtype: torch.dtype,
     device: torch.device,
+    whole: bool = False,
 ) -> dict[str, float]:
     """Query loss (and accuracy) on ``n_tasks`` held-out tasks, before and after ``steps``.
 
@@ -47,16 +48,22 @@ def evaluate(
         family: the task family; tasks come from its "test" split.
         mesh: how processes share the tasks.
         seed, n_tasks, steps: which tasks, how many, adaptation steps.
+        whole: every task whole on one process (tasks spread over all processes), for
+            ``algorithm`` running alone (``MetaDDP.local()``); else split like a meta-batch.
 
     Returns:
         ``test_before`` / ``test_after`` (mean query loss), ``test_after_ci`` (95% half-width),
         and for classification ``test_acc_before`` / ``test_acc_after`` / ``test_acc_after_ci``.
     """
     per_task = torch.zeros(n_tasks, 4, dtype=torch.float64, device=device)
-    for i in shard_range(n_tasks, mesh.task_index, mesh.tasks):
-        task = to(
-            family.task(seed, i, "test").split(mesh.sample_index, mesh.samples), dtype, device
-        )
+    index, parts = (mesh.task_index, mesh.tasks)
+    if whole:
+        index, parts = group_rank(mesh.group), group_size(mesh.group)
+    for i in shard_range(n_tasks, index, parts):
+        task = family.task(seed, i, "test")
+        if not whole:
+            task = task.split(mesh.sample_index, mesh.samples)
+        task = to(task, dtype, device)
         for col, k in enumerate((0, steps)):
             fast = algorithm.adapt(task.support, family.loss, steps=k)
             fast = {name: p.detach() for name, p in fast.items()}

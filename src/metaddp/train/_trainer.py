@@ -82,7 +82,12 @@ class Trainer:
                     f"the checkpoint is at step {self.start}, beyond --steps {cfg.steps}: "
                     "raise --steps"
                 )
-        self.learner = MetaDDP(self.algorithm, Mesh.for_layout(cfg.layout))
+        self.learner = MetaDDP(
+            self.algorithm,
+            Mesh.for_layout(cfg.layout),
+            deterministic=cfg.deterministic,
+            chunks=cfg.chunks,
+        )
         self.saved = self.start  # the step of the newest checkpoint (0: none)
 
     def step(self, step: int, stop_requested: bool = False) -> tuple[float, bool]:
@@ -161,7 +166,7 @@ class Trainer:
         """Meta-test on held-out tasks (mean query loss and accuracy, with 95% intervals)."""
         cfg = self.cfg
         assert cfg.eval_steps is not None
-        return evaluate(
+        run = lambda whole: evaluate(  # noqa: E731
             self.algorithm,
             self.family,
             self.learner.mesh,
@@ -170,7 +175,14 @@ class Trainer:
             steps=cfg.eval_steps,
             dtype=self.dtype,
             device=self.device,
+            whole=whole,
         )
+        if not cfg.deterministic:
+            return run(False)
+        # Whole tasks, each on one process alone: the same kernels on the same data at any
+        # world size, so the same bits.
+        with self.learner.local():
+            return run(True)
 
     def save(self, step: int) -> None:
         """Write the checkpoint (rank 0), atomically."""

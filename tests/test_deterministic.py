@@ -1,0 +1,196 @@
+"""Deterministic mode: float32 meta-gradients, losses and training runs bit-identical at 1-4
+processes, in every layout, with uneven and empty shards.
+
+Every comparison here is ``torch.equal`` or ``==``, never a tolerance, except the accuracy
+against float64. Deterministic MetaDDP sets process-wide switches (oneDNN off), so it is only
+ever built in spawned processes, never in the test process. One process group per world size
+runs everything of that size.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import reference
+from metaddp import train as _train
+from metaddp._data import Chunks
+from metaddp.distributed import _fixed
+from metaddp.distributed.launch import run_local
+from metaddp.testing import scenarios as S
+from metaddp.train import TrainConfig
+
+F32 = torch.float32
+# Sizes make shards uneven at every world size (13 support samples cut into 7 chunks of 2,
+# 11 query ones into 6), leave ranks without a chunk (2 support samples: 2 chunks over 3-4
+# ranks) and without a task (3 tasks over 4 ranks in the task layout).
+CASES = {
+    "mlp-sample": S.Problem("mlp", steps=2, layout="sample"),
+    "mlp-task": S.Problem("mlp", steps=2, layout="task"),
+    "mlp-task3": S.Problem("mlp", n_tasks=3, steps=1, layout="task"),
+    "mlp-hybrid": S.Problem("mlp", n_tasks=3, steps=2, layout="hybrid"),
+    "mlp-1st-empty": S.Problem("mlp", n_support=2, n_query=3, first_order=True),
+    "metasgd-sample": S.Problem("mlp", steps=2, algorithm="metasgd"),
+    "metasgd-adam-hybrid": S.Problem("mlp", steps=2, algorithm="metasgd", optimizer="adam",
+                                     layout="hybrid"),
+    "conv-bn-sample": S.Problem("conv", steps=2, batchnorm=True, running_stats=False),
+    "conv-bn-hybrid": S.Problem("conv", n_tasks=3, steps=1, batchnorm=True, running_stats=False,
+                                layout="hybrid"),
+    "conv-task": S.Problem("conv", n_tasks=3, steps=1, layout="task"),
+}
+DETERMINISTIC = {k: dataclasses.replace(p, dtype=F32, deterministic=True) for k, p in CASES.items()}
+# The default mode on the same problem: exact to rounding only.
+DEFAULT = dataclasses.replace(CASES["mlp-sample"], dtype=F32)
+
+TRAIN = TrainConfig(task="sinusoid", algorithm="maml", steps=30, meta_batch=5, inner_steps=2,
+                    inner_lr=0.05, outer_lr=0.01, shots=7, query=5, hidden=16,
+                    eval_every=15, eval_tasks=6, eval_steps=3, checkpoint_every=15,
+                    deterministic=True)
+# world size -> layout of its training run: sample, tasks over processes, a 2 x 2 mesh.
+TRAIN_LAYOUTS = {1: "sample", 2: "task", 4: "hybrid"}
+
+
+def train(cfg: TrainConfig, out: str, resume: bool) -> dict:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        _train.prepare_folder(Path(out), cfg, resume, force=False)
+    if dist.is_initialized():
+        dist.barrier()
+    r = _train.train(cfg, out, resume=resume, progress=False,
+                     backend="gloo" if dist.is_initialized() else None)
+    return {k: r[k] for k in ("losses", "final", "start", "weights")}
+
+
+def worker(root: str, world: int) -> dict:
+    """Every deterministic check of one world size (run last: the mode's switches stay set)."""
+    out: dict = {"default": S.run(DEFAULT)}
+    out["cases"] = {name: S.run(p) for name, p in DETERMINISTIC.items()}
+    if world in TRAIN_LAYOUTS:
+        cfg = dataclasses.replace(TRAIN, layout=TRAIN_LAYOUTS[world]).resolved()
+        out["full"] = train(cfg, f"{root}/full", False)
+        if world == 1:  # a half run whose checkpoint another world size resumes
+            train(dataclasses.replace(cfg, steps=15), f"{root}/half", False)
+        if world == 2:  # resumes the one-process run's step-15 checkpoint
+            if dist.get_rank() == 0:
+                shutil.copytree(f"{root}/../w1/half", f"{root}/cross")
+            dist.barrier()
+            out["cross"] = train(cfg, f"{root}/cross", True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("deterministic")
+    # One thread in every process, as `metaddp train --deterministic` runs: CPU kernels split
+    # their work by the thread count, which changes their bits.
+    return {"root": root, **{w: run_local(worker, w, str(root / f"w{w}"), w, threads=1)
+                             for w in (1, 2, 3, 4)}}
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("case", list(CASES))
+def test_meta_gradient_is_bit_identical_at_every_world_size(runs, case, world):
+    one = runs[1][0]["cases"][case]
+    for rank_result in runs[world]:  # and on every rank
+        got = rank_result["cases"][case]
+        assert got["loss"] == one["loss"]
+        assert set(got["grads"]) == set(one["grads"])
+        for k, g in one["grads"].items():
+            assert torch.equal(got["grads"][k], g), (case, world, k)
+
+
+def test_default_mode_is_not(runs):
+    """Guards the comparison: in float32 the default mode's bits change with the split."""
+    one = runs[1][0]["default"]["grads"]
+    assert any(not torch.equal(runs[w][0]["default"]["grads"][k], g)
+               for w in (2, 3, 4) for k, g in one.items())
+
+
+def max_rel(grads, ref) -> float:
+    return (max(float((grads[k].double() - ref[k]).abs().max()) for k in ref)
+            / max(float(g.abs().max()) for g in ref.values()))
+
+
+@pytest.mark.parametrize("case", ["mlp-sample", "mlp-1st-empty", "conv-bn-sample"])
+def test_accuracy_against_float64(runs, case):
+    """As accurate as the default float32 mode or better, and within 1e-6 (max-abs scaled)."""
+    p64 = CASES[case]
+    _, ref = reference.maml_meta_grad(p64.build_model(), p64.tasks(), steps=p64.steps,
+                                      inner_lr=p64.inner_lr, first_order=p64.first_order,
+                                      classification=p64.model == "conv")
+    det = max_rel(runs[1][0]["cases"][case]["grads"], ref)
+    default = max_rel(S.run(dataclasses.replace(p64, dtype=F32))["grads"], ref)
+    # float32 rounds at 6e-8; a few inner steps of these nets amplify it to ~1e-7. The
+    # fixed-point sums add at most 2e-13 of the largest summand.
+    assert det < 1e-6
+    assert det <= 2 * default, (det, default)
+
+
+def without_seconds(path: Path) -> list[dict]:
+    rows = csv.DictReader(path.read_text().splitlines())
+    return [{k: v for k, v in row.items() if k != "seconds"} for row in rows]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_training_run_is_bit_identical(runs, world):
+    one = runs[1][0]["full"]
+    for rank_result in runs[world]:
+        got = rank_result["full"]
+        assert got["losses"] == one["losses"]
+        assert got["final"] == one["final"]
+        for k, w in one["weights"].items():
+            assert torch.equal(got["weights"][k], w), k
+    root = runs["root"]
+    assert (without_seconds(root / f"w{world}" / "full" / "metrics.csv")
+            == without_seconds(root / "w1" / "full" / "metrics.csv"))
+
+
+def test_resume_on_another_process_count_is_bit_identical(runs):
+    one, cross = runs[1][0]["full"], runs[2][0]["cross"]
+    assert cross["start"] == 15
+    assert cross["losses"] == one["losses"][15:]
+    for k, w in one["weights"].items():
+        assert torch.equal(cross["weights"][k], w), k
+    root = runs["root"]
+    assert (without_seconds(root / "w2" / "cross" / "metrics.csv")
+            == without_seconds(root / "w1" / "full" / "metrics.csv"))
+
+
+# --- the fixed-point sum itself, on one process ---
+
+
+def test_fixed_sum_does_not_depend_on_order():
+    g = torch.Generator().manual_seed(0)
+    # Magnitudes over 12 decades: a float sum of these depends on its order.
+    x = torch.randn(3, 12, 5, generator=g) * 10.0 ** torch.randint(-6, 6, (3, 12, 1), generator=g)
+    perm = torch.randperm(12, generator=g)
+    assert not torch.equal(x.sum(1), x[:, perm].sum(1))  # guards the example
+    whole = _fixed.fixed_sum([x], None)[0]
+    assert torch.equal(_fixed.fixed_sum([x[:, perm]], None)[0], whole)
+    truth = x.double().sum(1)
+    scale = x.double().abs().amax(1, keepdim=True).squeeze(1)
+    # Exact to 2**-42 of the row's largest summand, then rounded once to float32 (2**-24).
+    assert ((whole.double() - truth).abs() <= scale * 2**-42 + truth.abs() * 2**-24).all()
+
+
+def test_fixed_sum_marks_non_finite_rows():
+    x = torch.ones(2, 3, 4)
+    x[1, 2, 0] = float("inf")
+    out = _fixed.fixed_sum([x], None)[0]
+    assert torch.equal(out[0], torch.full((4,), 3.0))
+    assert out[1].isnan().all()
+
+
+def test_chunks_depend_on_the_batch_alone():
+    # 13 samples, at most 8 chunks: chunks of 2 (the last of 1), whatever the number of parts.
+    assert Chunks.of(13, 8)[:3] == (13, 2, 7)
+    for parts in (1, 2, 3, 4):
+        held = [Chunks.of(13, 8, i, parts).samples for i in range(parts)]
+        assert [i for r in held for i in r] == list(range(13))
+        assert all(r.start % 2 == 0 for r in held)
+    assert len(Chunks.of(2, 8, 3, 4).samples) == 0
