@@ -19,8 +19,11 @@ demo: $(STAMP)
 	$(VENV)/bin/metaddp train sinusoid --nproc 2 --layout task --steps 5000 --eval-every 1000 \
 		--out runs/demo --force
 
+# Every scenario at 1, 2 and 4 processes against 1; then deterministic mode: the same bits at
+# every world size, meta-gradients and a 100-step training run (also resumed at another count).
 verify: $(STAMP)
 	$(VENV)/bin/metaddp verify
+	$(VENV)/bin/metaddp verify --deterministic
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -72,6 +72,19 @@ def checks(scenario: str) -> list[Check]:
     raise ValueError(f"unknown scenario {scenario!r}")
 
 
+def deterministic(c: Check) -> Check | None:
+    """``c`` in deterministic mode (float32, bit identity required), or ``None`` where the
+    mode does not apply (the seed's hand-written loop; ANIL, Reptile, iMAML)."""
+    if not isinstance(c.problem, S.Problem) or c.problem.algorithm not in DETERMINISTIC:
+        return None
+    # BatchNorm without running statistics (MAML's own): buffers cannot be updated per chunk.
+    problem = dataclasses.replace(
+        c.problem, dtype=torch.float32, deterministic=True, running_stats=False
+    )
+    return dataclasses.replace(c, problem=problem, tolerance=0.0)
+
+
+DETERMINISTIC = ("maml", "fomaml", "metasgd")
 ALGORITHM_SCENARIOS = ("fomaml", "metasgd", "anil", "reptile", "imaml")
 SCENARIOS = ("seed", "conv", "mlp") + ALGORITHM_SCENARIOS + ("bn",)
 
@@ -123,6 +136,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="run MAML, Meta-SGD and ANIL scenarios with each inner step's graph rebuilt "
         "during the backward (memory='low')",
     )
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="deterministic mode in float32: every world size must give the same bits (max "
+        "difference exactly 0), and a 100-step training run too, also resumed at another count",
+    )
     p.set_defaults(func=main)
 
 
@@ -151,14 +170,26 @@ def main(args: argparse.Namespace) -> int:
             else c
             for c in todo
         ]
+    threads = None
+    if args.deterministic:
+        kept = [d for d in map(deterministic, todo) if d is not None]
+        skipped = sorted({f"{c.name}" for c in todo} - {c.name for c in kept})
+        if skipped:
+            print(f"metaddp verify: no deterministic mode for {', '.join(skipped)}: skipped")
+        todo, threads = kept, 1  # one thread everywhere: kernels split work by thread count
+        if not todo:
+            print("metaddp verify: error: nothing to run in deterministic mode", file=sys.stderr)
+            return 2
+    mode = "deterministic float32" if args.deterministic else "default"
     print(
         f"metaddp verify: {', '.join(names)} at world sizes {', '.join(map(str, sizes))} "
-        f"(gloo, local processes; reference: {sizes[0]} process{'es' if sizes[0] > 1 else ''})"
+        f"({mode} mode; gloo, local processes; reference: {sizes[0]} "
+        f"process{'es' if sizes[0] > 1 else ''})"
     )
     results: dict[int, list[dict]] = {}
     for w in sizes:
         t0 = time.perf_counter()
-        results[w] = run_local(run_checks, w, todo)[0]
+        results[w] = run_local(run_checks, w, todo, threads=threads)[0]
         print(f"  {w} process(es) done in {time.perf_counter() - t0:.1f} s", flush=True)
     header = (
         f"{'scenario':<8} {'layout':<22} {'world':>5} {'outer loss':>22} {'grad norm':>14} "
@@ -175,6 +206,8 @@ def main(args: argparse.Namespace) -> int:
             abs_diff = float((r["vec"] - ref["vec"]).abs().max())
             rel = abs_diff / scale
             ok = rel <= c.tolerance and math.isfinite(rel)
+            if args.deterministic:  # bits: the losses too, and nothing but equality
+                ok = ok and r["loss"] == ref["loss"] and torch.equal(r["vec"], ref["vec"])
             worst = max(worst, rel)
             if not ok:
                 failed.append(f"{c.name}/{c.layout}@{w}")
@@ -183,8 +216,85 @@ def main(args: argparse.Namespace) -> int:
                 f"{c.name:<8} {c.layout:<22} {w:>5} {r['loss']:>22.15g} {r['norm']:>14.6g} "
                 f"{abs_diff:>12.3g} {rel:>12.3g}{verdict}"
             )
+    if args.deterministic:
+        failed += verify_training(sizes)
     if failed:
         print(f"worst relative difference: {worst:.3g}; outside tolerance: {', '.join(failed)}")
         return 1
+    if args.deterministic:
+        print("every world size gives the same bits: meta-gradients, losses and training runs")
+        return 0
     print(f"worst relative difference: {worst:.3g}: every world size agrees within tolerance")
     return 0
+
+
+TRAIN_STEPS = 100
+
+
+def train_run(cfg: dict, out: str, resume: bool) -> dict:
+    """Executed on every rank: a deterministic training run in ``out`` (prepared by rank 0)."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from ..train import TrainConfig, prepare_folder, train
+
+    config = TrainConfig(**cfg)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        prepare_folder(Path(out), config, resume, force=False)
+    if dist.is_initialized():
+        dist.barrier()
+    backend = "gloo" if dist.is_initialized() else None
+    r = train(config, out, resume=resume, progress=False, backend=backend)
+    return {"weights": r["weights"]}
+
+
+def verify_training(sizes: list[int]) -> list[str]:
+    """``TRAIN_STEPS`` steps of deterministic sinusoid MAML at every world size (its own
+    layout each), and one resumed halfway at another world size: the metrics files (but
+    their seconds) and the final weights must be identical. Returns what differed."""
+    import csv
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from ..train import TrainConfig
+
+    layouts = {1: "sample", 2: "task", 3: "sample"}
+    cfg = TrainConfig(
+        task="sinusoid", steps=TRAIN_STEPS, meta_batch=5, eval_every=25, eval_tasks=20,
+        checkpoint_every=TRAIN_STEPS // 2, deterministic=True,
+    ).resolved()  # fmt: skip
+
+    def rows(path: Path) -> list[dict]:
+        lines = path.read_text().splitlines()
+        return [{k: v for k, v in r.items() if k != "seconds"} for r in csv.DictReader(lines)]
+
+    print(f"\ntraining: {TRAIN_STEPS} steps of sinusoid MAML, deterministic, at each world size")
+    failed = []
+    with tempfile.TemporaryDirectory(prefix="metaddp-verify-") as tmp:
+        root = Path(tmp)
+        runs = {}
+        for w in sizes:
+            layout = layouts.get(w, "hybrid")
+            c = dataclasses.replace(cfg, layout=layout).to_dict()
+            runs[w] = run_local(train_run, w, c, str(root / f"w{w}"), False, threads=1)[0]
+            if w == sizes[0]:
+                half = dataclasses.replace(cfg, steps=TRAIN_STEPS // 2).to_dict()
+                run_local(train_run, w, half, str(root / "half"), False, threads=1)
+        ref_rows, ref_w = rows(root / f"w{sizes[0]}" / "metrics.csv"), runs[sizes[0]]["weights"]
+        other = sizes[-1]
+        shutil.copytree(root / "half", root / "cross")
+        c = dataclasses.replace(cfg, layout=layouts.get(other, "hybrid")).to_dict()
+        cross = run_local(train_run, other, c, str(root / "cross"), True, threads=1)[0]
+        checks = [(f"{w} process(es)", root / f"w{w}", runs[w]) for w in sizes]
+        checks.append((f"{sizes[0]} -> {other} at step {TRAIN_STEPS // 2}", root / "cross", cross))
+        for name, folder, r in checks:
+            same_rows = rows(folder / "metrics.csv") == ref_rows
+            same_w = all(torch.equal(r["weights"][k], v) for k, v in ref_w.items())
+            ok = same_rows and same_w
+            print(f"  {name:<28} metrics.csv {'identical' if same_rows else 'DIFFERENT':<10} "
+                  f"weights {'identical' if same_w else 'DIFFERENT'}")  # fmt: skip
+            if not ok:
+                failed.append(f"training/{name}")
+    return failed

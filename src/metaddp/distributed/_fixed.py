@@ -37,16 +37,20 @@ from .. import _host
 from ._collectives import (
     CollectiveError,
     Group,
+    _check_header,
     _guard,
     _record,
     comm_device,
     group_rank,
     group_size,
+    strict,
 )
 
 _BITS = 62  # |every partial sum| < 2**62 < 2**63
 _HEADROOM = 20
 SUMMANDS = 2**_HEADROOM  # the most summands one output entry may have, over all ranks
+# Header kinds of strict mode's check (after the Phase values of the float SUMs).
+_MAX_KIND, _SUM_KIND = 10, 11
 
 
 def _agree_max(values: Tensor, group: Group, tag: float) -> Tensor:
@@ -56,6 +60,8 @@ def _agree_max(values: Tensor, group: Group, tag: float) -> Tensor:
     device = comm_device(group)
     tag_t = torch.tensor([tag, -tag], dtype=torch.float64, device=values.device)
     flat = torch.cat([values, tag_t]).to(device)
+    if strict():
+        _check_header(group, int(tag), flat.numel(), _MAX_KIND, "fixed-point scale", device)
     _record(flat.numel(), flat.numel() * 8)
     _guard(lambda: dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group), "fixed-point scale")
     rank = group_rank(group)
@@ -79,6 +85,8 @@ def _int_sum(ints: Tensor, group: Group) -> Tensor:
         return ints
     device = comm_device(group)
     flat = ints.to(device)
+    if strict():
+        _check_header(group, 0, flat.numel(), _SUM_KIND, "fixed-point sum", device)
     _record(flat.numel(), flat.numel() * 8)
     _guard(lambda: dist.all_reduce(flat, group=group), "fixed-point sum")
     return flat.to(ints.device)
