@@ -11,7 +11,17 @@ family, over a ``reduce`` function) beside ``metaddp.distributed`` (collectives,
 """
 
 from ._adapt import batch_share, grad, inner_loop, inner_step
-from ._data import Batch, MetaBatch, ShardSampler, Task, generator_for, seed_for, shard, shard_range
+from ._data import (
+    Batch,
+    Chunks,
+    MetaBatch,
+    ShardSampler,
+    Task,
+    generator_for,
+    seed_for,
+    shard,
+    shard_range,
+)
 from ._functional import buffers_of, call, params_of
 from ._share import share
 from ._types import LossFn, MetaAlgorithm, Params, Reduce, identity_reduce
@@ -50,6 +60,7 @@ __version__ = "0.2.0"
 __all__ = [
     "ANIL",
     "Batch",
+    "Chunks",
     "CollectiveError",
     "CollectiveStats",
     "ConvergenceWarning",
