@@ -193,4 +193,59 @@ def test_chunks_depend_on_the_batch_alone():
         held = [Chunks.of(13, 8, i, parts).samples for i in range(parts)]
         assert [i for r in held for i in r] == list(range(13))
         assert all(r.start % 2 == 0 for r in held)
-    assert len(Chunks.of(2, 8, 3, 4).samples) == 0
+    # 2 samples, 2 chunks of one, over 4 parts: two parts hold none.
+    assert [len(Chunks.of(2, 8, i, 4).samples) for i in range(4)] == [0, 1, 0, 1]
+
+
+# --- what the mode refuses, on one process ---
+
+
+@pytest.fixture
+def switches():
+    """The mode sets process-wide kernel switches; put them back for the rest of the session."""
+    saved = (torch.backends.mkldnn.enabled, torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    yield
+    torch.backends.mkldnn.enabled = saved[0]
+    torch.use_deterministic_algorithms(saved[1], warn_only=saved[2])
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[3:]
+
+
+def learner_for(problem: S.Problem):
+    from metaddp import MetaDDP
+    return MetaDDP(problem.build_algorithm(), deterministic=True)
+
+
+def test_algorithms_without_a_deterministic_form_say_so(switches):
+    p = dataclasses.replace(CASES["mlp-sample"], algorithm="anil")
+    learner = learner_for(dataclasses.replace(p, model="conv"))
+    with pytest.raises(TypeError, match="deterministic mode runs MAML, first-order MAML"):
+        learner.meta_loss(learner.shard(2, p.task), p.loss_fn)
+
+
+def test_hand_written_loops_and_a_missing_meta_loss_are_refused(switches):
+    p = CASES["mlp-sample"]
+    learner = learner_for(p)
+    with pytest.raises(TypeError, match="not available in deterministic mode"):
+        learner.clone()
+    with pytest.raises(TypeError, match="not available in deterministic mode"):
+        learner.grad(torch.zeros(()), [])
+    with pytest.raises(RuntimeError, match="no meta_loss ran since the last sync_grads"):
+        learner.sync_grads()
+
+
+def test_shards_not_cut_into_chunks_are_refused(switches):
+    p = CASES["mlp-sample"]
+    learner = learner_for(p)
+    # A shard of 6 of 13 samples: not what this rank's chunks hold (all 13 on one process).
+    tasks = [t.split(0, 2) for t in p.tasks()[:2]]
+    with pytest.raises(ValueError, match="learner.shard"):
+        learner.meta_loss(tasks, p.loss_fn)
+
+
+def test_running_statistics_are_refused(switches):
+    p = dataclasses.replace(CASES["conv-bn-sample"], running_stats=True)
+    learner = learner_for(p)
+    with pytest.raises(ValueError, match="track_running_stats=False"):
+        learner.meta_loss(learner.shard(2, p.task), p.loss_fn)
