@@ -32,25 +32,22 @@ F32 = torch.float32
 # ranks) and without a task (3 tasks over 4 ranks in the task layout).
 CASES = {
     "mlp-sample": S.Problem("mlp", steps=2, layout="sample"),
-    "mlp-task": S.Problem("mlp", steps=2, layout="task"),
     "mlp-task3": S.Problem("mlp", n_tasks=3, steps=1, layout="task"),
     "mlp-hybrid": S.Problem("mlp", n_tasks=3, steps=2, layout="hybrid"),
     "mlp-1st-empty": S.Problem("mlp", n_support=2, n_query=3, first_order=True),
-    "metasgd-sample": S.Problem("mlp", steps=2, algorithm="metasgd"),
     "metasgd-adam-hybrid": S.Problem("mlp", steps=2, algorithm="metasgd", optimizer="adam",
                                      layout="hybrid"),
     "conv-bn-sample": S.Problem("conv", steps=2, batchnorm=True, running_stats=False),
     "conv-bn-hybrid": S.Problem("conv", n_tasks=3, steps=1, batchnorm=True, running_stats=False,
                                 layout="hybrid"),
-    "conv-task": S.Problem("conv", n_tasks=3, steps=1, layout="task"),
 }
 DETERMINISTIC = {k: dataclasses.replace(p, dtype=F32, deterministic=True) for k, p in CASES.items()}
 # The default mode on the same problem: exact to rounding only.
 DEFAULT = dataclasses.replace(CASES["mlp-sample"], dtype=F32)
 
-TRAIN = TrainConfig(task="sinusoid", algorithm="maml", steps=30, meta_batch=5, inner_steps=2,
+TRAIN = TrainConfig(task="sinusoid", algorithm="maml", steps=20, meta_batch=5, inner_steps=2,
                     inner_lr=0.05, outer_lr=0.01, shots=7, query=5, hidden=16,
-                    eval_every=15, eval_tasks=6, eval_steps=3, checkpoint_every=15,
+                    eval_every=10, eval_tasks=4, eval_steps=3, checkpoint_every=10,
                     deterministic=True)
 # world size -> layout of its training run: sample, tasks over processes, a 2 x 2 mesh.
 TRAIN_LAYOUTS = {1: "sample", 2: "task", 4: "hybrid"}
@@ -74,8 +71,8 @@ def worker(root: str, world: int) -> dict:
         cfg = dataclasses.replace(TRAIN, layout=TRAIN_LAYOUTS[world]).resolved()
         out["full"] = train(cfg, f"{root}/full", False)
         if world == 1:  # a half run whose checkpoint another world size resumes
-            train(dataclasses.replace(cfg, steps=15), f"{root}/half", False)
-        if world == 2:  # resumes the one-process run's step-15 checkpoint
+            train(dataclasses.replace(cfg, steps=10), f"{root}/half", False)
+        if world == 2:  # resumes the one-process run's step-10 checkpoint
             if dist.get_rank() == 0:
                 shutil.copytree(f"{root}/../w1/half", f"{root}/cross")
             dist.barrier()
@@ -152,8 +149,8 @@ def test_training_run_is_bit_identical(runs, world):
 
 def test_resume_on_another_process_count_is_bit_identical(runs):
     one, cross = runs[1][0]["full"], runs[2][0]["cross"]
-    assert cross["start"] == 15
-    assert cross["losses"] == one["losses"][15:]
+    assert cross["start"] == 10
+    assert cross["losses"] == one["losses"][10:]
     for k, w in one["weights"].items():
         assert torch.equal(cross["weights"][k], w), k
     root = runs["root"]

@@ -62,28 +62,23 @@ def _chunked(batches: Sequence[Batch], chunks: Chunks) -> tuple[Tensor, Tensor, 
                 "with learner.shard(...), which cuts every batch into whole chunks, and give "
                 "every task the same support and query sizes"
             )
-    width = max(len(chunks.mine), 1)
-    xs, ys, ms = [], [], []
-    for b in batches:
-        x0, y0 = b.x, b.y
-        if not held:  # no chunk here: one padded chunk that counts for nothing
-            x0, y0 = b.x.new_zeros((0, *b.x.shape[1:])), b.y.new_zeros((0, *b.y.shape[1:]))
-        for c in range(width):
-            lo, hi = c * chunks.size, min((c + 1) * chunks.size, held)
-            pad = chunks.size - max(hi - lo, 0)
-            x, y = x0[lo:hi], y0[lo:hi]
-            mask = x.new_ones(hi - lo if hi > lo else 0, dtype=torch.float32)
-            if pad:
-                # Padding repeats a real target where there is one (any valid class), else
-                # zeros; its loss is multiplied by zero.
-                fill = y0[:1].expand(pad, *y0.shape[1:]) if y0.shape[0] else None
-                x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
-                y = torch.cat([y, fill if fill is not None else y.new_zeros((pad, *y.shape[1:]))])
-                mask = torch.cat([mask, mask.new_zeros(pad)])
-            xs.append(x)
-            ys.append(y)
-            ms.append(mask)
-    return torch.stack(xs), torch.stack(ys), torch.stack(ms), width
+    width, size, n_local = max(len(chunks.mine), 1), chunks.size, len(batches)
+    x, y = torch.stack([b.x for b in batches]), torch.stack([b.y for b in batches])
+    pad = width * size - held  # only the batch's last chunk is short, or none is held
+    mask = x.new_ones(width * size, dtype=torch.float32)
+    if pad:
+        mask[held:] = 0
+        # Padding repeats a real target where there is one (any valid class), else zeros;
+        # its loss is multiplied by zero.
+        fill = y[:, :1] if held else y.new_zeros((n_local, 1, *y.shape[2:]))
+        x = torch.cat([x, x.new_zeros((n_local, pad, *x.shape[2:]))], 1)
+        y = torch.cat([y, fill.expand(n_local, pad, *y.shape[2:])], 1)
+    return (
+        x.reshape(n_local * width, size, *x.shape[2:]),
+        y.reshape(n_local * width, size, *y.shape[2:]),
+        mask.view(1, width, size).expand(n_local, width, size).reshape(-1, size),
+        width,
+    )
 
 
 def _chunk_values(

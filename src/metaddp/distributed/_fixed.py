@@ -8,12 +8,12 @@ then by one SUM all-reduce), and the total is converted back once. Any split of 
 over ranks, and any order, gives the same bits.
 
 The scale: for each output row, ``M`` is the largest ``|x|`` of its summands on any rank (one
-MAX all-reduce), ``2**e > M``, and a summand becomes ``round(x * 2**(62 - h - e))`` where
-``2**h`` (:data:`SUMMANDS`) bounds the number of summands, so no sum can overflow. The bound
-is a constant, not the actual count, because the scale must not depend on how many summands
-a rank holds. The total is exact to ``2**-(62 - h)`` of ``M`` (2e-13): far below float32's
-rounding, so the result is as accurate as a float32 sum or more. A non-finite summand makes
-its row NaN.
+MAX all-reduce), ``2**e > M``, and a summand becomes the integer part of
+``x * 2**(62 - h - e)``, where ``2**h`` (:data:`SUMMANDS`) bounds the number of summands, so no
+sum can overflow. The bound is a constant, not the actual count, because the scale must not
+depend on how many summands a rank holds. The total is exact to ``2**-(62 - h)`` of ``M``
+(2e-13): far below float32's rounding, so the result is as accurate as a float32 sum or
+more. A non-finite summand makes its row NaN.
 
 Two differentiable forms are adjoint to each other, so they compose to any order:
 
@@ -104,48 +104,63 @@ def _tag(group: Group) -> float:
 def fixed_sum(tensors: Sequence[Tensor], group: Group) -> list[Tensor]:
     """For each ``x: [T, m, *s]``, the sum over dimension 1 and over ``group``: ``[T, *s]``.
 
-    Bit-identical for any split of the summands over ranks and any order; at most
-    :data:`SUMMANDS` summands per entry over all ranks. Not differentiable
-    (see :func:`gather`). Two collectives whatever the number of tensors (none on one rank,
-    where the conversion still runs, so one process gives the same bits as several).
+    Every tensor has the same ``T`` and ``m``. Bit-identical for any split of the summands
+    over ranks and any order; at most :data:`SUMMANDS` summands per entry over all ranks.
+    Not differentiable (see :func:`gather`). Two collectives whatever the number of tensors
+    (none on one rank, where the conversion still runs, so one process gives the same bits
+    as several). A fixed number of operations on one buffer holding every tensor.
     """
     tensors = list(tensors)
     if not tensors:
         return []
-    # One scale per output row: M = max |x| over the row's summands on every rank.
-    rows = [
-        t.detach().abs().flatten(1).amax(1) if t.numel() else t.new_zeros(t.shape[0])
-        for t in tensors
-    ]
-    local = torch.cat([r.double() for r in rows])
+    rows, width = tensors[0].shape[:2]
+    if any(t.shape[:2] != (rows, width) for t in tensors):
+        raise ValueError("fixed_sum: every tensor must have the same two leading dimensions")
+    sizes = [math.prod(t.shape[2:]) for t in tensors]
+    device = tensors[0].device
+    flat = torch.cat(
+        [t.detach().reshape(rows, width, n) for t, n in zip(tensors, sizes, strict=True)], 2
+    )
+    seg = _segments(tuple(sizes), device)  # which tensor each column belongs to
+    # One scale per output row and tensor: M = max |x| over its summands on every rank.
+    col = flat.abs().amax(1) if width else flat.new_zeros(rows, flat.shape[2])
+    local = (
+        col.double()
+        .new_zeros(rows, len(sizes))
+        .scatter_reduce_(1, seg.expand(rows, -1), col.double(), "amax", include_self=True)
+    )
     # NaN would be lost by MAX on some backends: carry "not finite" as +inf.
-    local = torch.where(torch.isfinite(local), local, torch.full_like(local, math.inf))
-    m = _agree_max(local, group, _tag(group))
+    local = torch.nan_to_num(local, nan=math.inf, posinf=math.inf)
+    m = _agree_max(local.reshape(-1), group, _tag(group)).view(rows, len(sizes))
     finite = torch.isfinite(m)
     _, e = torch.frexp(torch.where(finite, m, torch.zeros_like(m)))  # m < 2**e
-    k = (_BITS - _HEADROOM) - e.to(torch.float64)  # the power of two every summand is scaled by
-    ints, offset = [], 0
-    for t in tensors:
-        rows_k = k[offset : offset + t.shape[0]]
-        offset += t.shape[0]
-        shape = [t.shape[0]] + [1] * (t.dim() - 1)
-        scaled = torch.ldexp(t.detach().double(), rows_k.view(shape))
-        scaled = torch.where(torch.isfinite(scaled), scaled, torch.zeros_like(scaled))
-        ints.append(scaled.round().to(torch.int64).sum(1).reshape(-1))
-    total = _int_sum(torch.cat(ints), group)
-    out, offset, row = [], 0, 0
-    for t in tensors:
-        n_rows = t.shape[0]
-        size = n_rows * math.prod(t.shape[2:])
-        part = total[offset : offset + size].view(n_rows, *t.shape[2:])
-        offset += size
-        rows_k = k[row : row + n_rows].view([n_rows] + [1] * (t.dim() - 2))
-        ok = finite[row : row + n_rows].view(rows_k.shape)
-        row += n_rows
-        value = torch.ldexp(part.double(), -rows_k)
-        value = torch.where(ok, value, torch.full_like(value, math.nan))
-        out.append(value.to(t.dtype))
-    return out
+    # The power of two every summand of a (row, tensor) is scaled by, for every column.
+    k = ((_BITS - _HEADROOM) - e.to(torch.float64)).t().index_select(0, seg[0]).t()
+    # Scaling by a power of two is exact in float64; the conversion truncates toward zero
+    # (one rounding, the same whatever the order). A non-finite summand gives garbage
+    # integers here; its row and tensor become NaN below.
+    # (Both factors in float64 first: a mixed-dtype broadcast multiply measured 20x slower.)
+    ints = flat.double().mul_(torch.exp2(k).unsqueeze(1)).to(torch.int64).sum(1)
+    total = _int_sum(ints.reshape(-1), group).view(rows, -1)
+    value = total.double() * torch.exp2(-k)
+    ok = finite.t().index_select(0, seg[0]).t()
+    value = torch.where(ok, value, torch.full_like(value, math.nan))
+    parts = value.split(sizes, dim=1)
+    return [p.reshape(rows, *t.shape[2:]).to(t.dtype) for p, t in zip(parts, tensors, strict=True)]
+
+
+_segment_cache: dict[tuple, Tensor] = {}
+
+
+def _segments(sizes: tuple[int, ...], device: torch.device) -> Tensor:
+    """``[1, sum(sizes)]``: the index of the tensor each column comes from (made on the
+    device, cached: no host-to-device copy in a step)."""
+    key = (sizes, device)
+    if key not in _segment_cache:
+        _segment_cache[key] = torch.cat(
+            [torch.full((n,), i, dtype=torch.int64, device=device) for i, n in enumerate(sizes)]
+        ).unsqueeze(0)
+    return _segment_cache[key]
 
 
 class _Gather(torch.autograd.Function):

@@ -49,14 +49,20 @@ def _take(batch: Batch, samples: range) -> Batch:
     )
 
 
-def _deterministic_kernels() -> None:
-    """Kernels whose results do not depend on the run or on the batch's shape: deterministic
-    algorithms everywhere, and on the CPU no oneDNN (its convolutions change with the number
-    of chunks stacked in one call, measured)."""
-    torch.use_deterministic_algorithms(True, warn_only=True)
+def _deterministic_kernels(module: nn.Module) -> None:
+    """Kernels whose results do not depend on the run or on the batch's shape. On the CPU:
+    no oneDNN (its convolutions change with the number of chunks stacked in one call,
+    measured); the CPU kernels metaddp runs have no run-to-run variation. On a GPU also
+    PyTorch's deterministic algorithms (no atomic adds) and cuDNN's deterministic choices."""
     torch.backends.mkldnn.enabled = False  # type: ignore[assignment]
-    torch.backends.cudnn.deterministic = True
-    torch.backends.cudnn.benchmark = False
+    if any(p.is_cuda for p in module.parameters()):
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        # Filling every new tensor with NaN (on by default with the above) costs a pass over
+        # memory per allocation and makes no result more deterministic here: nothing reads
+        # memory it did not write.
+        torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
 
 
 class MetaDDP(nn.Module):
@@ -87,10 +93,10 @@ class MetaDDP(nn.Module):
             ``chunks`` chunks, each computed alone, and every sum is a fixed-point integer
             sum (:mod:`metaddp.algorithms._exact`). :meth:`shard` cuts tasks into whole
             chunks; the meta-gradient is complete on every rank after the backward, and
-            :meth:`sync_grads` only reads the step's checks. It sets
-            ``torch.use_deterministic_algorithms(True)`` and turns oneDNN off on the CPU
-            (whose convolutions change with the batch's shape); bits agree for the same
-            torch build, device type and thread count. Costs in BENCHMARKS.md.
+            :meth:`sync_grads` only reads the step's checks. It turns oneDNN off (whose CPU
+            convolutions change with the batch's shape) and, for a module on a GPU, sets
+            ``torch.use_deterministic_algorithms(True)``; bits agree for the same torch
+            build, device type and thread count. Costs in BENCHMARKS.md.
         chunks: with ``deterministic``, the most chunks a batch is cut into. Keep it fixed
             across the runs to compare; sample axes longer than it leave ranks idle.
 
@@ -139,7 +145,7 @@ class MetaDDP(nn.Module):
         self.exact: ExactSums | None = None
         if deterministic:
             self.exact = ExactSums(self.mesh, chunks)
-            _deterministic_kernels()
+            _deterministic_kernels(module)
         # Hooks only where there is something to overlap with: on one rank the sum is a copy.
         self._reducer: GradReducer | None = None
         if overlap and group_size(self.mesh.group) > 1 and self.exact is None:
