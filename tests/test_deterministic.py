@@ -2,91 +2,35 @@
 processes, in every layout, with uneven and empty shards.
 
 Every comparison here is ``torch.equal`` or ``==``, never a tolerance, except the accuracy
-against float64. Deterministic MetaDDP sets process-wide switches (oneDNN off), so it is only
-ever built in spawned processes, never in the test process. One process group per world size
-runs everything of that size.
+against float64. Deterministic MetaDDP turns oneDNN off for the process, so the spawned checks
+run last in each world size's process group (``workers.deterministic``, through the session
+fixture ``worlds``), and the one-process tests at the end put the switch back.
 """
 
 from __future__ import annotations
 
 import csv
 import dataclasses
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import reference
-from metaddp import train as _train
 from metaddp._data import Chunks
 from metaddp.distributed import _fixed
-from metaddp.distributed.launch import run_local
 from metaddp.testing import scenarios as S
-from metaddp.train import TrainConfig
+
+from workers import CASES_DETERMINISTIC as CASES
 
 F32 = torch.float32
-# Sizes make shards uneven at every world size (13 support samples cut into 7 chunks of 2,
-# 11 query ones into 6), leave ranks without a chunk (2 support samples: 2 chunks over 3-4
-# ranks) and without a task (3 tasks over 4 ranks in the task layout).
-CASES = {
-    "mlp-sample": S.Problem("mlp", steps=2, layout="sample"),
-    "mlp-task3": S.Problem("mlp", n_tasks=3, steps=1, layout="task"),
-    "mlp-hybrid": S.Problem("mlp", n_tasks=3, steps=2, layout="hybrid"),
-    "mlp-1st-empty": S.Problem("mlp", n_support=2, n_query=3, first_order=True),
-    "metasgd-adam-hybrid": S.Problem("mlp", steps=2, algorithm="metasgd", optimizer="adam",
-                                     layout="hybrid"),
-    "conv-bn-sample": S.Problem("conv", steps=2, batchnorm=True, running_stats=False),
-    "conv-bn-hybrid": S.Problem("conv", n_tasks=3, steps=1, batchnorm=True, running_stats=False,
-                                layout="hybrid"),
-}
-DETERMINISTIC = {k: dataclasses.replace(p, dtype=F32, deterministic=True) for k, p in CASES.items()}
-# The default mode on the same problem: exact to rounding only.
-DEFAULT = dataclasses.replace(CASES["mlp-sample"], dtype=F32)
-
-TRAIN = TrainConfig(task="sinusoid", algorithm="maml", steps=20, meta_batch=5, inner_steps=2,
-                    inner_lr=0.05, outer_lr=0.01, shots=7, query=5, hidden=16,
-                    eval_every=10, eval_tasks=4, eval_steps=3, checkpoint_every=10,
-                    deterministic=True)
-# world size -> layout of its training run: sample, tasks over processes, a 2 x 2 mesh.
-TRAIN_LAYOUTS = {1: "sample", 2: "task", 4: "hybrid"}
-
-
-def train(cfg: TrainConfig, out: str, resume: bool) -> dict:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        _train.prepare_folder(Path(out), cfg, resume, force=False)
-    if dist.is_initialized():
-        dist.barrier()
-    r = _train.train(cfg, out, resume=resume, progress=False,
-                     backend="gloo" if dist.is_initialized() else None)
-    return {k: r[k] for k in ("losses", "final", "start", "weights")}
-
-
-def worker(root: str, world: int) -> dict:
-    """Every deterministic check of one world size (run last: the mode's switches stay set)."""
-    out: dict = {"default": S.run(DEFAULT)}
-    out["cases"] = {name: S.run(p) for name, p in DETERMINISTIC.items()}
-    if world in TRAIN_LAYOUTS:
-        cfg = dataclasses.replace(TRAIN, layout=TRAIN_LAYOUTS[world]).resolved()
-        out["full"] = train(cfg, f"{root}/full", False)
-        if world == 1:  # a half run whose checkpoint another world size resumes
-            train(dataclasses.replace(cfg, steps=10), f"{root}/half", False)
-        if world == 2:  # resumes the one-process run's step-10 checkpoint
-            if dist.get_rank() == 0:
-                shutil.copytree(f"{root}/../w1/half", f"{root}/cross")
-            dist.barrier()
-            out["cross"] = train(cfg, f"{root}/cross", True)
-    return out
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("deterministic")
-    # One thread in every process, as `metaddp train --deterministic` runs: CPU kernels split
-    # their work by the thread count, which changes their bits.
-    return {"root": root, **{w: run_local(worker, w, str(root / f"w{w}"), w, threads=1)
-                             for w in (1, 2, 3, 4)}}
+def runs(worlds):
+    """The deterministic part of every world size's results (tests/conftest.py ``worlds``)."""
+    return {"root": worlds["root"], **{w: [r["deterministic"] for r in worlds[w]]
+                                       for w in (1, 2, 3, 4)}}
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

@@ -19,9 +19,9 @@ RTOL = 1e-11
 
 
 @pytest.fixture(scope="module")
-def results():
-    """Every rank's results at every world size: one spawned group per world size."""
-    return {w: run_local(workers.everything, w) for w in WORLD_SIZES}
+def results(worlds):
+    """Every rank's results at every world size (tests/conftest.py)."""
+    return {w: worlds[w] for w in WORLD_SIZES}
 
 
 @pytest.fixture(scope="module")

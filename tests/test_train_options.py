@@ -50,6 +50,8 @@ def test_a_run_from_before_these_settings_resumes_as_it_ran(tmp_path):
     # Written before norm, inner_optimizer and autocast existed: an image run's network had no
     # BatchNorm, inner steps were SGD, and forward passes ran in the run's dtype.
     old_image = {"task": "digits", "ways": 5}
+    # (and runs were not deterministic).
     assert _checkpoint.settings_before(old_image) == {
-        "norm": "none", "inner_optimizer": "sgd", "autocast": None}
+        "norm": "none", "inner_optimizer": "sgd", "autocast": None, "deterministic": False,
+        "chunks": 8}
     assert _checkpoint.settings_before({"task": "sinusoid", "ways": None})["norm"] is None

@@ -1,11 +1,17 @@
 """Functions each spawned rank runs (module level, so that spawned processes can import them)."""
 
+import dataclasses
+import shutil
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import metaddp as md
+from metaddp import train as _train
 from metaddp.testing import scenarios as S
+from metaddp.train import TrainConfig
 from metaddp.distributed._collectives import _next_sequence
 
 # Exactness cases: (name, Problem). Sizes chosen so that shards are uneven at every world
@@ -125,8 +131,9 @@ def rank_one_leaves() -> str:
     return "no error"
 
 
-def everything() -> dict:
-    """All checks that share one process group, so each world size is spawned once."""
+def everything(root: str) -> dict:
+    """All checks that share one process group, so each world size is spawned once (the
+    session fixture ``worlds`` of tests/conftest.py); ``root``: this world size's folder."""
     return {
         "cases": {name: S.run(p) for name, p in CASES.items()},
         "seed-1st": S.run_seed(S.SeedProblem(second_order=False, iterations=3)),
@@ -136,6 +143,7 @@ def everything() -> dict:
         "sync": broadcast_and_errors(),
         "quickstart": quickstart_losses(),
         "rank": md.rank(),
+        "deterministic": deterministic(root, md.world_size()),
     }
 
 
@@ -166,3 +174,63 @@ def half_precision_tags(dtype_name: str) -> list[str]:
     except md.CollectiveError as e:
         out.append(str(e))
     return out
+
+
+# --- deterministic mode (tests/test_deterministic.py) ---
+
+F32 = torch.float32
+# Sizes make shards uneven at every world size (13 support samples cut into 7 chunks of 2,
+# 11 query ones into 6), leave ranks without a chunk (2 support samples: 2 chunks over 3-4
+# ranks) and without a task (3 tasks over 4 ranks in the task layout).
+CASES_DETERMINISTIC = {
+    "mlp-sample": S.Problem("mlp", steps=2, layout="sample"),
+    "mlp-task3": S.Problem("mlp", n_tasks=3, steps=1, layout="task"),
+    "mlp-hybrid": S.Problem("mlp", n_tasks=3, steps=2, layout="hybrid"),
+    "mlp-1st-empty": S.Problem("mlp", n_support=2, n_query=3, first_order=True),
+    "metasgd-adam-hybrid": S.Problem("mlp", steps=2, algorithm="metasgd", optimizer="adam",
+                                     layout="hybrid"),
+    "conv-bn-sample": S.Problem("conv", steps=2, batchnorm=True, running_stats=False),
+    "conv-bn-hybrid": S.Problem("conv", n_tasks=3, steps=1, batchnorm=True, running_stats=False,
+                                layout="hybrid"),
+}
+DETERMINISTIC = {k: dataclasses.replace(p, dtype=F32, deterministic=True)
+                 for k, p in CASES_DETERMINISTIC.items()}
+# The default mode on the same problem: exact to rounding only.
+DEFAULT_F32 = dataclasses.replace(CASES_DETERMINISTIC["mlp-sample"], dtype=F32)
+
+TRAIN = TrainConfig(task="sinusoid", algorithm="maml", steps=20, meta_batch=5, inner_steps=2,
+                    inner_lr=0.05, outer_lr=0.01, shots=7, query=5, hidden=16,
+                    eval_every=10, eval_tasks=4, eval_steps=3, checkpoint_every=10,
+                    deterministic=True)
+# world size -> layout of its training run: sample, tasks over processes, a 2 x 2 mesh.
+TRAIN_LAYOUTS = {1: "sample", 2: "task", 4: "hybrid"}
+
+
+def train(cfg: TrainConfig, out: str, resume: bool) -> dict:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        _train.prepare_folder(Path(out), cfg, resume, force=False)
+    if dist.is_initialized():
+        dist.barrier()
+    r = _train.train(cfg, out, resume=resume, progress=False,
+                     backend="gloo" if dist.is_initialized() else None)
+    return {k: r[k] for k in ("losses", "final", "start", "weights")}
+
+
+def deterministic(root: str, world: int) -> dict:
+    """Every deterministic-mode check of one world size (tests/test_deterministic.py). Run
+    last: the mode turns oneDNN off for the rest of the process."""
+    out: dict = {"default": S.run(DEFAULT_F32)}
+    out["cases"] = {name: S.run(p) for name, p in DETERMINISTIC.items()}
+    if world in TRAIN_LAYOUTS:
+        cfg = dataclasses.replace(TRAIN, layout=TRAIN_LAYOUTS[world]).resolved()
+        out["full"] = train(cfg, f"{root}/full", False)
+        if world == 1:  # a half run whose checkpoint another world size resumes
+            train(dataclasses.replace(cfg, steps=10), f"{root}/half", False)
+        if world == 2:  # resumes the one-process run's step-10 checkpoint
+            if dist.get_rank() == 0:
+                shutil.copytree(f"{root}/../w1/half", f"{root}/cross")
+            dist.barrier()
+            out["cross"] = train(cfg, f"{root}/cross", True)
+    return out
+
+
