@@ -25,7 +25,6 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import _mask
 from .._adapt import check_finite
@@ -33,8 +32,7 @@ from .._data import Batch, Chunks, Task
 from .._functional import call
 from .._types import LossFn, Params
 from ..inner import InnerOptimizer, apply_updates
-
-_TENSOR = object()
+from ._stacked import per_task
 
 
 class Sums(Protocol):
@@ -101,53 +99,6 @@ def _chunk_values(
     return torch.vmap(one)(dict(weights), x, y, mask)
 
 
-def _per_task(
-    build: Callable[[Params | None], InnerOptimizer], rates: Params | None, n: int
-) -> tuple[Callable[[Params], Any], Callable[[Params, Any, Params], tuple[Params, Any]]]:
-    """``init`` and ``update`` of the inner optimizer on stacked ``[T, ...]`` weights, task by
-    task under ``torch.vmap``, each task with its own copy of the learned rates."""
-
-    def init(params: Params) -> Any:
-        row0 = None if rates is None else {k: v[0] for k, v in rates.items()}
-        state = build(row0).init({k: v[0] for k, v in params.items()})
-        leaves, spec = tree_flatten(state)
-        return tree_unflatten(
-            [
-                leaf.unsqueeze(0).expand(n, *leaf.shape).contiguous()
-                if isinstance(leaf, Tensor)
-                else leaf
-                for leaf in leaves
-            ],
-            spec,
-        )
-
-    def update(grads: Params, state: Any, params: Params) -> tuple[Params, Any]:
-        leaves, spec = tree_flatten(state)
-        tensor_leaves = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
-        out: dict = {}
-
-        def one(g: Params, p: Params, ts: list[Tensor], r: Params | None):
-            it = iter(ts)
-            st = tree_unflatten(
-                [next(it) if isinstance(leaf, Tensor) else leaf for leaf in leaves], spec
-            )
-            updates, new = build(r).update(g, st, p)
-            new_leaves, out["spec"] = tree_flatten(new)
-            out["other"] = [_TENSOR if isinstance(leaf, Tensor) else leaf for leaf in new_leaves]
-            return updates, [leaf for leaf in new_leaves if isinstance(leaf, Tensor)]
-
-        updates, new_tensors = torch.vmap(one, in_dims=(0, 0, 0, None if rates is None else 0))(
-            dict(grads), dict(params), tensor_leaves, None if rates is None else dict(rates)
-        )
-        it = iter(new_tensors)
-        new = tree_unflatten(
-            [next(it) if leaf is _TENSOR else leaf for leaf in out["other"]], out["spec"]
-        )
-        return updates, new
-
-    return init, update
-
-
 def exact_meta_loss(
     model: nn.Module,
     params: Params,
@@ -205,7 +156,7 @@ def exact_meta_loss(
     if rates is not None:
         spread_rates = copies[len(names) :]
         task_rates = {k: spread_rates[i] for k, i in rate_of.items()}
-    init, update = _per_task(build, task_rates, n_local)
+    optimizer = per_task(build, n_local, task_rates)
     support, query = sums.cut(tasks[0].support.n), sums.cut(tasks[0].query.n)
     sx, sy, sm, sw = _chunked([t.support for t in tasks], support)
     qx, qy, qm, qw = _chunked([t.query for t in tasks], query)
@@ -220,7 +171,7 @@ def exact_meta_loss(
             )
         return flat, values
 
-    state = init(fast)
+    state = optimizer.init(fast)
     with torch.enable_grad():
         for step in range(steps):
             flat, values = chunk_values(fast, sw, sx, sy, sm, support.n)
@@ -234,7 +185,7 @@ def exact_meta_loss(
             summed = sums.gather_units([g.reshape(n_local, sw, *g.shape[1:]) for g in grads])
             g_fast = dict(zip(names, summed, strict=True))
             check_finite(g_fast, step)
-            updates, state = update(g_fast, state, fast)
+            updates, state = optimizer.update(g_fast, state, fast)
             fast = apply_updates(fast, updates)
         _, values = chunk_values(fast, qw, qx, qy, qm, query.n * n_tasks)
     return sums.total(values)

@@ -20,7 +20,7 @@ Finn, Abbeel & Levine, "Model-Agnostic Meta-Learning", ICML 2017, arXiv:1703.034
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -88,18 +88,31 @@ def stacked_shares(
 _TENSOR = object()  # marks where a state's tensor leaves go back
 
 
-def per_task(optimizer: InnerOptimizer, n: int) -> InnerOptimizer:
+def per_task(
+    optimizer: InnerOptimizer | Callable[[Params | None], InnerOptimizer],
+    n: int,
+    rates: Params | None = None,
+) -> InnerOptimizer:
     """``optimizer`` applied to each task's row of stacked ``[n, *shape]`` weights.
 
     ``update`` runs under ``torch.vmap``, so the optimizer sees one task's shapes: a
     per-entry learning rate of the parameter's shape, a shape check, or a norm over a whole
     tensor mean what they mean in the loop. Tensor leaves of the state get the task
     dimension; other leaves (step counters) are shared, as they are equal for every task.
+
+    With ``rates`` (learned rates stacked ``[n, ...]`` by parameter name, one copy per task),
+    ``optimizer`` builds a task's optimizer from its row of them.
     """
+    if isinstance(optimizer, InnerOptimizer):
+        built = optimizer
+        build: Callable[[Params | None], InnerOptimizer] = lambda r: built  # noqa: E731
+    else:
+        build = optimizer
 
     def init(params: Params) -> State:
         # Every task starts from the same weights, so task 0's state is every task's.
-        state = optimizer.init({k: v[0] for k, v in params.items()})
+        row0 = None if rates is None else {k: v[0] for k, v in rates.items()}
+        state = build(row0).init({k: v[0] for k, v in params.items()})
         leaves, spec = tree_flatten(state)
         return tree_unflatten(
             [
@@ -114,17 +127,19 @@ def per_task(optimizer: InnerOptimizer, n: int) -> InnerOptimizer:
         tensor_leaves = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
         out: dict = {}
 
-        def one(g: Params, p: Params, ts: list[Tensor]):
+        def one(g: Params, p: Params, ts: list[Tensor], r: Params | None):
             it = iter(ts)
             st = tree_unflatten(
                 [next(it) if isinstance(leaf, Tensor) else leaf for leaf in leaves], spec
             )
-            updates, new = optimizer.update(g, st, p)
+            updates, new = build(r).update(g, st, p)
             new_leaves, out["spec"] = tree_flatten(new)
             out["other"] = [_TENSOR if isinstance(leaf, Tensor) else leaf for leaf in new_leaves]
             return updates, [leaf for leaf in new_leaves if isinstance(leaf, Tensor)]
 
-        updates, new_tensors = torch.vmap(one)(dict(grads), dict(params), tensor_leaves)
+        updates, new_tensors = torch.vmap(one, in_dims=(0, 0, 0, None if rates is None else 0))(
+            dict(grads), dict(params), tensor_leaves, None if rates is None else dict(rates)
+        )
         it = iter(new_tensors)
         new = tree_unflatten(
             [next(it) if leaf is _TENSOR else leaf for leaf in out["other"]], out["spec"]
