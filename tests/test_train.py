@@ -8,32 +8,20 @@ compared exactly.
 from __future__ import annotations
 
 import dataclasses
-import math
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from metaddp import train as _train
 from metaddp.train import TrainConfig
 from metaddp.distributed.launch import run_local
 from metaddp.tasks import Sinusoid
+from workers import train as run  # a run in a folder rank 0 prepares
 
 CFG = TrainConfig(task="sinusoid", algorithm="maml", steps=8, meta_batch=5, inner_steps=2,
                   inner_lr=0.05, outer_lr=0.01, shots=7, query=5, hidden=16, dtype="float64",
                   eval_every=4, eval_tasks=6, eval_steps=3, checkpoint_every=4).resolved()
-
-
-def run(cfg: TrainConfig, out: str, resume: bool) -> dict:
-    if dist.get_rank() == 0 if dist.is_initialized() else True:
-        _train.prepare_folder(Path(out), cfg, resume, force=False)
-    if dist.is_initialized():
-        dist.barrier()
-    r = _train.train(cfg, out, resume=resume, progress=False,
-                     backend="gloo" if dist.is_initialized() else None)
-    return {k: r[k] for k in ("losses", "final", "start", "weights")}
 
 
 def worker(root: str, layout: str, resume_from: str | None) -> dict:

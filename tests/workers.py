@@ -207,6 +207,8 @@ TRAIN_LAYOUTS = {1: "sample", 2: "task", 4: "hybrid"}
 
 
 def train(cfg: TrainConfig, out: str, resume: bool) -> dict:
+    """A training run in `out` (rank 0 prepares the folder); its losses, evaluation, first step
+    and final weights."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         _train.prepare_folder(Path(out), cfg, resume, force=False)
     if dist.is_initialized():

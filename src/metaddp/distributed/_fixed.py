@@ -134,17 +134,18 @@ def fixed_sum(tensors: Sequence[Tensor], group: Group) -> list[Tensor]:
     m = _agree_max(local.reshape(-1), group, _tag(group)).view(rows, len(sizes))
     finite = torch.isfinite(m)
     _, e = torch.frexp(torch.where(finite, m, torch.zeros_like(m)))  # m < 2**e
-    # The power of two every summand of a (row, tensor) is scaled by, for every column.
-    k = ((_BITS - _HEADROOM) - e.to(torch.float64)).t().index_select(0, seg[0]).t()
-    # Scaling by a power of two is exact in float64; the conversion truncates toward zero
-    # (one rounding, the same whatever the order). A non-finite summand gives garbage
-    # integers here; its row and tensor become NaN below.
-    # (Both factors in float64 first: a mixed-dtype broadcast multiply measured 20x slower.)
-    ints = flat.double().mul_(torch.exp2(k).unsqueeze(1)).to(torch.int64).sum(1)
+    # Every summand of a (row, tensor) is scaled by 2**k; the way back multiplies by 2**-k,
+    # NaN where a summand was not finite. Powers of two: exact in float64.
+    k = (_BITS - _HEADROOM) - e.to(torch.float64)
+    up = torch.exp2(k).t().index_select(0, seg[0]).t()
+    down = torch.where(finite, torch.exp2(-k), torch.full_like(k, math.nan))
+    down = down.t().index_select(0, seg[0]).t()
+    # The conversion truncates toward zero: one rounding, the same whatever the order. A
+    # non-finite summand gives garbage integers here, which ``down`` turns into NaN. (Both
+    # factors in float64 first: a mixed-dtype broadcast multiply measured 20x slower.)
+    ints = flat.double().mul_(up.unsqueeze(1)).to(torch.int64).sum(1)
     total = _int_sum(ints.reshape(-1), group).view(rows, -1)
-    value = total.double() * torch.exp2(-k)
-    ok = finite.t().index_select(0, seg[0]).t()
-    value = torch.where(ok, value, torch.full_like(value, math.nan))
+    value = total.double().mul_(down)
     parts = value.split(sizes, dim=1)
     return [p.reshape(rows, *t.shape[2:]).to(t.dtype) for p, t in zip(parts, tensors, strict=True)]
 
