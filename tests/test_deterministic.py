@@ -52,6 +52,13 @@ def test_default_mode_is_not(runs):
                for w in (2, 3, 4) for k, g in one.items())
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ranks_with_different_settings_fail_at_the_steps_end(runs, world):
+    for rank_result in runs[world]:
+        assert "out of step" in rank_result["settings_differ"]
+        assert "settings" in rank_result["settings_differ"]
+
+
 def max_rel(grads, ref) -> float:
     return (max(float((grads[k].double() - ref[k]).abs().max()) for k in ref)
             / max(float(g.abs().max()) for g in ref.values()))

@@ -218,6 +218,17 @@ def train(cfg: TrainConfig, out: str, resume: bool) -> dict:
     return {k: r[k] for k in ("losses", "final", "start", "weights")}
 
 
+def deterministic_settings_differ() -> str:
+    """Deterministic mode on ranks whose inner learning rates differ (same collectives, same
+    sizes): the step's end must say so, not return diverging weights."""
+    p = dataclasses.replace(DETERMINISTIC["mlp-sample"], inner_lr=0.1 + 0.01 * dist.get_rank())
+    try:
+        S.run(p)
+    except md.CollectiveError as e:
+        return str(e)
+    return "no error"
+
+
 def deterministic(root: str, world: int) -> dict:
     """Every deterministic-mode check of one world size (tests/test_deterministic.py). Run
     last: the mode turns oneDNN off for the rest of the process."""
@@ -233,6 +244,8 @@ def deterministic(root: str, world: int) -> dict:
                 shutil.copytree(f"{root}/../w1/half", f"{root}/cross")
             dist.barrier()
             out["cross"] = train(cfg, f"{root}/cross", True)
+    if world > 1:
+        out["settings_differ"] = deterministic_settings_differ()
     return out
 
 

@@ -455,7 +455,11 @@ class MetaDDP(nn.Module):
         params = [p for p in self.module.parameters() if p.requires_grad]
         like = params[0] if params else torch.zeros(0)
         tail = torch.cat([like.detach().new_zeros(0), *(v.to(like) for v in extra)])
-        summed = launch_sum([tail], self.mesh.group, phase=Phase.VALUES).wait()[0]
+        # The settings' salt in this SUM's tag: ranks whose algorithms differ fail here, as
+        # they do at the default mode's gradient SUM.
+        summed = launch_sum(
+            [tail], self.mesh.group, phase=Phase.GRADIENTS, salt=self._settings_salt()
+        ).wait()[0]
         (got,) = _host.read(summed)
         names = {id(p): n for n, p in self.module.named_parameters()}
         self._raise_missing([names[id(p)] for p in params if p.grad is None])
