@@ -15,12 +15,11 @@ import argparse
 import dataclasses
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import metaddp  # noqa: E402
-from common import CONV, SINE, Case, run_record, save_json  # noqa: E402
+from common import CONV, SINE, Case, run_record, save_json, step_times  # noqa: E402
 from metaddp.distributed.launch import run_local  # noqa: E402
 
 
@@ -41,11 +40,7 @@ def worker(case: Case, repeats: int) -> dict:
         step()  # warm-up
         with metaddp.counting() as stats:
             step()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
+        times = step_times(step, repeats)
         out["on" if check else "off"] = dict(median_s=statistics.median(times), calls=stats.calls)
         learner.release()
     return out

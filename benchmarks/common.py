@@ -306,6 +306,16 @@ def time_round_robin(steps: dict[str, Step], repeats: int, warmup: int = 1) -> d
     return times
 
 
+def step_times(step: Callable[[], object], repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``step`` (warm it up first)."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def median_ms(ts: list[float]) -> float:
     return 1e3 * statistics.median(ts)
 

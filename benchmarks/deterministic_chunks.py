@@ -17,13 +17,12 @@ import dataclasses
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import CONV, SINE, Case  # noqa: E402
+from common import CONV, SINE, Case, step_times  # noqa: E402
 
 import metaddp  # noqa: E402
 
@@ -49,11 +48,7 @@ def median_ms(case: Case, repeats: int, deterministic: bool, chunks: int = 8) ->
         learner.sync_grads()
 
     step()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
+    times = step_times(step, repeats)
     learner.release()
     return statistics.median(times) * 1e3
 

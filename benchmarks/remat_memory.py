@@ -71,7 +71,7 @@ def measure(case_name: str, steps: int, mode: str, repeats: int, n_tasks: int) -
     import torch
 
     import metaddp
-    from common import CONV, SINE
+    from common import CONV, SINE, step_times
 
     torch.set_num_threads(1)
     case = {"conv": dataclasses.replace(CONV, n_tasks=n_tasks), "sine": SINE}[case_name]
@@ -89,11 +89,7 @@ def measure(case_name: str, steps: int, mode: str, repeats: int, n_tasks: int) -
     counter = SavedBytes()
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
         step()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
+    times = step_times(step, repeats)
     # What the low mode keeps besides: each task's K + 1 copies of the weights (SGD: no state).
     weights = sum(p.numel() * p.element_size() for p in net.parameters())
     kept = weights * (steps + 1) * len(tasks) if mode == "low" else 0

@@ -16,14 +16,13 @@ import argparse
 import dataclasses
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import metaddp  # noqa: E402
-from common import run_record, save_json, CONV, SINE, Case, peak_rss_mib  # noqa: E402
+from common import run_record, save_json, step_times, CONV, SINE, Case, peak_rss_mib  # noqa: E402
 from metaddp.distributed.launch import run_local  # noqa: E402
 
 
@@ -41,11 +40,7 @@ def worker(case: Case, layout: str, repeats: int) -> dict:
 
     with metaddp.counting() as stats:
         step()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
+    times = step_times(step, repeats)
     p = sum(q.numel() for q in net.parameters())
     k, t_local = case.steps, len(tasks)
     inner = 2 * k * t_local * p if (layout == "sample" and world > 1) else 0
