@@ -197,3 +197,14 @@ def test_running_statistics_are_refused(switches):
     learner = learner_for(p)
     with pytest.raises(ValueError, match="track_running_stats=False"):
         learner.meta_loss(learner.shard(2, p.task), p.loss_fn)
+
+
+def test_low_memory_and_autocast_are_refused(switches):
+    from metaddp import MAML, MetaDDP
+
+    p = CASES["mlp-sample"]
+    for options in ({"memory": "low"}, {"autocast": torch.bfloat16}):
+        learner = MetaDDP(MAML(p.build_model(), **options), deterministic=True)
+        with pytest.raises(ValueError, match="memory='default' and no autocast"):
+            learner.meta_loss(learner.shard(2, p.task), p.loss_fn)
+        learner.release()

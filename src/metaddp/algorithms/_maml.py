@@ -96,9 +96,10 @@ class MAML(Algorithm):
     ) -> Tensor:
         if not self.stackable:
             return super().exact_meta_loss(tasks, loss_fn, n_tasks, sums)
-        if self.memory != "default":
+        if self.memory != "default" or self.autocast is not None:
             raise ValueError(
-                "deterministic mode keeps every inner step's graph: use memory='default'"
+                "deterministic mode keeps every inner step's graph, in the parameters' dtype: "
+                "use memory='default' and no autocast"
             )
         factory = self._factory
 
