@@ -55,3 +55,19 @@ def test_a_run_from_before_these_settings_resumes_as_it_ran(tmp_path):
         "norm": "none", "inner_optimizer": "sgd", "autocast": None, "deterministic": False,
         "chunks": 8}
     assert _checkpoint.settings_before({"task": "sinusoid", "ways": None})["norm"] is None
+
+
+@pytest.mark.parametrize("option, message", [
+    (dict(algorithm="anil"), "deterministic runs train maml, fomaml, metasgd, not anil"),
+    (dict(memory="low"), "drop memory/autocast"),
+    (dict(chunks=0), "chunks must be a positive integer"),
+])
+def test_deterministic_runs_refuse_what_they_cannot_do(option, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**BASE, deterministic=True, **option).resolved()
+
+
+def test_deterministic_and_chunks_are_part_of_the_identity():
+    a = TrainConfig(**BASE).resolved().identity()
+    b = TrainConfig(**BASE, deterministic=True, chunks=4).resolved().identity()
+    assert {k for k in a if a[k] != b[k]} == {"deterministic", "chunks"}
