@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one device check: exactness on the device, peers side by side, host syncs, memory
-# against the inner steps, two processes on one device. Under 8 minutes on one GPU.
+# against the inner steps, two processes on one device, deterministic mode's bits. Under 8
+# minutes on one GPU.
 #
 #   benchmarks/device.sh OUT [--device cuda|cpu] [--quick] [--sections exact,syncs,...]
 #

@@ -262,12 +262,42 @@ def section_ranks(device: str, quick: bool) -> list[dict]:
              "max_rel_diff": max(max_rel_diff(r, one) for r in two)}]
 
 
+def _deterministic_worker(device: str) -> dict[str, torch.Tensor]:
+    p = S.Problem("conv", batchnorm=True, running_stats=False, steps=2, inner_lr=0.3,
+                  dtype=torch.float32, deterministic=True)
+    alg = p.build_algorithm().to(device)
+    learner = md.MetaDDP(alg, Mesh.for_layout("sample"), deterministic=True)
+    tasks = learner.shard(p.n_tasks, lambda i: _to(p.task(i), device))
+    learner.meta_loss(tasks, p.loss_fn).backward()
+    learner.sync_grads()
+    return {k: v.detach().cpu() for k, v in S.meta_gradient(alg).items()}
+
+
+def section_deterministic(device: str, quick: bool) -> list[dict]:
+    """Deterministic mode on the device: the same bits run to run, and at 2 processes (gloo,
+    sharing the device) as at 1; each run in fresh processes, one thread each."""
+    from metaddp.distributed.launch import run_local
+
+    one = run_local(_deterministic_worker, 1, device, threads=1)[0]
+    again = run_local(_deterministic_worker, 1, device, threads=1)[0]
+    two = run_local(_deterministic_worker, 2, device, threads=1)
+
+    def equal(a: dict, b: dict) -> bool:
+        return all(torch.equal(a[k], b[k]) for k in a)
+
+    return [{"case": "conv + BatchNorm, K=2, float32, deterministic=True", "device": device,
+             "run_to_run_equal": equal(again, one),
+             "two_processes_equal": all(equal(r, one) for r in two),
+             "max_rel_diff_two": max(max_rel_diff(r, one) for r in two)}]
+
+
 SECTIONS = {
     "exact": section_exact,
     "syncs": section_syncs,
     "peers": section_peers,
     "memory": section_memory,
     "ranks": section_ranks,
+    "deterministic": section_deterministic,
 }
 
 

@@ -11,6 +11,7 @@ every leaf's ``.grad``. Because every rank's loss is its share of the global mea
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, overload
 
@@ -56,6 +57,9 @@ def _deterministic_kernels(module: nn.Module) -> None:
     PyTorch's deterministic algorithms (no atomic adds) and cuDNN's deterministic choices."""
     torch.backends.mkldnn.enabled = False  # type: ignore[assignment]
     if any(p.is_cuda for p in module.parameters()):
+        # cuBLAS picks its reduction split by workspace unless told a fixed one; read when its
+        # handle is made, so a process that already ran matrix products keeps its own.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
         # Filling every new tensor with NaN (on by default with the above) costs a pass over
         # memory per allocation and makes no result more deterministic here: nothing reads
