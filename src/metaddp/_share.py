@@ -34,5 +34,10 @@ def share(per_sample: Tensor, n_global: int | Batch) -> Tensor:
     n_local = per_sample.shape[0]
     if n_local > n_global:
         raise ValueError(f"{n_local} local samples cannot be a share of {n_global} global ones")
-    per = per_sample.flatten(1).mean(dim=1) if per_sample.dim() > 1 else per_sample
-    return per.sum() / n_global
+    return one_per_sample(per_sample).sum() / n_global
+
+
+def one_per_sample(losses: Tensor) -> Tensor:
+    """``losses [n, ...]`` as one loss per sample ``[n]``: further dimensions averaged (so
+    that for ``mse_loss`` a sample's loss is its mean over outputs)."""
+    return losses.flatten(1).mean(dim=1) if losses.dim() > 1 else losses

@@ -30,6 +30,7 @@ from .. import _mask
 from .._adapt import check_finite
 from .._data import Batch, Chunks, Task
 from .._functional import call
+from .._share import one_per_sample
 from .._types import LossFn, Params
 from ..inner import InnerOptimizer, apply_updates
 from ._stacked import per_task
@@ -37,8 +38,6 @@ from ._stacked import per_task
 
 class Sums(Protocol):
     """What the executor asks of the processes (``metaddp.distributed.ExactSums``)."""
-
-    chunks: int
 
     def cut(self, n: int) -> Chunks: ...
     def spread_tasks(self, tensors: Sequence[Tensor], n_local: int) -> list[Tensor]: ...
@@ -93,7 +92,7 @@ def _chunk_values(
     def one(w: Mapping[str, Tensor], xc: Tensor, yc: Tensor, mc: Tensor) -> Tensor:
         with _mask.sample_mask(mc):
             per = loss_fn(call(model, w, xc), yc)
-        per = per.flatten(1).mean(1) if per.dim() > 1 else per
+        per = one_per_sample(per)
         return (per * mc.to(per.dtype)).sum() / divisor
 
     return torch.vmap(one)(dict(weights), x, y, mask)
@@ -135,15 +134,8 @@ def exact_meta_loss(
             "track_running_stats=False, as MAML does"
         )
     names = list(params)
-    rate_leaves: list[Tensor] = []
-    rate_of: dict[str, int] = {}
-    if rates is not None:
-        for k, r in rates.items():
-            found = next((i for i, t in enumerate(rate_leaves) if t is r), None)
-            if found is None:
-                rate_leaves.append(r)
-                found = len(rate_leaves) - 1
-            rate_of[k] = found
+    # The rates' distinct tensors (one scalar may serve every parameter), each spread once.
+    rate_leaves = list({id(r): r for r in (rates or {}).values()}.values())
     n_local = len(tasks)
     copies = sums.spread_tasks([params[k] for k in names] + rate_leaves, n_local)
     if not n_local:
@@ -154,8 +146,8 @@ def exact_meta_loss(
     fast: Params = dict(zip(names, copies[: len(names)], strict=True))
     task_rates = None
     if rates is not None:
-        spread_rates = copies[len(names) :]
-        task_rates = {k: spread_rates[i] for k, i in rate_of.items()}
+        spread_of = {id(r): c for r, c in zip(rate_leaves, copies[len(names) :], strict=True)}
+        task_rates = {k: spread_of[id(r)] for k, r in rates.items()}
     optimizer = per_task(build, n_local, task_rates)
     support, query = sums.cut(tasks[0].support.n), sums.cut(tasks[0].query.n)
     sx, sy, sm, sw = _chunked([t.support for t in tasks], support)

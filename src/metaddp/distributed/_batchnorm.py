@@ -14,6 +14,7 @@ Nothing here knows about meta-learning: ``reduce`` is any differentiable SUM (e.
 
 from __future__ import annotations
 
+import math
 import types
 
 import torch
@@ -54,7 +55,7 @@ def synced_batch_norm(bn: _BatchNorm, x: Tensor, reduce: Reduce) -> Tensor:
     else:
         # Padded samples (mask 0) stay out of the statistics, and so out of their gradients.
         w = mask.to(x.dtype).view([-1] + [1] * (x.dim() - 1))
-        count = (w.sum() * (x[0, 0].numel() if x.shape[0] else 0)).reshape(1)
+        count = (w.sum() * math.prod(x.shape[2:])).reshape(1)
         xw = xc * w
         count, s1, s2 = reduce([count, xw.sum(dims), (xw * xc).sum(dims)])
     # Judged on the host at the step's one read on a GPU (metaddp._host), at once on the CPU.

@@ -53,7 +53,10 @@ class ExactSums:
         """``[*s] -> [n_local, *s]``: a copy per local task of values every rank holds; the
         backward sums the copies' gradients over the task axis (the meta-gradient)."""
         self.used = True
-        out = spread([t.unsqueeze(0) for t in tensors], [n_local] * len(tensors), self._tasks)
+        # Ranks of one sample group hold the same tasks, in full: summing over the ranks with
+        # this rank's sample index (one per task group) counts every task once.
+        group = self.mesh.task_group
+        out = spread([t.unsqueeze(0) for t in tensors], [n_local] * len(tensors), group)
         return [o.squeeze(0) for o in out]
 
     def spread_units(self, tensors: Sequence[Tensor], width: int) -> list[Tensor]:
@@ -70,12 +73,6 @@ class ExactSums:
         Its backward gives every contribution the whole adjoint."""
         whole = gather([values.reshape(1, -1)], self.mesh.group)[0].reshape(())
         return _FirstRankShare.apply(whole, self.mesh.group)
-
-    @property
-    def _tasks(self):
-        # Ranks of one sample group hold the same tasks, in full: summing over the ranks with
-        # this rank's sample index (one per task group) counts every task once.
-        return self.mesh.task_group
 
     @contextlib.contextmanager
     def units(self, tasks: int, width: int) -> Iterator[None]:
@@ -133,6 +130,5 @@ class _Pool(torch.autograd.Function):
         for t, d in zip(tensors, in_dims[1:], strict=True):
             t = t.movedim(d, 0) if d is not None else t.unsqueeze(0).expand(units, *t.shape)
             phys.append(t.reshape(tasks, width, *t.shape[1:]))
-        group = sums.mesh.sample_group
-        whole = spread(gather(phys, group), [width] * len(phys), group)
+        whole = sums.spread_units(sums.gather_units(phys), width)
         return tuple(w.reshape(units, *w.shape[2:]) for w in whole), (0,) * len(whole)

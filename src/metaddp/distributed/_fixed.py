@@ -35,28 +35,34 @@ from torch import Tensor
 
 from .. import _host
 from ._collectives import (
+    _TAG_MODULUS,
     CollectiveError,
     Group,
+    Phase,
     _check_header,
     _guard,
+    _next_sequence,
     _record,
     comm_device,
     group_rank,
     group_size,
+    launch_sum,
     strict,
 )
 
 _BITS = 62  # |every partial sum| < 2**62 < 2**63
 _HEADROOM = 20
 SUMMANDS = 2**_HEADROOM  # the most summands one output entry may have, over all ranks
-# Header kinds of strict mode's check (after the Phase values of the float SUMs).
-_MAX_KIND, _SUM_KIND = 10, 11
+# The header kind of strict mode's check for the MAX (after the Phase values of the SUMs).
+_MAX_KIND = 10
 
 
-def _agree_max(values: Tensor, group: Group, tag: float) -> Tensor:
-    """Elementwise MAX over ``group`` of a 1-d float64 tensor, with an out-of-step tag."""
+def _agree_max(values: Tensor, group: Group) -> Tensor:
+    """Elementwise MAX over ``group`` of a 1-d float64 tensor, with an out-of-step tag made
+    from this rank's call sequence on the group (shared with every other collective)."""
     if group_size(group) == 1:
         return values
+    tag = float(1 + _next_sequence(group) % _TAG_MODULUS)
     device = comm_device(group)
     tag_t = torch.tensor([tag, -tag], dtype=torch.float64, device=values.device)
     flat = torch.cat([values, tag_t]).to(device)
@@ -81,24 +87,10 @@ def _agree_max(values: Tensor, group: Group, tag: float) -> Tensor:
 
 
 def _int_sum(ints: Tensor, group: Group) -> Tensor:
+    # An integer SUM is exact in any order; launch_sum moves it (untagged: int64).
     if group_size(group) == 1:
         return ints
-    device = comm_device(group)
-    flat = ints.to(device)
-    if strict():
-        _check_header(group, 0, flat.numel(), _SUM_KIND, "fixed-point sum", device)
-    _record(flat.numel(), flat.numel() * 8)
-    _guard(lambda: dist.all_reduce(flat, group=group), "fixed-point sum")
-    return flat.to(ints.device)
-
-
-_calls: dict[int, int] = {}
-
-
-def _tag(group: Group) -> float:
-    seq = _calls.get(id(group), 0)
-    _calls[id(group)] = seq + 1
-    return float(1 + seq % 4093)
+    return launch_sum([ints], group, phase=Phase.FORWARD).wait()[0]
 
 
 def fixed_sum(tensors: Sequence[Tensor], group: Group) -> list[Tensor]:
@@ -124,14 +116,13 @@ def fixed_sum(tensors: Sequence[Tensor], group: Group) -> list[Tensor]:
     seg = _segments(tuple(sizes), device)  # which tensor each column belongs to
     # One scale per output row and tensor: M = max |x| over its summands on every rank.
     col = flat.abs().amax(1) if width else flat.new_zeros(rows, flat.shape[2])
-    local = (
-        col.double()
-        .new_zeros(rows, len(sizes))
-        .scatter_reduce_(1, seg.expand(rows, -1), col.double(), "amax", include_self=True)
+    col = col.double()
+    local = col.new_zeros(rows, len(sizes)).scatter_reduce_(
+        1, seg.expand(rows, -1), col, "amax", include_self=True
     )
     # NaN would be lost by MAX on some backends: carry "not finite" as +inf.
     local = torch.nan_to_num(local, nan=math.inf, posinf=math.inf)
-    m = _agree_max(local.reshape(-1), group, _tag(group)).view(rows, len(sizes))
+    m = _agree_max(local.reshape(-1), group).view(rows, len(sizes))
     finite = torch.isfinite(m)
     _, e = torch.frexp(torch.where(finite, m, torch.zeros_like(m)))  # m < 2**e
     # Every summand of a (row, tensor) is scaled by 2**k; the way back multiplies by 2**-k,

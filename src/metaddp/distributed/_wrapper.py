@@ -457,8 +457,8 @@ class MetaDDP(nn.Module):
             )
         self.exact.used = False
         params = [p for p in self.module.parameters() if p.requires_grad]
-        like = params[0] if params else torch.zeros(0)
-        tail = torch.cat([like.detach().new_zeros(0), *(v.to(like) for v in extra)])
+        like = params[0].detach() if params else torch.zeros(0)
+        tail = extra[0].to(like) if extra else like.new_zeros(0)
         # The settings' salt in this SUM's tag: ranks whose algorithms differ fail here, as
         # they do at the default mode's gradient SUM.
         summed = launch_sum(
