@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from .. import _mask
 from .._adapt import check_finite
+from .._conv import stacked_convolutions
 from .._data import Batch, Chunks, Task
 from .._functional import call
 from .._share import one_per_sample
@@ -95,7 +96,8 @@ def _chunk_values(
         per = one_per_sample(per)
         return (per * mc.to(per.dtype)).sum() / divisor
 
-    return torch.vmap(one)(dict(weights), x, y, mask)
+    with stacked_convolutions(model):
+        return torch.vmap(one)(dict(weights), x, y, mask)
 
 
 def exact_meta_loss(

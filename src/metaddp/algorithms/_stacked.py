@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .._adapt import check_finite, inner_step
+from .._conv import stacked_convolutions
 from .._data import Batch, Task
 from .._functional import call
 from .._remat import rematerialized_loss
@@ -82,7 +83,8 @@ def stacked_shares(
     def one(p: Mapping[str, Tensor], xt: Tensor, yt: Tensor) -> Tensor:
         return share(loss_fn(call(model, p, xt, buffers=buffers), yt), n)
 
-    return torch.vmap(one)(dict(params), x, y)
+    with stacked_convolutions(model):
+        return torch.vmap(one)(dict(params), x, y)
 
 
 _TENSOR = object()  # marks where a state's tensor leaves go back
