@@ -44,25 +44,29 @@ def test_first_and_second_derivatives_match_finite_differences(
 
 
 def test_vmapped_second_derivatives_equal_pytorchs_own():
-    # Per-task weights, per-task and shared inputs, second order through the inner gradient.
+    # Per-task weights (plain and grouped), per-task and shared inputs, second order through
+    # the inner gradient.
     g = torch.Generator().manual_seed(1)
     w = torch.randn(3, 4, 2, 3, 3, generator=g, dtype=torch.float64, requires_grad=True)
     b = torch.randn(3, 4, generator=g, dtype=torch.float64, requires_grad=True)
     x = torch.randn(3, 5, 2, 6, 6, generator=g, dtype=torch.float64, requires_grad=True)
     shared = torch.randn(5, 2, 6, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    depthwise = torch.randn(3, 4, 1, 3, 3, generator=g, dtype=torch.float64, requires_grad=True)
 
     def run(routed: bool) -> list[torch.Tensor]:
-        def one(w, b, x):
+        def one(w, b, x, d):
             h = F.conv2d(x, w, b, padding=1).tanh()
+            h = F.conv2d(h, d, groups=4, dilation=(1, 2))  # per-task weights, 4 groups each
             return (h.square().sum() + F.conv2d(shared, w, stride=2).sin().sum())
 
         if routed:
             with stacked_convolutions():
-                y = torch.vmap(one)(w, b, x).sum()
+                y = torch.vmap(one)(w, b, x, depthwise).sum()
         else:
-            y = torch.vmap(one)(w, b, x).sum()
-        first = torch.autograd.grad(y, (w, b, x), create_graph=True)
-        second = torch.autograd.grad(sum((t.sin()).sum() for t in first), (w, b, x, shared))
+            y = torch.vmap(one)(w, b, x, depthwise).sum()
+        first = torch.autograd.grad(y, (w, b, x, depthwise), create_graph=True)
+        second = torch.autograd.grad(sum((t.sin()).sum() for t in first),
+                                     (w, b, x, shared, depthwise))
         return [t.detach() for t in list(first) + list(second)]
 
     # The same values summed in another grouping (grouped kernels against per-group ones):
