@@ -187,12 +187,28 @@ def convolution(
     return _Conv.apply(x, w, b, spec)
 
 
+def _arguments(
+    input: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    stride: Any = 1,
+    padding: Any = 0,
+    dilation: Any = 1,
+    groups: int = 1,
+) -> tuple:
+    """``torch.conv{d}d``'s arguments in order, defaults filled in (Python binds them)."""
+    return input, weight, bias, stride, padding, dilation, groups
+
+
 class _StackedConvolutions(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
         d = _CONVS.get(func)
         if d is not None:
-            bound = _bind(args, kwargs)
+            try:
+                bound = _arguments(*args, **kwargs)
+            except TypeError:  # a wrong call: PyTorch's own error says what is wrong
+                bound = None
             # Batched inputs only ([N, C, *spatial]), and padding given as numbers: the
             # string forms ("same") and unbatched inputs keep PyTorch's own convolution.
             if bound is not None and bound[0].dim() == d + 2 and not isinstance(bound[4], str):
@@ -200,20 +216,8 @@ class _StackedConvolutions(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-_NAMES = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
-_DEFAULTS = (None, None, None, 1, 0, 1, 1)
-
-
-def _bind(args: tuple, kwargs: dict) -> tuple | None:
-    values = list(args) + [None] * (len(_NAMES) - len(args))
-    for i, name in enumerate(_NAMES):
-        if name in kwargs:
-            values[i] = kwargs[name]
-        elif i >= len(args):
-            values[i] = _DEFAULTS[i]
-    if len(args) + len(kwargs) > len(_NAMES) or values[0] is None or values[1] is None:
-        return None
-    return tuple(values)
+def has_convolutions(model: nn.Module) -> bool:
+    return any(isinstance(m, _ConvNd) for m in model.modules())
 
 
 def stacked_convolutions(model: nn.Module | None = None) -> contextlib.AbstractContextManager:
@@ -225,6 +229,6 @@ def stacked_convolutions(model: nn.Module | None = None) -> contextlib.AbstractC
     keeps PyTorch's dispatch. A model that calls ``F.conv2d`` itself, without layers, keeps
     PyTorch's convolution: the same values, with a double backward per task.
     """
-    if model is not None and not any(isinstance(m, _ConvNd) for m in model.modules()):
+    if model is not None and not has_convolutions(model):
         return contextlib.nullcontext()
     return _StackedConvolutions()

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .._adapt import check_finite, inner_step
-from .._conv import stacked_convolutions
+from .._conv import has_convolutions, stacked_convolutions
 from .._data import Batch, Task
 from .._functional import call
 from .._remat import rematerialized_loss
@@ -256,4 +256,4 @@ def use_batched(batched: bool | None, tasks: Sequence[Task], model: nn.Module) -
         return False
     if tasks[0].support.x.device.type == "cuda":
         return True
-    return not any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
+    return not has_convolutions(model)
