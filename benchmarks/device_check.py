@@ -11,6 +11,8 @@ Sections (each runs even if an earlier one failed; each writes its rows to the r
   each row's median time, meta-gradient error against float64 and peak device memory.
 - ``syncs``: a MetaDDP meta-step under ``torch.cuda.set_sync_debug_mode("error")`` (on the
   CPU: metaddp's host reads, counted as a device's), stacked and looped.
+- ``graphs``: the stacked meta-step (Conv-4 with BatchNorm, 32 tasks, K = 1 and 5) captured
+  whole in a CUDA graph and replayed, against the same step run eagerly: time and meta-gradient.
 - ``memory``: second order against K (1 to 100 on CUDA): default, ``memory="low"`` and
   first-order peak device memory and time.
 - ``ranks``: two processes on this one device (gloo carrying device tensors: NCCL needs one
@@ -29,6 +31,7 @@ import json
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -143,10 +146,23 @@ PEERS = [
 ]
 
 
+def make_bf16(case, net: torch.nn.Module, tasks) -> Callable[[], dict[str, torch.Tensor]]:
+    """metaddp's automatic choice with its forward passes in bfloat16 autocast."""
+    maml = md.MAML(net, inner_lr=case.inner_lr, steps=case.steps, autocast=torch.bfloat16)
+
+    def step() -> dict[str, torch.Tensor]:
+        net.zero_grad(set_to_none=True)
+        maml.meta_loss(tasks, case.loss_fn).backward()
+        return {n: p.grad.detach().clone() for n, p in net.named_parameters()}
+
+    return step
+
+
 def section_peers(device: str, quick: bool) -> list[dict]:
     impls, skipped = available(PEERS)
+    impls = {**impls, "metaddp autocast=bfloat16": make_bf16}
     rows = []
-    n_tasks, repeats = (4, 2) if quick else (32, 10)
+    n_tasks, repeats = (4, 2) if quick else (32, 6)
     for k in (1,) if quick else (1, 5):
         case = dataclasses.replace(CONV, n_tasks=n_tasks, steps=k, device=device,
                                    hidden=8 if quick else 64)
@@ -205,6 +221,61 @@ def section_syncs(device: str, quick: bool) -> list[dict]:
                 learner.sync_grads()
             row["host_reads_per_step"] = reads.reads
         learner.release()
+        rows.append(row)
+    return rows
+
+
+def section_graphs(device: str, quick: bool) -> list[dict]:
+    """One MetaDDP meta-step's forward and backward captured in a CUDA graph: the Python and
+    launch cost gone, what is left is the kernels'. The step's checks (metaddp._host) are
+    captured with it and read after each replay, in one transfer, as sync_grads would."""
+    if not device.startswith("cuda"):
+        return [{"skipped": "CUDA graphs need a CUDA device"}]
+    rows = []
+    for k in (1, 5):
+        case = dataclasses.replace(CONV, n_tasks=32, steps=k, device=device)
+        net = case.build()
+        tasks = case.tasks()
+        learner = md.MetaDDP(md.MAML(net, inner_lr=case.inner_lr, steps=k, batched=True),
+                             Mesh.for_layout("sample"))
+        batch = md.MetaBatch(tasks, len(tasks), range(len(tasks)))
+        row: dict = {"K": k, "tasks": 32}
+        try:
+            def eager() -> dict[str, torch.Tensor]:
+                net.zero_grad(set_to_none=True)
+                learner.meta_loss(batch, case.loss_fn).backward()
+                learner.sync_grads()
+                return {n: p.grad.detach().clone() for n, p in net.named_parameters()}
+
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    want = eager()
+            torch.cuda.current_stream().wait_stream(side)
+            net.zero_grad(set_to_none=True)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                learner.meta_loss(batch, case.loss_fn).backward()
+            checks = [v for v, _ in _host._pending]
+            _host.discard()
+
+            def replayed() -> dict[str, torch.Tensor]:
+                graph.replay()
+                if checks:
+                    _host._fetch(checks)
+                return {n: p.grad.detach().clone() for n, p in net.named_parameters()}
+
+            got = replayed()
+            row["graph_vs_eager_max_rel_diff"] = max_rel_diff(got, want)
+            row["checks_in_graph"] = len(checks)
+            times = time_round_robin({"eager": eager, "graph": replayed}, 10)
+            row["eager_ms"] = median_ms(times["eager"])
+            row["graph_ms"] = median_ms(times["graph"])
+            row["speedup"] = row["eager_ms"] / row["graph_ms"]
+        except Exception as e:  # capture refuses what it cannot record: say what
+            _host.discard()
+            row["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
         rows.append(row)
     return rows
 
@@ -295,6 +366,7 @@ SECTIONS = {
     "exact": section_exact,
     "syncs": section_syncs,
     "peers": section_peers,
+    "graphs": section_graphs,
     "memory": section_memory,
     "ranks": section_ranks,
     "deterministic": section_deterministic,
