@@ -158,9 +158,27 @@ def make_bf16(case, net: torch.nn.Module, tasks) -> Callable[[], dict[str, torch
     return step
 
 
+def make_captured(case, net: torch.nn.Module, tasks) -> Callable[[], dict[str, torch.Tensor]]:
+    """metaddp's automatic choice replayed from a CUDA graph (recorded here, before timing)."""
+    captured = md.CapturedStep(
+        md.MAML(net, inner_lr=case.inner_lr, steps=case.steps), case.loss_fn, warmup=1
+    )
+
+    def step() -> dict[str, torch.Tensor]:
+        net.zero_grad(set_to_none=True)
+        captured(tasks)
+        return {n: p.grad.detach().clone() for n, p in net.named_parameters()}
+
+    step()  # eager
+    step()  # recorded and replayed: the calls that follow, error included, are replays
+    return step
+
+
 def section_peers(device: str, quick: bool) -> list[dict]:
     impls, skipped = available(PEERS)
     impls = {**impls, "metaddp autocast=bfloat16": make_bf16}
+    if device.startswith("cuda"):
+        impls = {"metaddp CapturedStep (CUDA graph)": make_captured, **impls}
     rows = []
     n_tasks, repeats = (4, 2) if quick else (32, 6)
     for k in (1,) if quick else (1, 5):
@@ -225,55 +243,87 @@ def section_syncs(device: str, quick: bool) -> list[dict]:
     return rows
 
 
+def _graph_cases(device: str) -> list[tuple]:
+    """(label, learner factory, two meta-batches, loss) for the CUDA-graph section."""
+    cases = []
+    for k in (1, 5):
+        case = dataclasses.replace(CONV, n_tasks=32, steps=k, device=device)
+        other = dataclasses.replace(case, seed=1)
+
+        def make(case=case, wrap=True):
+            net = case.build()
+            alg = md.MAML(net, inner_lr=case.inner_lr, steps=case.steps, batched=True)
+            return md.MetaDDP(alg, Mesh.for_layout("sample")) if wrap else alg
+
+        for wrap in (True, False):
+            label = f"Conv-4 + BatchNorm, 32 tasks, K={k}, stacked" + (", MetaDDP" if wrap else "")
+            cases.append((label, lambda c=case, w=wrap: make(c, w),
+                          case.tasks(), other.tasks(), case.loss_fn))
+    small = S.Problem("conv", batchnorm=True, steps=2, inner_lr=0.3, dtype=torch.float32)
+    cases.append(("small conv + BatchNorm (running statistics), K=2, loop, MetaDDP",
+                  lambda: md.MetaDDP(small.build_algorithm().to(device), Mesh.for_layout("sample")),
+                  [_to(t, device) for t in small.tasks()],
+                  [_to(t, device) for t in dataclasses.replace(small, seed=1).tasks()],
+                  small.loss_fn))
+    return cases
+
+
 def section_graphs(device: str, quick: bool) -> list[dict]:
-    """One MetaDDP meta-step's forward and backward captured in a CUDA graph: the Python and
-    launch cost gone, what is left is the kernels'. The step's checks (metaddp._host) are
-    captured with it and read after each replay, in one transfer, as sync_grads would."""
+    """metaddp.CapturedStep: 6 SGD steps on alternating meta-batches, graphed against eager
+    from the same weights (parameters, BatchNorm buffers compared), then each meta-step's
+    time; a non-finite inner gradient and a batch of another shape through the replay."""
     if not device.startswith("cuda"):
         return [{"skipped": "CUDA graphs need a CUDA device"}]
     rows = []
-    for k in (1, 5):
-        case = dataclasses.replace(CONV, n_tasks=32, steps=k, device=device)
-        net = case.build()
-        tasks = case.tasks()
-        learner = md.MetaDDP(md.MAML(net, inner_lr=case.inner_lr, steps=k, batched=True),
-                             Mesh.for_layout("sample"))
-        batch = md.MetaBatch(tasks, len(tasks), range(len(tasks)))
-        row: dict = {"K": k, "tasks": 32}
+    for label, make, tasks_a, tasks_b, loss_fn in _graph_cases(device):
+        row: dict = {"case": label}
         try:
-            def eager() -> dict[str, torch.Tensor]:
-                net.zero_grad(set_to_none=True)
-                learner.meta_loss(batch, case.loss_fn).backward()
-                learner.sync_grads()
-                return {n: p.grad.detach().clone() for n, p in net.named_parameters()}
+            learners = {"eager": make(), "graph": make()}
+            wrapped = hasattr(learners["eager"], "mesh")
 
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(3):
-                    want = eager()
-            torch.cuda.current_stream().wait_stream(side)
-            net.zero_grad(set_to_none=True)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                learner.meta_loss(batch, case.loss_fn).backward()
-            checks = [v for v, _ in _host._pending]
-            _host.discard()
+            def batch(tasks):
+                return md.MetaBatch(tasks, len(tasks), range(len(tasks))) if wrapped else tasks
 
-            def replayed() -> dict[str, torch.Tensor]:
-                graph.replay()
-                if checks:
-                    _host._fetch(checks)
-                return {n: p.grad.detach().clone() for n, p in net.named_parameters()}
+            a, b = batch(tasks_a), batch(tasks_b)
+            captured = md.CapturedStep(learners["graph"], loss_fn)
 
-            got = replayed()
-            row["graph_vs_eager_max_rel_diff"] = max_rel_diff(got, want)
-            row["checks_in_graph"] = len(checks)
-            times = time_round_robin({"eager": eager, "graph": replayed}, 10)
+            def run(name, tasks):
+                learner = learners[name]
+                learner.zero_grad(set_to_none=True)
+                if name == "eager":
+                    learner.meta_loss(tasks, loss_fn).backward()
+                else:
+                    captured(tasks)
+                if wrapped:
+                    learner.sync_grads()
+
+            opts = {n: torch.optim.SGD(m.parameters(), lr=0.01) for n, m in learners.items()}
+            for i in range(6):
+                for name in learners:
+                    run(name, a if i % 2 == 0 else b)
+                    opts[name].step()
+            state = {n: dict(m.state_dict()) for n, m in learners.items()}
+            row["graph_vs_eager_after_6_steps"] = max_rel_diff(
+                {k: v.double() for k, v in state["graph"].items() if v.is_floating_point()},
+                {k: v.double() for k, v in state["eager"].items() if v.is_floating_point()})
+            row["recorded"] = captured.recorded
+            times = time_round_robin({n: (lambda n=n: run(n, a)) for n in learners}, 10)
             row["eager_ms"] = median_ms(times["eager"])
             row["graph_ms"] = median_ms(times["graph"])
             row["speedup"] = row["eager_ms"] / row["graph_ms"]
-        except Exception as e:  # capture refuses what it cannot record: say what
+            nan = [md.Task(md.Batch(t.support.x * float("nan"), t.support.y, t.support.n),
+                           t.query) for t in tasks_a]
+            try:
+                run("graph", batch(nan))
+                row["non_finite_inner_gradient"] = "no error"
+            except FloatingPointError as e:
+                row["non_finite_inner_gradient"] = str(e)[:120]
+            try:
+                run("graph", batch(tasks_a[:-1]))
+                row["other_shape"] = "no error"
+            except ValueError as e:
+                row["other_shape"] = str(e)[:120]
+        except Exception as e:
             _host.discard()
             row["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
         rows.append(row)
@@ -374,7 +424,8 @@ SECTIONS = {
 
 
 def markdown(out: dict) -> str:
-    lines = [f"# Device check, {out['date']}", "", f"{out['machine']}; device {out['device']}", ""]
+    lines = [f"# Device check, {out['date']}", "",
+             f"{out['machine']}; device {out['device']}; TF32 {out.get('tf32')}", ""]
     for name, sec in out["sections"].items():
         lines += [f"## {name} ({sec.get('seconds', 0):.0f} s)", ""]
         if "error" in sec:
@@ -392,11 +443,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="small sizes (CI keeps it alive)")
     ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--no-tf32", action="store_true",
+                    help="float32 convolutions and matrix products in full float32 on CUDA "
+                         "(PyTorch's default lets cuDNN convolutions use TF32)")
     args = ap.parse_args(argv)
+    if args.no_tf32:
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
     args.out.mkdir(parents=True, exist_ok=True)
     if args.quick:
         torch.set_num_threads(1)
-    out = run_record(device=args.device, sections={})
+    out = run_record(device=args.device, sections={},
+                     tf32={"cudnn": torch.backends.cudnn.allow_tf32,
+                           "matmul": torch.backends.cuda.matmul.allow_tf32})
     if args.device.startswith("cuda"):
         out["gpu"] = torch.cuda.get_device_name()
     failed = 0

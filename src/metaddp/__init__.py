@@ -23,6 +23,7 @@ from ._data import (
     shard_range,
 )
 from ._functional import buffers_of, call, params_of
+from ._graphs import CapturedStep
 from ._share import share
 from ._types import LossFn, MetaAlgorithm, Params, Reduce, identity_reduce
 from .algorithms import (
@@ -60,6 +61,7 @@ __version__ = "0.2.0"
 __all__ = [
     "ANIL",
     "Batch",
+    "CapturedStep",
     "Chunks",
     "CollectiveError",
     "CollectiveStats",

@@ -48,6 +48,11 @@ _counters: list[HostReads] = []
 _pending: list[tuple[Tensor, Verdict]] = []
 _in_step = False
 _cpu_as_device = False
+_capturing = False
+
+
+class CaptureError(RuntimeError):
+    """A step being recorded into a CUDA graph asked for a device value on the host."""
 
 
 @contextlib.contextmanager
@@ -76,6 +81,44 @@ def counting() -> Iterator[HostReads]:
         _counters.remove(stats)
 
 
+@contextlib.contextmanager
+def capturing() -> Iterator[None]:
+    """Inside the block a CUDA graph is being recorded: every check stays pending (the graph
+    recomputes its value on each replay; take them with :func:`take`), the step's read of
+    them is left to the replay, and any other host read raises :class:`CaptureError`."""
+    global _capturing
+    before, _capturing = _capturing, True
+    try:
+        yield
+    finally:
+        _capturing = before
+
+
+def take() -> list[tuple[Tensor, Verdict]]:
+    """The pending checks, handed over (to be judged after a graph's replay); ends the step."""
+    global _in_step
+    taken = list(_pending)
+    _pending.clear()
+    _in_step = False
+    return taken
+
+
+def resume(checks: Sequence[tuple[Tensor, Verdict]]) -> None:
+    """Begin a step with ``checks`` pending, as if it had made them itself (a replayed graph's
+    checks, read by the ``sync_grads`` that ends its step)."""
+    begin_step()
+    _pending.extend(checks)
+
+
+def judge(checks: Sequence[tuple[Tensor, Verdict]]) -> None:
+    """Read ``checks`` in one transfer and raise the first failed one's error."""
+    values = _fetch([v for v, _ in checks])
+    for (_, verdict), got in zip(checks, values, strict=True):
+        error = verdict(got)
+        if error is not None:
+            raise error
+
+
 def begin_step() -> None:
     """From now until the next :func:`read`, checks wait on the device."""
     global _in_step
@@ -89,7 +132,7 @@ def in_step() -> bool:
 def check(value: Tensor, verdict: Verdict) -> None:
     """Judge ``value`` with ``verdict``: at the step's read for a device value inside a step,
     else now (without reading the step's pending checks)."""
-    if _in_step and _costly(value) and len(_pending) < _MOST_PENDING:
+    if _capturing or (_in_step and _costly(value) and len(_pending) < _MOST_PENDING):
         _pending.append((value.detach(), verdict))
         return
     (got,) = _fetch([value])
@@ -115,6 +158,10 @@ def read(*tensors: Tensor, end_step: bool = True) -> list[list[float]]:
         end_step: end the current step (checks are judged at once until the next one).
     """
     global _in_step
+    if _capturing and not tensors:  # the step's checks: read after each replay instead
+        if end_step:
+            _in_step = False
+        return []
     pending = list(_pending)
     _pending.clear()
     if end_step:
@@ -142,6 +189,11 @@ def upload(values: Sequence[float], like: Tensor) -> Tensor:
 def _fetch(tensors: Sequence[Tensor]) -> list[list[float]]:
     if not tensors:
         return []
+    if _capturing:
+        raise CaptureError(
+            "this meta-step reads a device value on the host, which a CUDA graph cannot "
+            "record; run it without CapturedStep"
+        )
     if any(_costly(t) for t in tensors):
         for c in _counters:
             c.reads += 1

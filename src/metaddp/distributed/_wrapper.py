@@ -197,6 +197,26 @@ class MetaDDP(nn.Module):
         # Ranks of one sample group hold the same tasks; the task axis holds different ones.
         return global_count(n_local, self.mesh.task_group)
 
+    def capture_refusal(self) -> str | None:
+        """Why this learner's meta-step cannot be recorded in a CUDA graph, or ``None``."""
+        if self.exact is not None:
+            return "deterministic mode keeps per-step state on the host"
+        if self._reducer is not None:
+            return (
+                "overlapped gradient sums start from backward hooks on the host; build "
+                "MetaDDP(..., overlap=False)"
+            )
+        if self.checking:
+            return "check mode compares sizes and weights across ranks on the host"
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            backend = torch.distributed.get_backend()
+            if backend != "nccl":
+                return (
+                    f"{backend} collectives cannot be recorded in a CUDA graph; across "
+                    "processes that needs the NCCL backend"
+                )
+        return None
+
     def release(self) -> None:
         """Undo what the wrapper did to the module (bindings, BatchNorm, hooks)."""
         unbind(self.module)
