@@ -98,8 +98,10 @@ def measure(case_name: str, steps: int, mode: str, repeats: int, n_tasks: int) -
 
 
 def interleaved_times(case_name: str, steps: int, repeats: int, n_tasks: int) -> dict:
-    """Default and low-memory steps alternated in one process: each round runs both, so load
-    from anything else on the machine falls on both alike. Best and median seconds of each."""
+    """Default, low-memory and first-order steps alternated in one process: each round runs
+    all three, so load from anything else on the machine falls on them alike. Best and median
+    seconds of each. The low mode runs the inner steps once more, first order, before its
+    second-order work: default + (most of) first order is its floor."""
     import torch
 
     import metaddp
@@ -109,10 +111,12 @@ def interleaved_times(case_name: str, steps: int, repeats: int, n_tasks: int) ->
     case = {"conv": dataclasses.replace(CONV, n_tasks=n_tasks), "sine": SINE}[case_name]
     tasks = case.tasks()
     steps_of = {}
-    for mode in ("default", "low"):
+    for mode in ("default", "low", "first-order"):
         net = case.build()
         # The automatic choice: on the CPU the MLP's tasks stacked, Conv-4's one by one.
-        alg = metaddp.MAML(net, inner_lr=case.inner_lr, steps=steps, memory=mode)
+        alg = metaddp.MAML(net, inner_lr=case.inner_lr, steps=steps,
+                           memory="low" if mode == "low" else "default",
+                           first_order=mode == "first-order")
 
         def step(net=net, alg=alg) -> None:
             net.zero_grad(set_to_none=True)
@@ -138,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--one", nargs=3, help=argparse.SUPPRESS)  # case steps mode, in a child
     ap.add_argument("--times", action="store_true",
-                    help="only time default against low, interleaved in one process")
+                    help="only time default, low and first order, interleaved in one process")
     args = ap.parse_args(argv)
     if args.times:
         from common import run_record, save_json
@@ -150,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append({"case": case, "steps": k, **t})
                 print(f"{case:<6} K={k:<3} default best {t['default']['best']:.3f} s, low best "
                       f"{t['low']['best']:.3f} s: low/default {t['low']['best'] / t['default']['best']:.2f}"
-                      f" (medians {t['low']['median'] / t['default']['median']:.2f})", flush=True)
+                      f" (medians {t['low']['median'] / t['default']['median']:.2f}); first order"
+                      f" / default {t['first-order']['best'] / t['default']['best']:.2f}", flush=True)
         save_json(args.json, run_record(rows=rows))
         return 0
     if args.one:
