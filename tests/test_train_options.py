@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from metaddp import train as _train
 from metaddp.train import TrainConfig
@@ -71,3 +72,32 @@ def test_deterministic_and_chunks_are_part_of_the_identity():
     a = TrainConfig(**BASE).resolved().identity()
     b = TrainConfig(**BASE, deterministic=True, chunks=4).resolved().identity()
     assert {k for k in a if a[k] != b[k]} == {"deterministic", "chunks"}
+
+
+@pytest.mark.parametrize("option, message", [
+    (dict(algorithm="imaml"), "cuda_graphs records maml, fomaml, metasgd, anil steps, not imaml"),
+    (dict(deterministic=True), "drop cuda_graphs"),
+])
+def test_cuda_graph_runs_refuse_what_they_cannot_record(option, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**BASE, cuda_graphs=True, **option).resolved()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without CUDA")
+def test_cuda_graphs_without_cuda_is_one_line_and_creates_nothing(tmp_path, capsys):
+    from metaddp.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", "sinusoid", "--steps", "2", "--cuda-graphs", "--no-progress",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["metaddp train: error: cuda_graphs records CUDA graphs: no CUDA device is available"]
+    assert not out.exists()
+
+
+def test_cuda_graphs_is_not_part_of_the_identity():
+    # A replayed step gives the same numbers: a run may resume with or without it.
+    a = TrainConfig(**BASE).to_dict()
+    b = dict(a, cuda_graphs=True)
+    ident = TrainConfig.IDENTITY
+    assert "cuda_graphs" not in ident and {k: a[k] for k in ident} == {k: b[k] for k in ident}

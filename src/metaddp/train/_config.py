@@ -63,6 +63,9 @@ class TrainConfig:
         deterministic: the same bits at any number of processes and layout (MAML, FOMAML,
             Meta-SGD): weights, losses and evaluations (``MetaDDP(deterministic=True)``).
         chunks: with ``deterministic``, the most chunks a batch is cut into.
+        cuda_graphs: record the meta-step once in a CUDA graph and replay it
+            (``metaddp.CapturedStep``; MAML, FOMAML, Meta-SGD, ANIL on CUDA). The same
+            numbers, so not part of the identity: a resume may switch it.
     """
 
     task: str = "sinusoid"
@@ -92,6 +95,7 @@ class TrainConfig:
     fonts: str | None = None
     deterministic: bool = False
     chunks: int = 8
+    cuda_graphs: bool = False
 
     # Settings that define the trajectory: a checkpoint resumes only under the same ones.
     # The number of processes, the layout, the length of the run and evaluation may change.
@@ -214,6 +218,20 @@ class TrainConfig:
                     "deterministic runs keep every inner step's graph in the run's dtype: "
                     "drop memory/autocast"
                 )
+        if self.cuda_graphs:
+            if self.algorithm not in GRAPHED_ALGORITHMS:
+                raise ValueError(
+                    f"cuda_graphs records {', '.join(GRAPHED_ALGORITHMS)} steps, not "
+                    f"{self.algorithm}"
+                )
+            if self.deterministic:
+                raise ValueError(
+                    "deterministic runs keep per-step state on the host: drop cuda_graphs"
+                )
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError("cuda_graphs records CUDA graphs: no CUDA device is available")
         for k in ("inner_lr", "outer_lr", "lam"):
             if not (getattr(self, k) > 0 and math.isfinite(getattr(self, k))):
                 raise ValueError(f"{k} must be a positive finite number, got {getattr(self, k)!r}")
@@ -259,6 +277,8 @@ class TrainConfig:
 
 # What each setting holds, from the field's annotation ("int | None" -> int).
 DETERMINISTIC_ALGORITHMS = ("maml", "fomaml", "metasgd")
+# Whose meta-step makes no host read (iMAML's conjugate gradient and Reptile's do).
+GRAPHED_ALGORITHMS = ("maml", "fomaml", "metasgd", "anil")
 
 KINDS: dict[str, tuple[tuple[type, ...], str]] = {
     "int": ((int,), "an integer"),

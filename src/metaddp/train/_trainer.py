@@ -24,6 +24,7 @@ import torch.distributed as dist
 from .. import _plotting
 from .._adapt import finite_flags
 from .._data import Task
+from .._graphs import CapturedStep
 from .._share import share
 from ..algorithms import build
 from ..distributed import Mesh, MetaDDP, rank
@@ -87,7 +88,10 @@ class Trainer:
             Mesh.for_layout(cfg.layout),
             deterministic=cfg.deterministic,
             chunks=cfg.chunks,
+            # Overlapped sums start from backward hooks, which a replayed graph does not run.
+            overlap=not cfg.cuda_graphs,
         )
+        self.captured = CapturedStep(self.learner, self.family.loss) if cfg.cuda_graphs else None
         self.saved = self.start  # the step of the newest checkpoint (0: none)
 
     def step(self, step: int, stop_requested: bool = False) -> tuple[float, bool]:
@@ -107,8 +111,11 @@ class Trainer:
         )
         self.optimizer.zero_grad(set_to_none=True)
         try:
-            loss = self.learner.meta_loss(tasks, self.family.loss)
-            loss.backward()
+            if self.captured is not None:
+                loss = self.captured(tasks)  # meta_loss and its backward, replayed
+            else:
+                loss = self.learner.meta_loss(tasks, self.family.loss)
+                loss.backward()
             grads = [p.grad for p in self.algorithm.parameters() if p.grad is not None]
             # Non-finite local gradients make the SUM non-finite on every rank, so a count
             # of them, summed with the loss and the stop votes, tells every rank alike.
