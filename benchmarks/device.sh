@@ -8,7 +8,7 @@
 # Results: OUT/device_check.json and OUT/device_check.md (see benchmarks/device_check.py).
 # Peers (higher, torchopt) are optional rows: on a machine without a package index, carry
 # them as wheels in .whl/ (pip download --no-deps --only-binary=:all: --python-version 3.12
-# --platform manylinux2014_x86_64 -d .whl higher==0.2.1 torchopt==0.7.3 optree), which this
+# --platform manylinux2014_x86_64 -d .whl higher==0.2.1 torchopt==0.7.3 optree graphviz), which this
 # script installs first. `make device-check` runs it here on the CPU (--quick).
 set -u
 out=${1:?usage: benchmarks/device.sh OUT [--device cuda|cpu] [--quick]}

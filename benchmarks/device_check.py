@@ -13,6 +13,7 @@ Sections (each runs even if an earlier one failed; each writes its rows to the r
   CPU: metaddp's host reads, counted as a device's), stacked and looped.
 - ``graphs``: the stacked meta-step (Conv-4 with BatchNorm, 32 tasks, K = 1 and 5) captured
   whole in a CUDA graph and replayed, against the same step run eagerly: time and meta-gradient.
+- ``train``: ``metaddp train`` with and without ``--cuda-graphs``: the same losses.
 - ``memory``: second order against K (1 to 100 on CUDA): default, ``memory="low"`` and
   first-order peak device memory and time.
 - ``ranks``: two processes on this one device (gloo carrying device tensors: NCCL needs one
@@ -330,6 +331,38 @@ def section_graphs(device: str, quick: bool) -> list[dict]:
     return rows
 
 
+def section_train(device: str, quick: bool) -> list[dict]:
+    """``metaddp train`` on the device, with and without ``--cuda-graphs``: the same losses
+    (metrics.csv), and each run's wall time."""
+    if not device.startswith("cuda"):
+        return [{"skipped": "--cuda-graphs needs a CUDA device"}]
+    import csv
+    import subprocess
+    import tempfile
+
+    rows, losses = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for graphs in (False, True):
+            out = Path(tmp) / f"run-{graphs}"
+            cmd = [sys.executable, "-m", "metaddp", "train", "sinusoid", "--steps", "40",
+                   "--eval-every", "0", "--eval-tasks", "20", "--no-progress", "--out", str(out),
+                   *(["--cuda-graphs"] if graphs else [])]
+            t0 = time.perf_counter()
+            run = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+            row = {"cuda_graphs": graphs, "rc": run.returncode,
+                   "seconds": time.perf_counter() - t0}
+            if run.returncode:
+                row["stderr"] = run.stderr[-400:]
+            else:
+                with open(out / "metrics.csv", newline="") as f:
+                    losses[graphs] = [r["meta_loss"] for r in csv.DictReader(f)]
+            rows.append(row)
+    if len(losses) == 2:
+        rows.append({"meta_losses_equal": losses[False] == losses[True],
+                     "steps": len(losses[True])})
+    return rows
+
+
 def section_memory(device: str, quick: bool) -> list[dict]:
     rows = []
     ks = (1, 5) if quick else (1, 5, 10, 25, 50, 100)
@@ -417,6 +450,7 @@ SECTIONS = {
     "syncs": section_syncs,
     "peers": section_peers,
     "graphs": section_graphs,
+    "train": section_train,
     "memory": section_memory,
     "ranks": section_ranks,
     "deterministic": section_deterministic,
