@@ -137,10 +137,11 @@ class CapturedStep:
                 return self._eager(tasks)
             self._record(tasks, tensors, signature)
         elif signature != self._signature:
+            was, now = _describe(self._signature), _describe(signature)
+            where = " (they differ in a later task or in the meta-batch's positions)"
             raise ValueError(
-                f"this step was recorded for {_describe(self._signature)}; got "
-                f"{_describe(signature)} (or another task count or shape). Use one "
-                "CapturedStep per batch shape, or run the step eagerly."
+                f"this step was recorded for {was}; got {now}{where if was == now else ''}. "
+                "Use one CapturedStep per batch shape, or run the step eagerly."
             )
         elif self._addresses() != self._where:
             raise RuntimeError(
@@ -172,11 +173,21 @@ class CapturedStep:
         for p in params:
             p.grad = None
         graph = torch.cuda.CUDAGraph()
+        failed: BaseException | None = None  # the step's own error, before the capture's
         try:
             torch.cuda.synchronize()
-            with _host.capturing(), torch.cuda.graph(graph):
-                loss = self.learner.meta_loss(recorded, self.loss_fn)
-                loss.backward()
+            try:
+                with _host.capturing(), torch.cuda.graph(graph):
+                    try:
+                        loss = self.learner.meta_loss(recorded, self.loss_fn)
+                        loss.backward()
+                    except BaseException as e:
+                        failed = e
+            except BaseException:
+                if failed is None:
+                    raise
+            if failed is not None:
+                raise failed
             self._ends_in_sync = _host.in_step()
             self._checks = _host.take()
         except BaseException:
