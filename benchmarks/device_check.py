@@ -11,8 +11,10 @@ Sections (each runs even if an earlier one failed; each writes its rows to the r
   each row's median time, meta-gradient error against float64 and peak device memory.
 - ``syncs``: a MetaDDP meta-step under ``torch.cuda.set_sync_debug_mode("error")`` (on the
   CPU: metaddp's host reads, counted as a device's), stacked and looped.
-- ``graphs``: the stacked meta-step (Conv-4 with BatchNorm, 32 tasks, K = 1 and 5) captured
-  whole in a CUDA graph and replayed, against the same step run eagerly: time and meta-gradient.
+- ``graphs``: ``metaddp.CapturedStep`` (Conv-4 with BatchNorm, 32 tasks, K = 1 and 5, with
+  and without MetaDDP; a looped conv with running statistics): 6 SGD steps against eager from
+  the same weights, each step's time, and a non-finite inner gradient and a batch of another
+  shape through a replay.
 - ``train``: ``metaddp train`` with and without ``--cuda-graphs``: the same losses.
 - ``memory``: second order against K (1 to 100 on CUDA): default, ``memory="low"`` and
   first-order peak device memory and time.
