@@ -15,6 +15,8 @@ Sections (each runs even if an earlier one failed; each writes its rows to the r
   and without MetaDDP; a looped conv with running statistics): 6 SGD steps against eager from
   the same weights, each step's time, and a non-finite inner gradient and a batch of another
   shape through a replay.
+- ``kernels``: one Conv-4 layer's convolution, dense (as the floor runs it) against grouped
+  (as the stacked step runs per-task weights), NCHW and channels-last.
 - ``train``: ``metaddp train`` with and without ``--cuda-graphs``: the same losses.
 - ``memory``: second order against K (1 to 100 on CUDA): default, ``memory="low"`` and
   first-order peak device memory and time.
@@ -333,6 +335,39 @@ def section_graphs(device: str, quick: bool) -> list[dict]:
     return rows
 
 
+def section_kernels(device: str, quick: bool) -> list[dict]:
+    """What a stacked step's convolutions cost against the floor's: Conv-4's second layer
+    (64 -> 64 channels, 3x3) over 32 tasks x 80 images at 14x14, forward and backward, as
+    the floor runs it (one dense convolution, shared weights) and as the stacked step does
+    (per-task weights: one grouped convolution of 32 groups), in NCHW and channels-last."""
+    tasks, images, ch, size = (4, 10, 8, 14) if quick else (32, 80, 64, 14)
+    dense_x = torch.randn(tasks * images, ch, size, size, device=device, requires_grad=True)
+    dense_w = torch.randn(ch, ch, 3, 3, device=device, requires_grad=True)
+    group_x = torch.randn(images, tasks * ch, size, size, device=device, requires_grad=True)
+    group_w = torch.randn(tasks * ch, ch, 3, 3, device=device, requires_grad=True)
+    rows = []
+    for layout in ("NCHW", "channels_last"):
+        fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+
+        def run(x, w, groups, fmt=fmt):
+            x = x.detach().to(memory_format=fmt).requires_grad_()
+            w = w.detach().to(memory_format=fmt).requires_grad_()
+
+            def step() -> dict[str, torch.Tensor]:
+                y = torch.nn.functional.conv2d(x, w, padding=1, groups=groups)
+                gx, gw = torch.autograd.grad(y.square().sum(), (x, w))
+                return {"gx": gx, "gw": gw}
+
+            return step
+
+        steps = {"dense (floor)": run(dense_x, dense_w, 1),
+                 "grouped (stacked)": run(group_x, group_w, tasks)}
+        times = time_round_robin(steps, 3 if quick else 20)
+        rows += [{"layout": layout, "convolution": name, "median_ms": median_ms(ts)}
+                 for name, ts in times.items()]
+    return rows
+
+
 def section_train(device: str, quick: bool) -> list[dict]:
     """``metaddp train`` on the device, with and without ``--cuda-graphs``: the same losses
     (metrics.csv), and each run's wall time."""
@@ -452,6 +487,7 @@ SECTIONS = {
     "syncs": section_syncs,
     "peers": section_peers,
     "graphs": section_graphs,
+    "kernels": section_kernels,
     "train": section_train,
     "memory": section_memory,
     "ranks": section_ranks,
