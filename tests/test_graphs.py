@@ -102,3 +102,24 @@ def test_a_replay_sets_or_adds_to_grad_as_backward_does():
     assert torch.equal(w.grad, torch.ones(3)) and w.grad is not buffers[0]  # a copy
     assert torch.equal(v.grad, torch.full((3,), 12.0))
     assert u.grad is None
+
+
+def test_what_a_replay_would_run_stale_is_noticed():
+    # Settings and train/eval mode are compared before every replay: a changed inner
+    # learning rate would otherwise run the recorded one.
+    for wrapped in (False, True):
+        alg = P.build_algorithm()
+        learner = md.MetaDDP(alg, Mesh.for_layout("sample")) if wrapped else alg
+        step = md.CapturedStep(learner, P.loss_fn)
+        recorded = step._settings()
+        assert "'inner_lr', 0.1" in recorded[0]
+        assert step._settings() == recorded
+        alg.inner_lr = 0.2
+        assert step._settings() != recorded
+        alg.inner_lr = 0.1
+        learner.eval()
+        assert step._settings() != recorded
+        learner.train()
+        assert step._settings() == recorded
+        if wrapped:
+            learner.release()

@@ -11,7 +11,9 @@ What a replay can and cannot do follows from what a graph is: fixed kernels on f
 - The tasks' tensors are copied into the buffers the graph reads. A batch of other shapes,
   dtypes or counts than the recorded one is an error, not a silent re-record.
 - The parameters and buffers must stay where they were (an optimizer's in-place update is
-  fine; ``module.to(...)`` or replacing a parameter is an error).
+  fine; ``module.to(...)`` or replacing a parameter is an error), and the algorithm's
+  settings and the modules' train/eval mode as they were (a changed inner learning rate
+  would otherwise replay the old one).
 - The step's checks (a non-finite inner gradient, ranks out of step) are recorded with it
   and read after each replay, in the same one host read per step as without a graph: at
   the end of the call, or in the ``sync_grads`` that ends a ``MetaDDP`` step.
@@ -38,6 +40,7 @@ class _Stepper(Protocol):
     def meta_loss(self, tasks: Sequence[Task], loss_fn: LossFn) -> Tensor: ...
     def parameters(self) -> Any: ...
     def buffers(self) -> Any: ...
+    def modules(self) -> Any: ...
 
 
 def _flatten(tasks: Sequence[Task]) -> tuple[list[Tensor], tuple[Any, ...]]:
@@ -84,8 +87,8 @@ class CapturedStep:
     Raises:
         ValueError: tasks not on a CUDA device, or of other shapes than the recorded ones;
             under a ``MetaDDP``, tasks given as a plain list.
-        RuntimeError: parameters or buffers moved since recording; a learner whose step
-            needs the host (the reason is named).
+        RuntimeError: parameters or buffers moved, or settings or train/eval mode changed,
+            since recording; a learner whose step needs the host (the reason is named).
     """
 
     def __init__(self, learner: _Stepper, loss_fn: LossFn, *, warmup: int = 3) -> None:
@@ -107,6 +110,7 @@ class CapturedStep:
         self._checks: list[tuple[Tensor, _host.Verdict]] = []
         self._ends_in_sync = False
         self._where: list[int] = []
+        self._mode: tuple[Any, ...] = ()
 
     @property
     def recorded(self) -> bool:
@@ -118,6 +122,16 @@ class CapturedStep:
 
     def _addresses(self) -> list[int]:
         return [t.data_ptr() for t in (*self.learner.parameters(), *self.learner.buffers())]
+
+    def _settings(self) -> tuple[Any, ...]:
+        """What the recorded kernels were chosen by besides the tensors: the algorithm's
+        settings (inner steps, learning rate...) and every module's train/eval mode."""
+        algorithm = getattr(self.learner, "module", self.learner)
+        signature = getattr(algorithm, "signature", None)
+        return (
+            signature() if callable(signature) else None,
+            tuple(m.training for m in self.learner.modules()),
+        )
 
     def __call__(self, tasks: Sequence[Task]) -> Tensor:
         tensors, signature = _flatten(tasks)
@@ -148,6 +162,12 @@ class CapturedStep:
                 "the learner's parameters or buffers moved since the step was recorded "
                 "(module.to(), a replaced parameter): the graph would read stale memory. "
                 "Build a new CapturedStep."
+            )
+        elif self._settings() != self._mode:
+            raise RuntimeError(
+                "the algorithm's settings or a module's train/eval mode changed since the "
+                f"step was recorded ({self._mode[0]} -> {self._settings()[0]}): a replay would "
+                "run the recorded ones. Build a new CapturedStep."
             )
         return self._replay(tensors)
 
@@ -201,6 +221,7 @@ class CapturedStep:
         self._loss = loss.detach()
         self._graph = graph
         self._where = self._addresses()
+        self._mode = self._settings()
 
     def _replay(self, tensors: list[Tensor]) -> Tensor:
         assert self._graph is not None and self._loss is not None
