@@ -249,3 +249,14 @@ def deterministic(root: str, world: int) -> dict:
     return out
 
 
+
+
+def what_a_rank_starts_with() -> dict:
+    """What a started rank sees of its caller and of the interpreter's state."""
+    import os
+
+    import metaddp._host as host
+
+    return {"env": os.environ.get("METADDP_LAUNCH_PROBE"), "rank": dist.get_rank(),
+            "threads": torch.get_num_threads(), "dtype": str(torch.get_default_dtype()),
+            "in_step": host.in_step()}

@@ -6,6 +6,7 @@ machines uses ``torchrun``, whose environment :func:`metaddp.init` reads.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import tempfile
@@ -25,6 +26,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _start_method() -> str:
+    """How ranks start: forked from a server that imported torch and metaddp once (a world
+    of two starts in 0.1 s instead of 3.6 s by spawning, measured), else spawned. Either way
+    a rank starts from a fresh interpreter's state, not from the caller's."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    # Read when the server starts (the first call); later calls change nothing.
+    multiprocessing.set_forkserver_preload(["torch", "metaddp"])
+    return "forkserver"
+
+
 def _entry(
     rank: int,
     fn,
@@ -35,7 +47,11 @@ def _entry(
     threads: int,
     out_dir: str,
     args: tuple,
+    environ: dict[str, str],
 ) -> None:
+    # The caller's environment as it is now (a forkserver child starts from the server's).
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -70,12 +86,23 @@ def run_local(
         raise ValueError(f"nproc must be at least 1, got {nproc}")
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // nproc)
+    method = _start_method()
     with tempfile.TemporaryDirectory(prefix="metaddp-") as out_dir:
         mp.start_processes(
             _entry,
-            args=(fn, nproc, free_port(), backend, timeout_s, threads, out_dir, args),
+            args=(
+                fn,
+                nproc,
+                free_port(),
+                backend,
+                timeout_s,
+                threads,
+                out_dir,
+                args,
+                dict(os.environ),
+            ),
             nprocs=nproc,
-            start_method="spawn",
+            start_method=method,
         )
         return [
             torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(nproc)

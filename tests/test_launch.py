@@ -1,0 +1,27 @@
+"""run_local: ranks start from a fresh interpreter's state (forked from a server that
+imported torch once, or spawned), with the caller's environment as it is at the call."""
+
+from __future__ import annotations
+
+import torch
+
+import workers
+from metaddp import _host
+from metaddp.distributed.launch import run_local
+
+
+def test_ranks_see_the_callers_environment_now_and_nothing_else_of_it(monkeypatch):
+    run_local(workers.what_a_rank_starts_with, 1)  # the server (if any) starts here
+    monkeypatch.setenv("METADDP_LAUNCH_PROBE", "set after the first call")
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # the caller's state: not the ranks'
+    _host.begin_step()
+    try:
+        got = run_local(workers.what_a_rank_starts_with, 2, threads=1)
+    finally:
+        torch.set_default_dtype(before)
+        _host.discard()
+    assert [r["rank"] for r in got] == [0, 1]
+    for r in got:
+        assert r == {"env": "set after the first call", "rank": r["rank"], "threads": 1,
+                     "dtype": "torch.float32", "in_step": False}
