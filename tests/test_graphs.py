@@ -123,3 +123,17 @@ def test_what_a_replay_would_run_stale_is_noticed():
         assert step._settings() == recorded
         if wrapped:
             learner.release()
+
+
+def test_the_algorithms_a_run_may_record_read_nothing_on_the_host():
+    from metaddp.testing.dispatch import DispatchCounter
+    from metaddp.train._config import GRAPHED_ALGORITHMS
+
+    for name in (*GRAPHED_ALGORITHMS, "imaml"):
+        p = S.Problem("mlp", steps=2, algorithm=name, dtype=torch.float32)
+        with _host.as_on_a_device(), _host.capturing(), DispatchCounter() as ops:
+            p.build_algorithm().meta_loss(p.tasks(), p.loss_fn).backward()
+            _host.take()
+        # No .item()-like operation while recording, except iMAML's conjugate gradient,
+        # which reads its residual at every iteration (so --cuda-graphs refuses it).
+        assert (ops.host_reads > 0) == (name == "imaml"), (name, ops.host_reads)

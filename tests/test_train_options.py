@@ -75,7 +75,7 @@ def test_deterministic_and_chunks_are_part_of_the_identity():
 
 
 @pytest.mark.parametrize("option, message", [
-    (dict(algorithm="imaml"), "cuda_graphs records maml, fomaml, metasgd, anil steps, not imaml"),
+    (dict(algorithm="imaml"), "cuda_graphs records maml, fomaml, metasgd, anil, reptile steps, not imaml"),
     (dict(deterministic=True), "drop cuda_graphs"),
 ])
 def test_cuda_graph_runs_refuse_what_they_cannot_record(option, message):

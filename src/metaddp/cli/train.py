@@ -117,7 +117,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         default=S,
         help="record the meta-step once in a CUDA graph and replay it: the same numbers, "
-        "less launch cost (MAML, FOMAML, Meta-SGD, ANIL; CUDA, one process or NCCL)",
+        "less launch cost (every algorithm but iMAML; CUDA, one process or NCCL)",
     )
     g = p.add_argument_group("evaluation and output")
     g.add_argument("--eval-every", type=int, default=S, help="steps between meta-test runs (100)")

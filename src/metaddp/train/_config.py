@@ -64,7 +64,7 @@ class TrainConfig:
             Meta-SGD): weights, losses and evaluations (``MetaDDP(deterministic=True)``).
         chunks: with ``deterministic``, the most chunks a batch is cut into.
         cuda_graphs: record the meta-step once in a CUDA graph and replay it
-            (``metaddp.CapturedStep``; MAML, FOMAML, Meta-SGD, ANIL on CUDA). The same
+            (``metaddp.CapturedStep``; every algorithm but iMAML, on CUDA). The same
             numbers, so not part of the identity: a resume may switch it.
     """
 
@@ -275,10 +275,12 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-# What each setting holds, from the field's annotation ("int | None" -> int).
 DETERMINISTIC_ALGORITHMS = ("maml", "fomaml", "metasgd")
-# Whose meta-step makes no host read (iMAML's conjugate gradient and Reptile's do).
-GRAPHED_ALGORITHMS = ("maml", "fomaml", "metasgd", "anil")
+# Whose meta-step reads nothing on the host, so a CUDA graph can record it (iMAML's conjugate
+# gradient reads its residual at every iteration: tests/test_graphs.py counts).
+GRAPHED_ALGORITHMS = ("maml", "fomaml", "metasgd", "anil", "reptile")
+
+# What each setting holds, from the field's annotation ("int | None" -> int).
 
 KINDS: dict[str, tuple[tuple[type, ...], str]] = {
     "int": ((int,), "an integer"),
