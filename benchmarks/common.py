@@ -120,8 +120,10 @@ def _grads(net: nn.Module) -> dict[str, Tensor]:
     return {k: p.grad.detach().clone() for k, p in net.named_parameters()}
 
 
-def make_metaddp(case: Case, net: nn.Module, tasks, batched: bool | None = None) -> Step:
-    maml = metaddp.MAML(net, inner_lr=case.inner_lr, steps=case.steps, batched=batched)
+def make_metaddp(case: Case, net: nn.Module, tasks, batched: bool | None = None,
+                 **settings) -> Step:
+    maml = metaddp.MAML(net, inner_lr=case.inner_lr, steps=case.steps, batched=batched,
+                        **settings)
 
     def step():
         net.zero_grad(set_to_none=True)

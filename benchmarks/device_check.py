@@ -47,6 +47,7 @@ from common import (  # noqa: E402
     CONV,
     IMPLEMENTATIONS,
     available,
+    make_metaddp,
     max_rel_diff,
     median_ms,
     reference_grads,
@@ -151,18 +152,6 @@ PEERS = [
 ]
 
 
-def make_bf16(case, net: torch.nn.Module, tasks) -> Callable[[], dict[str, torch.Tensor]]:
-    """metaddp's automatic choice with its forward passes in bfloat16 autocast."""
-    maml = md.MAML(net, inner_lr=case.inner_lr, steps=case.steps, autocast=torch.bfloat16)
-
-    def step() -> dict[str, torch.Tensor]:
-        net.zero_grad(set_to_none=True)
-        maml.meta_loss(tasks, case.loss_fn).backward()
-        return {n: p.grad.detach().clone() for n, p in net.named_parameters()}
-
-    return step
-
-
 def make_captured(case, net: torch.nn.Module, tasks) -> Callable[[], dict[str, torch.Tensor]]:
     """metaddp's automatic choice replayed from a CUDA graph (recorded here, before timing)."""
     captured = md.CapturedStep(
@@ -181,7 +170,8 @@ def make_captured(case, net: torch.nn.Module, tasks) -> Callable[[], dict[str, t
 
 def section_peers(device: str, quick: bool) -> list[dict]:
     impls, skipped = available(PEERS)
-    impls = {**impls, "metaddp autocast=bfloat16": make_bf16}
+    impls = {**impls, "metaddp autocast=bfloat16":
+             lambda c, n, t: make_metaddp(c, n, t, autocast=torch.bfloat16)}
     if device.startswith("cuda"):
         impls = {"metaddp CapturedStep (CUDA graph)": make_captured, **impls}
     rows = []

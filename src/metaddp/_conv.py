@@ -31,6 +31,7 @@ change. Outside, convolutions are PyTorch's own.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -166,15 +167,17 @@ def _spatial(value: Any, d: int) -> tuple[int, ...]:
 
 
 def convolution(
-    x: Tensor,
-    w: Tensor,
-    b: Tensor | None = None,
+    input: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
     stride: Any = 1,
     padding: Any = 0,
     dilation: Any = 1,
     groups: int = 1,
 ) -> Tensor:
-    """``torch.conv{d}d`` (``d = w.dim() - 2``) with a grouped double backward."""
+    """``torch.conv{d}d`` (``d = weight.dim() - 2``, the same arguments) with a grouped
+    double backward."""
+    x, w, b = input, weight, bias
     d = w.dim() - 2
     spec: Spec = (_spatial(stride, d), _spatial(padding, d), _spatial(dilation, d), int(groups))
     device = x.device.type
@@ -187,17 +190,8 @@ def convolution(
     return _Conv.apply(x, w, b, spec)
 
 
-def _arguments(
-    input: Tensor,
-    weight: Tensor,
-    bias: Tensor | None = None,
-    stride: Any = 1,
-    padding: Any = 0,
-    dilation: Any = 1,
-    groups: int = 1,
-) -> tuple:
-    """``torch.conv{d}d``'s arguments in order, defaults filled in (Python binds them)."""
-    return input, weight, bias, stride, padding, dilation, groups
+# torch.conv{d}d's arguments are convolution's: Python binds a routed call to them.
+_SIGNATURE = inspect.signature(convolution)
 
 
 class _StackedConvolutions(TorchFunctionMode):
@@ -206,13 +200,17 @@ class _StackedConvolutions(TorchFunctionMode):
         d = _CONVS.get(func)
         if d is not None:
             try:
-                bound = _arguments(*args, **kwargs)
+                bound = _SIGNATURE.bind(*args, **kwargs).arguments
             except TypeError:  # a wrong call: PyTorch's own error says what is wrong
                 bound = None
             # Batched inputs only ([N, C, *spatial]), and padding given as numbers: the
             # string forms ("same") and unbatched inputs keep PyTorch's own convolution.
-            if bound is not None and bound[0].dim() == d + 2 and not isinstance(bound[4], str):
-                return convolution(*bound)
+            if (
+                bound is not None
+                and bound["input"].dim() == d + 2
+                and not isinstance(bound.get("padding", 0), str)
+            ):
+                return convolution(*args, **kwargs)
         return func(*args, **kwargs)
 
 
