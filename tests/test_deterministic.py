@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import math
 from pathlib import Path
 
 import pytest
+
 import torch
 
 import reference
+import workers
 from metaddp._data import Chunks
 from metaddp.distributed import _fixed
+from metaddp.distributed.launch import run_local
 from metaddp.testing import scenarios as S
-
 from workers import CASES_DETERMINISTIC as CASES
 
 F32 = torch.float32
@@ -121,17 +124,49 @@ def test_fixed_sum_does_not_depend_on_order():
     whole = _fixed.fixed_sum([x], None)[0]
     assert torch.equal(_fixed.fixed_sum([x[:, perm]], None)[0], whole)
     truth = x.double().sum(1)
-    scale = x.double().abs().amax(1, keepdim=True).squeeze(1)
-    # Exact to 2**-42 of the row's largest summand, then rounded once to float32 (2**-24).
-    assert ((whole.double() - truth).abs() <= scale * 2**-42 + truth.abs() * 2**-24).all()
+    scale = x.double().abs().amax(1)
+    # Each of the 12 summands is rounded to a grid of 2**-33 of its row's largest or finer
+    # (moved by at most half of it), the exact total then rounded once to float32 (2**-24).
+    assert ((whole.double() - truth).abs() <= 12 * scale * 2**-34 + truth.abs() * 2**-24).all()
+    # Not merely within the bound: the rounding is far finer than float32's.
+    assert ((whole.double() - truth).abs() / scale).max() < 2**-23
 
 
-def test_fixed_sum_marks_non_finite_rows():
+def test_fixed_sum_keeps_float64_precision():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 12, 5, generator=g, dtype=torch.float64)
+    x = x * 10.0 ** torch.randint(-12, 12, (3, 12, 1), generator=g)
+    perm = torch.randperm(12, generator=g)
+    whole = _fixed.fixed_sum([x], None)[0]
+    assert torch.equal(_fixed.fixed_sum([x[:, perm]], None)[0], whole)
+    truth = torch.tensor([[math.fsum(x[r, :, j].tolist()) for j in range(5)] for r in range(3)],
+                         dtype=torch.float64)
+    scale = x.abs().amax(1)
+    # float64 summands are summed in two parts, the second on a grid 2**-33 times finer:
+    # each summand moves by at most 2**-66 of its row's largest, then one float64 rounding
+    # (2**-53) of the exact total. A single float32-style grid would be 2**-34 off.
+    assert ((whole - truth).abs() <= 12 * scale * 2**-66 + truth.abs() * 2**-53).all()
+
+
+def test_fixed_sum_marks_non_finite_entries():
     x = torch.ones(2, 3, 4)
     x[1, 2, 0] = float("inf")
+    x[1, 0, 2] = float("nan")
+    x[0, :, 3] = torch.tensor([1e-40, 3e-41, 0.0])  # subnormal summands: summed exactly
     out = _fixed.fixed_sum([x], None)[0]
-    assert torch.equal(out[0], torch.full((4,), 3.0))
-    assert out[1].isnan().all()
+    assert torch.equal(out[0], torch.stack([*torch.full((3,), 3.0), x[0, 0, 3] + x[0, 1, 3]]))
+    assert out[0, 3] > 0
+    assert out[1].isfinite().tolist() == [False, True, False, True]
+    assert torch.equal(out[1, [1, 3]], torch.full((2,), 3.0))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_fixed_sum_out_of_step_is_named(dtype):
+    # The scale's MAX carries the call tags (in uint8 for float32 summands, whose scales are
+    # one byte each): a rank that skipped a collective is caught at this sum, on both ranks.
+    said = run_local(workers.deterministic_sum_out_of_step, 2, dtype)
+    for message in said:
+        assert "out of step at a deterministic sum" in message, message
 
 
 def test_chunks_depend_on_the_batch_alone():

@@ -260,3 +260,16 @@ def what_a_rank_starts_with() -> dict:
     return {"env": os.environ.get("METADDP_LAUNCH_PROBE"), "rank": dist.get_rank(),
             "threads": torch.get_num_threads(), "dtype": str(torch.get_default_dtype()),
             "in_step": host.in_step()}
+
+
+def deterministic_sum_out_of_step(dtype_name: str) -> str:
+    """Rank 1 skips one collective before a fixed-point sum: what each rank is told."""
+    from metaddp.distributed import _collectives, _fixed
+
+    if dist.get_rank() == 1:
+        _collectives._next_sequence(None)
+    try:
+        _fixed.fixed_sum([torch.ones(2, 3, 4, dtype=getattr(torch, dtype_name))], None)
+    except _collectives.CollectiveError as e:
+        return str(e)
+    return "no error"

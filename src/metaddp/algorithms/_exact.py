@@ -10,7 +10,7 @@ order of every sum is fixed by the problem, not by the split:
   whichever process holds it and whatever else it holds (short chunks are padded and
   masked, so every chunk has one shape);
 * every sum over chunks, tasks or processes (inner gradients, BatchNorm statistics, the loss,
-  the meta-gradient) is the mesh's order-free sum (``sums``: fixed point in 64-bit integers),
+  the meta-gradient) is the mesh's order-free sum (``sums``: fixed point, added exactly),
   reached through copies whose adjoint it is, so the backward sums in the same way.
 
 The values every process holds alike are therefore equal bit for bit, and so is the

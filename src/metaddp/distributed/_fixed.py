@@ -1,19 +1,25 @@
-"""Sums whose bits do not depend on how the summands are split: fixed point in 64-bit integers.
+"""Sums whose bits do not depend on how the summands are split: fixed point.
 
 A floating-point sum depends on the order of its additions, so a gradient summed over 3
 samples on one rank and 2 on another differs in its last bits from the same gradient summed
-over 5 on one rank. Integer addition is associative: here every summand is converted to an
-``int64`` multiple of a power of two agreed by all ranks, the integers are added (locally,
-then by one SUM all-reduce), and the total is converted back once. Any split of the summands
-over ranks, and any order, gives the same bits.
+over 5 on one rank. Here every summand is first rounded to a multiple of one power of two
+``u`` agreed by all ranks, small enough that every partial sum is an integer multiple of
+``u`` below ``2**53 * u``. Such sums are exact in float64, so the local sum and one SUM
+all-reduce give the same bits for any split of the summands over ranks and any order of the
+additions. The total is rounded to the summands' dtype once.
 
-The scale: for each output row, ``M`` is the largest ``|x|`` of its summands on any rank (one
-MAX all-reduce), ``2**e > M``, and a summand becomes the integer part of
-``x * 2**(62 - h - e)``, where ``2**h`` (:data:`SUMMANDS`) bounds the number of summands, so no
-sum can overflow. The bound is a constant, not the actual count, because the scale must not
-depend on how many summands a rank holds. The total is exact to ``2**-(62 - h)`` of ``M``
-(2e-13): far below float32's rounding, so the result is as accurate as a float32 sum or
-more. A non-finite summand makes its row NaN.
+The scale: for each output entry, ``M`` is the largest ``|x|`` of its summands on any rank
+(one MAX all-reduce of its exponent: one byte per entry for float32 summands), ``2**e > M``,
+and ``u = 2**(e + h - 53)``, where ``2**h``
+(:data:`SUMMANDS`) bounds the number of summands, so that no sum can leave float64's exact
+integers. The bound is a constant, not the actual count, because the scale must not depend
+on how many summands a rank holds. A summand ``x`` is rounded by ``(x + c) - c`` with
+``c = 1.5 * 2**(e + h - 1)``: ``x + c`` lies in the binade of ``c``, whose spacing is ``u``,
+so the addition rounds ``x`` to a multiple of ``u`` and the subtraction is exact. Each summand
+moves by at most ``u / 2``, at most ``2**-33`` of ``M`` (1.2e-10): far below float32's
+rounding, so a float32 result is as accurate as a float32 sum or more. float64 summands are
+summed in two such parts (the rounded value and its remainder, on a grid ``2**-33`` finer):
+each moves by at most ``2**-66`` of ``M``. A non-finite summand makes its entry non-finite.
 
 Two differentiable forms are adjoint to each other, so they compose to any order:
 
@@ -50,123 +56,127 @@ from ._collectives import (
     strict,
 )
 
-_BITS = 62  # |every partial sum| < 2**62 < 2**63
+_MANTISSA = 53  # float64's significand: every integer below 2**53 is exact
 _HEADROOM = 20
 SUMMANDS = 2**_HEADROOM  # the most summands one output entry may have, over all ranks
+_HALF = 1 << 51  # a float64's top significand bit: 1.5 instead of 1
+# c's bits for a float32 exponent of 0, to which the exponent moved into place is added.
+_F32_C_BITS = ((1023 - 127 + _HEADROOM) << 52) | _HALF
 # The header kind of strict mode's check for the MAX (after the Phase values of the SUMs).
 _MAX_KIND = 10
 
 
 def _agree_max(values: Tensor, group: Group) -> Tensor:
-    """Elementwise MAX over ``group`` of a 1-d float64 tensor, with an out-of-step tag made
-    from this rank's call sequence on the group (shared with every other collective)."""
+    """Elementwise MAX over ``group`` of a 1-d float or ``uint8`` tensor, with an out-of-step
+    tag made from this rank's call sequence on the group (shared with every other collective).
+
+    The tag travels as ``[t, -t]`` (or, in ``uint8``, its two bytes and their complements to
+    255): the MAX gives the largest and the smallest tag, equal where the ranks agree.
+    """
     if group_size(group) == 1:
         return values
-    tag = float(1 + _next_sequence(group) % _TAG_MODULUS)
+    tag = 1 + _next_sequence(group) % _TAG_MODULUS
+    small = values.dtype == torch.uint8
+    digits = [tag >> 8, tag & 255] if small else [tag]
+    top = 255 if small else 0
+    tail = digits + [top - d for d in digits]  # exact in uint8 and in any float
     device = comm_device(group)
-    tag_t = torch.tensor([tag, -tag], dtype=torch.float64, device=values.device)
+    tag_t = torch.tensor(tail, dtype=values.dtype, device=values.device)
     flat = torch.cat([values, tag_t]).to(device)
     if strict():
-        _check_header(group, int(tag), flat.numel(), _MAX_KIND, "fixed-point scale", device)
-    _record(flat.numel(), flat.numel() * 8)
+        _check_header(group, tag, flat.numel(), _MAX_KIND, "fixed-point scale", device)
+    _record(flat.numel(), flat.numel() * flat.element_size())
     _guard(lambda: dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group), "fixed-point scale")
-    rank = group_rank(group)
+    rank, n = group_rank(group), len(digits)
 
     def verdict(got: list[float]) -> Exception | None:
-        hi, lo = got[0], -got[1]
+        hi, lo = got[:n], [top - g for g in got[n:]]
         if hi == lo:
             return None
+        number = lambda ds: ds[0] * 256 + ds[1] if small else ds[0]  # noqa: E731
         return CollectiveError(
             f"ranks are out of step at a deterministic sum on rank {rank}: its call tags range "
-            f"{lo:g}..{hi:g} across ranks. Every rank must run the same sums in the same order: "
-            "check that inner-step counts, algorithms and meta-batch layouts agree."
+            f"within {number(lo):g}..{number(hi):g} across ranks. Every rank must run the same "
+            "sums in the same order: check that inner-step counts, algorithms and meta-batch "
+            "layouts agree."
         )
 
-    _host.check(flat[-2:].clone(), verdict)
-    return flat[:-2].to(values.device)
+    _host.check(flat[-2 * n :].clone(), verdict)
+    return flat[: -2 * n].to(values.device)
 
 
-def _int_sum(ints: Tensor, group: Group) -> Tensor:
-    # An integer SUM is exact in any order; launch_sum moves it (untagged: int64).
+def _exact_sum(values: Tensor, group: Group) -> Tensor:
+    # Every partial sum of these float64 multiples of u is exact, so the SUM is the same in
+    # any order (launch_sum moves it, tagged as every float sum is).
     if group_size(group) == 1:
-        return ints
-    return launch_sum([ints], group, phase=Phase.FORWARD).wait()[0]
+        return values
+    return launch_sum([values], group, phase=Phase.FORWARD).wait()[0]
 
 
 def fixed_sum(tensors: Sequence[Tensor], group: Group) -> list[Tensor]:
     """For each ``x: [T, m, *s]``, the sum over dimension 1 and over ``group``: ``[T, *s]``.
 
-    Every tensor has the same ``T`` and ``m``. Bit-identical for any split of the summands
-    over ranks and any order; at most :data:`SUMMANDS` summands per entry over all ranks.
-    Not differentiable (see :func:`gather`). Two collectives whatever the number of tensors
-    (none on one rank, where the conversion still runs, so one process gives the same bits
-    as several). A fixed number of operations on one buffer holding every tensor.
+    Every tensor has the same ``T``, ``m`` and dtype. Bit-identical for any split of the
+    summands over ranks and any order; at most :data:`SUMMANDS` summands per entry over all
+    ranks. Not differentiable (see :func:`gather`). Two collectives whatever the number of
+    tensors (none on one rank, where the rounding still runs, so one process gives the same
+    bits as several). A dozen operations on one buffer holding every tensor, none of them
+    mixing dtypes (on the CPU a mixed-dtype elementwise operation is many times slower than
+    a cast followed by the same-dtype one, measured).
     """
     tensors = list(tensors)
     if not tensors:
         return []
     rows, width = tensors[0].shape[:2]
-    if any(t.shape[:2] != (rows, width) for t in tensors):
-        raise ValueError("fixed_sum: every tensor must have the same two leading dimensions")
+    dtype = tensors[0].dtype
+    if any(t.shape[:2] != (rows, width) or t.dtype != dtype for t in tensors):
+        raise ValueError(
+            "fixed_sum: every tensor must have the same dtype and two leading dimensions"
+        )
     sizes = [math.prod(t.shape[2:]) for t in tensors]
-    device = tensors[0].device
     flat = torch.cat(
         [t.detach().reshape(rows, width, n) for t, n in zip(tensors, sizes, strict=True)], 2
     )
-    seg = _segments(tuple(sizes), device)  # which tensor each column belongs to
-    # One scale per output row and tensor: M = max |x| over its summands on every rank.
-    col = flat.abs().amax(1) if width else flat.new_zeros(rows, flat.shape[2])
-    col = col.double()
-    local = col.new_zeros(rows, len(sizes)).scatter_reduce_(
-        1, seg.expand(rows, -1), col, "amax", include_self=True
-    )
-    # NaN would be lost by MAX on some backends: carry "not finite" as +inf.
-    local = torch.nan_to_num(local, nan=math.inf, posinf=math.inf)
-    m = _agree_max(local.reshape(-1), group).view(rows, len(sizes))
-    finite = torch.isfinite(m)
-    _, e = torch.frexp(torch.where(finite, m, torch.zeros_like(m)))  # m < 2**e
-    # Every summand of a (row, tensor) is scaled by 2**k; the way back multiplies by 2**-k,
-    # NaN where a summand was not finite. Powers of two: exact in float64.
-    k = (_BITS - _HEADROOM) - e.to(torch.float64)
-    down = torch.where(finite, torch.exp2(-k), torch.full_like(k, math.nan))
-    down = down.index_select(1, seg[0])
-    # The conversion truncates toward zero: one rounding, the same whatever the order. A
-    # non-finite summand gives garbage integers here, which ``down`` turns into NaN.
-    ints = _scaled(flat, k, seg[0]).to(torch.int64).sum(1)
-    total = _int_sum(ints.reshape(-1), group).view(rows, -1)
-    value = total.double().mul_(down)
-    parts = value.split(sizes, dim=1)
-    return [p.reshape(rows, *t.shape[2:]).to(t.dtype) for p, t in zip(parts, tensors, strict=True)]
-
-
-def _scaled(flat: Tensor, k: Tensor, seg: Tensor) -> Tensor:
-    """``flat * 2**k`` (``k`` per row and tensor, ``seg`` the tensor of each column), exact.
-
-    float32 (and half-precision) summands are scaled in float32, by two powers of two that
-    each stay in its range (``|k| <= 190`` for any float32 row maximum): exact, as scaling by
-    a power of two is, and 10x faster on the CPU than converting the buffer to float64 first
-    (measured). Other dtypes are scaled in float64.
-    """
-    columns = lambda t: t.index_select(1, seg).unsqueeze(1)  # noqa: E731
-    if flat.dtype in (torch.float32, torch.bfloat16, torch.float16):
-        half = torch.floor(k / 2)
-        first, second = torch.exp2(half).float(), torch.exp2(k - half).float()
-        return flat.float().mul(columns(first)).mul_(columns(second))
-    return flat.double().mul_(columns(torch.exp2(k)))
-
-
-_segment_cache: dict[tuple, Tensor] = {}
-
-
-def _segments(sizes: tuple[int, ...], device: torch.device) -> Tensor:
-    """``[1, sum(sizes)]``: the index of the tensor each column comes from (made on the
-    device, cached: no host-to-device copy in a step)."""
-    key = (sizes, device)
-    if key not in _segment_cache:
-        _segment_cache[key] = torch.cat(
-            [torch.full((n,), i, dtype=torch.int64, device=device) for i, n in enumerate(sizes)]
-        ).unsqueeze(0)
-    return _segment_cache[key]
+    wide = flat.double()  # a copy, or ``flat`` itself (the concatenation's own buffer)
+    # M per output entry: the largest |x| of its summands on any rank, as 2**(E - bias) <= M,
+    # E its biased exponent (a NaN or infinite summand gives the largest E, which MAX keeps).
+    # c = 1.5 * 2**(e + h - 1) with 2**(e - 1) <= M < 2**e, written as float64 bits: the
+    # exponent field is E moved to float64's bias, plus h; the significand's top bit is the
+    # 0.5 of 1.5. Its binade's spacing is u = 2**(e + h - 53). For float32 summands, M = 0
+    # or subnormal gives a grid finer than any float32: no rounding, and their float64 sums
+    # are exact anyway. (float64's second, finer grid keeps what the first rounds off.)
+    big = flat.abs().amax(1) if width else flat.new_zeros(rows, flat.shape[2])
+    if dtype == torch.float64:
+        biased = big.view(torch.int64) >> 52  # 0..2047, agreed in float32 (exact)
+        if group_size(group) > 1:
+            biased = _agree_max(biased.float().reshape(-1), group).view(rows, -1).long()
+        # A non-finite M, or one of 2**1004 or more (beyond float64's range once moved),
+        # gives the exponent field of all ones: c is NaN, and so is the entry.
+        field = (biased + _HEADROOM).clamp_(max=2047)
+        bits = (field << 52) | _HALF
+    else:
+        # One byte per entry: the float32 exponent (0..255) of M. A non-finite M gives a
+        # finite c; its infinite or NaN summand stays so through the rounding.
+        biased = big.float().view(torch.int32) >> 23
+        if group_size(group) > 1:
+            biased = _agree_max(biased.to(torch.uint8).reshape(-1), group).view(rows, -1)
+        bits = (biased.long() << 52) + _F32_C_BITS
+    c = bits.view(torch.float64).unsqueeze(1)
+    # Round every summand to a multiple of u: one rounding each, the same whatever the
+    # order; every sum after it is exact.
+    high = wide.add(c).sub_(c)
+    sums = [high.sum(1)]
+    if dtype == torch.float64:
+        # float64 summands keep more bits than u: the remainder (exact, at most u / 2) is
+        # rounded and summed again on a grid 2**(_MANTISSA - _HEADROOM) times finer.
+        low = wide.sub_(high)
+        c = c.mul_(2.0 ** (_HEADROOM - _MANTISSA))
+        sums.append(low.add_(c).sub_(c).sum(1))
+    both = torch.cat(sums, 1) if len(sums) > 1 else sums[0]
+    total = _exact_sum(both.reshape(-1), group).view(rows, len(sums), -1)
+    value = total[:, 0] if len(sums) == 1 else total[:, 0] + total[:, 1]
+    parts = value.to(dtype).split(sizes, dim=1)
+    return [p.reshape(rows, *t.shape[2:]) for p, t in zip(parts, tensors, strict=True)]
 
 
 class _Gather(torch.autograd.Function):
