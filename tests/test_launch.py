@@ -3,6 +3,9 @@ imported torch once, or spawned), with the caller's environment as it is at the 
 
 from __future__ import annotations
 
+import platform
+
+import pytest
 import torch
 
 import workers
@@ -25,3 +28,16 @@ def test_ranks_see_the_callers_environment_now_and_nothing_else_of_it(monkeypatc
     for r in got:
         assert r == {"env": "set after the first call", "rank": r["rank"], "threads": 1,
                      "dtype": "torch.float32", "in_step": False}
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
+def test_ranks_keep_freed_memory_for_the_next_step(monkeypatch):
+    # metaddp.init keeps a freed 256 MiB block in the process (mapped again it would be
+    # faulted in and zeroed at every step); with the setting off, glibc returns it at once.
+    kept = run_local(workers.freed_memory_kept_mib, 1)[0]
+    monkeypatch.setenv("METADDP_KEEP_FREED_MEMORY", "0")
+    returned = run_local(workers.freed_memory_kept_mib, 1)[0]
+    # 256 MiB written: nearly all of it stays resident (the margin: pages the allocator may
+    # have reused for its own bookkeeping); returned, less than a tenth of it stays.
+    assert kept > 240, kept
+    assert returned < 25, returned

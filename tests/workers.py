@@ -262,6 +262,22 @@ def what_a_rank_starts_with() -> dict:
             "in_step": host.in_step()}
 
 
+def freed_memory_kept_mib() -> float:
+    """How much of a freed 256 MiB tensor a rank's process still holds (resident MiB)."""
+    import resource
+
+    page = resource.getpagesize()
+
+    def resident() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * page / 2**20
+
+    before = resident()
+    block = torch.ones(64 * 2**20)  # 256 MiB, every page written
+    del block
+    return resident() - before
+
+
 def deterministic_sum_out_of_step(dtype_name: str) -> str:
     """Rank 1 skips one collective before a fixed-point sum: what each rank is told."""
     from metaddp.distributed import _collectives, _fixed

@@ -11,6 +11,7 @@ family, over a ``reduce`` function) beside ``metaddp.distributed`` (collectives,
 """
 
 from ._adapt import batch_share, grad, inner_loop, inner_step
+from ._allocator import keep_freed_memory
 from ._data import (
     Batch,
     Chunks,
@@ -100,6 +101,7 @@ __all__ = [
     "init",
     "inner_loop",
     "inner_step",
+    "keep_freed_memory",
     "params_of",
     "rank",
     "seed_for",

@@ -6,6 +6,8 @@ import argparse
 import importlib
 import sys
 
+from .._allocator import keep_freed_memory
+
 # Each module defines ``add_parser(subparsers)`` registering its sub-command, whose parser
 # carries ``func=`` taking the parsed arguments and returning the exit status.
 COMMANDS = ["verify", "train", "data"]
@@ -27,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    keep_freed_memory()
     return int(args.func(args) or 0)
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .._allocator import keep_freed_memory
 from ._collectives import Group, group_rank, group_size
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
@@ -33,7 +34,11 @@ def init(backend: str | None = None, timeout: timedelta | float = DEFAULT_TIMEOU
     it does nothing and returns 1: every metaddp collective is then the identity, so the same
     script runs as one plain process. ``timeout`` (seconds or a timedelta) bounds how long a
     collective waits for ranks that are out of step before failing with a message.
+
+    It also keeps freed CPU memory in the process for the next step
+    (:func:`metaddp.keep_freed_memory`; ``METADDP_KEEP_FREED_MEMORY=0`` leaves it out).
     """
+    keep_freed_memory()
     if dist.is_initialized():
         return dist.get_world_size()
     if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
