@@ -27,16 +27,19 @@ import metaddp
 # --- problems ---------------------------------------------------------------------------
 
 
-def conv4(ways: int = 5, hidden: int = 64, channels: int = 1) -> nn.Module:
+def conv4(ways: int = 5, hidden: int = 64, channels: int = 1, smooth: bool = False) -> nn.Module:
     """The Conv-4 of MAML's Omniglot experiments: 4 x (3x3 conv, batch norm, ReLU, 2x2 max-pool).
 
     Batch norm uses the current batch's statistics (``track_running_stats=False``, as MAML
     does), so the network has no buffers and every implementation treats it alike.
+    ``smooth``: softplus and 2x2 average pooling instead of ReLU and max-pooling, whose
+    choices (a sign, the largest of four) a last-bit change can flip.
     """
 
     def block(cin: int) -> list[nn.Module]:
+        act, pool = (nn.Softplus(), nn.AvgPool2d(2)) if smooth else (nn.ReLU(), nn.MaxPool2d(2))
         return [nn.Conv2d(cin, hidden, 3, padding=1),
-                nn.BatchNorm2d(hidden, track_running_stats=False), nn.ReLU(), nn.MaxPool2d(2)]
+                nn.BatchNorm2d(hidden, track_running_stats=False), act, pool]
 
     return nn.Sequential(*block(channels), *block(hidden), *block(hidden), *block(hidden),
                          nn.Flatten(), nn.Linear(hidden, ways))
@@ -52,7 +55,7 @@ class Case:
     """One benchmark problem: a model, a task family and an inner loop."""
 
     name: str
-    model: str  # "conv4" or "mlp"
+    model: str  # "conv4", "conv4-smooth" or "mlp"
     n_tasks: int
     steps: int = 1
     inner_lr: float = 0.4
@@ -66,13 +69,16 @@ class Case:
 
     def build(self, dtype: torch.dtype = torch.float32) -> nn.Module:
         torch.manual_seed(self.seed)
-        net = conv4(self.ways, self.hidden) if self.model == "conv4" else sine_mlp()
+        if self.model.startswith("conv4"):
+            net = conv4(self.ways, self.hidden, smooth=self.model == "conv4-smooth")
+        else:
+            net = sine_mlp()
         return net.to(dtype).to(self.device)
 
     @property
     def loss_fn(self) -> Callable[[Tensor, Tensor], Tensor]:
         """Per-sample loss (``reduction='none'``, as metaddp's share convention needs)."""
-        if self.model == "conv4":
+        if self.model.startswith("conv4"):
             return lambda out, y: F.cross_entropy(out, y, reduction="none")
         return lambda out, y: F.mse_loss(out, y, reduction="none").flatten(1).mean(1)
 
@@ -84,7 +90,7 @@ class Case:
         out = []
         for i in range(self.n_tasks):
             g = metaddp.generator_for(self.seed, i)
-            if self.model == "conv4":
+            if self.model.startswith("conv4"):
                 protos = torch.rand(self.ways, 1, self.size, self.size, generator=g)
 
                 def draw(per_class: int) -> tuple[Tensor, Tensor]:

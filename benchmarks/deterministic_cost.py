@@ -36,6 +36,10 @@ Reported per row:
     python benchmarks/deterministic_cost.py --json benchmarks/results/deterministic_cost.json
 
 ``--quick``: the MLP only, one round, fewer repeats (a smoke run).
+
+The ranks keep freed memory for the next step, as ``metaddp.init`` sets up every process
+(``metaddp.keep_freed_memory``); ``METADDP_KEEP_FREED_MEMORY=0`` measures both modes with
+glibc's defaults instead.
 """
 
 from __future__ import annotations
@@ -79,7 +83,8 @@ def _switches() -> dict:
 
 def worker(case: Case, layout: str, repeats: int, warmup: int, chunks: int) -> dict:
     """On every rank of a fresh process group: the default mode, then the deterministic one."""
-    out: dict = {"threads": torch.get_num_threads()}
+    # metaddp.init (run_local's ranks) kept freed memory unless METADDP_KEEP_FREED_MEMORY=0.
+    out: dict = {"threads": torch.get_num_threads(), "keep_freed_memory": metaddp.keep_freed_memory()}
     for mode in MODES:
         switches = _switches()
         net = case.build()
@@ -175,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         name, nproc, layout = config
         runs = results[config]
         row: dict = dict(problem=name, processes=nproc, layout=layout,
-                         threads_per_process=runs[0][0]["threads"])
+                         threads_per_process=runs[0][0]["threads"],
+                         keep_freed_memory=runs[0][0]["keep_freed_memory"])
         for mode in MODES:
             g = runs[0][0][mode]["grads"]
             if nproc == 1:
@@ -224,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{bits(e['bit_equal_to_1_process']):>8}")
     notes = [
         f"float32, CPU, 1 torch thread per process, gloo; chunks={args.chunks}; median of "
-        f"{rounds} round(s) x {repeats} meta-steps after {warmup} warm-up step(s) per mode.",
+        f"{rounds} round(s) x {repeats} meta-steps after {warmup} warm-up step(s) per mode; "
+        f"freed memory kept (metaddp.keep_freed_memory): {rows[0]['keep_freed_memory']}.",
         "calls/bytes: collectives and payload bytes per meta-step on rank 0 (counting()).",
         "err: max|g - g64| / max|g64| against the float64 per-task loop.",
         "bits: meta-gradient torch.equal to the same mode's at 1 process.",

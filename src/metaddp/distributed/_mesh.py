@@ -31,7 +31,7 @@ def init(backend: str | None = None, timeout: timedelta | float = DEFAULT_TIMEOU
 
     Under ``torchrun`` (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set) this initialises
     ``torch.distributed``; NCCL processes also select the GPU ``LOCAL_RANK``. With no launcher
-    it does nothing and returns 1: every metaddp collective is then the identity, so the same
+    it joins nothing and returns 1: every metaddp collective is then the identity, so the same
     script runs as one plain process. ``timeout`` (seconds or a timedelta) bounds how long a
     collective waits for ranks that are out of step before failing with a message.
 
