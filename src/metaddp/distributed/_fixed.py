@@ -145,7 +145,10 @@ def fixed_sum(tensors: Sequence[Tensor], group: Group) -> list[Tensor]:
     # 0.5 of 1.5. Its binade's spacing is u = 2**(e + h - 53). For float32 summands, M = 0
     # or subnormal gives a grid finer than any float32: no rounding, and their float64 sums
     # are exact anyway. (float64's second, finer grid keeps what the first rounds off.)
-    big = flat.abs().amax(1) if width else flat.new_zeros(rows, flat.shape[2])
+    if width:  # the largest and the smallest read in place: no |x| buffer
+        big = torch.maximum(flat.amax(1), flat.amin(1).neg_())
+    else:
+        big = flat.new_zeros(rows, flat.shape[2])
     if dtype == torch.float64:
         biased = big.view(torch.int64) >> 52  # 0..2047, agreed in float32 (exact)
         if group_size(group) > 1:
@@ -164,7 +167,8 @@ def fixed_sum(tensors: Sequence[Tensor], group: Group) -> list[Tensor]:
     c = bits.view(torch.float64).unsqueeze(1)
     # Round every summand to a multiple of u: one rounding each, the same whatever the
     # order; every sum after it is exact.
-    high = wide.add(c).sub_(c)
+    # (In place, where ``wide`` is a copy; float64 keeps ``flat`` for its remainder.)
+    high = (wide.add(c) if wide is flat else wide.add_(c)).sub_(c)
     sums = [high.sum(1)]
     if dtype == torch.float64:
         # float64 summands keep more bits than u: the remainder (exact, at most u / 2) is
