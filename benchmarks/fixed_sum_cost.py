@@ -41,7 +41,8 @@ SHAPES = {
 
 def _module_at(rev: str):
     """``metaddp.distributed._fixed`` as it was at ``rev``, imported beside today's."""
-    text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:src/metaddp/distributed/_fixed.py"],
+    where = f"{rev}:src/metaddp/distributed/_fixed.py"
+    text = subprocess.run(["git", "-C", str(ROOT), "show", where],
                           check=True, capture_output=True, text=True).stdout
     path = Path(tempfile.mkdtemp()) / "_fixed_then.py"
     path.write_text(text)
@@ -83,8 +84,9 @@ def main(argv: list[str] | None = None) -> int:
                          for k, t in times.items())
         if args.against:
             ratio = statistics.median(times["now"]) / statistics.median(times[args.against])
-            got = [fns[k](tensors, None) for k in fns]
-            diff = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(*got))
+            now, then = (fns[k](tensors, None) for k in fns)
+            diff = max(float((a - b).abs().max() / b.abs().max())
+                       for a, b in zip(now, then, strict=True))
             line += f"; now / {args.against}: {ratio:.2f}, totals differ by {diff:.1e} (relative)"
         print(f"{label}: {line}", flush=True)
     return 0
