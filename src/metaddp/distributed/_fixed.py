@@ -150,7 +150,9 @@ def fixed_sum(tensors: Sequence[Tensor], group: Group) -> list[Tensor]:
     else:
         big = flat.new_zeros(rows, flat.shape[2])
     if dtype == torch.float64:
-        biased = big.view(torch.int64) >> 52  # 0..2047, agreed in float32 (exact)
+        # The field alone (a zero or NaN maximum may carry a sign): 0..2047, agreed in
+        # float32 (exact).
+        biased = (big.view(torch.int64) >> 52) & 2047
         if group_size(group) > 1:
             biased = _agree_max(biased.float().reshape(-1), group).view(rows, -1).long()
         # A non-finite M, or one of 2**1004 or more (beyond float64's range once moved),
@@ -160,7 +162,7 @@ def fixed_sum(tensors: Sequence[Tensor], group: Group) -> list[Tensor]:
     else:
         # One byte per entry: the float32 exponent (0..255) of M. A non-finite M gives a
         # finite c; its infinite or NaN summand stays so through the rounding.
-        biased = big.float().view(torch.int32) >> 23
+        biased = (big.float().view(torch.int32) >> 23) & 255
         if group_size(group) > 1:
             biased = _agree_max(biased.to(torch.uint8).reshape(-1), group).view(rows, -1)
         bits = (biased.long() << 52) + _F32_C_BITS
