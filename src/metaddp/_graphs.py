@@ -212,12 +212,12 @@ class CapturedStep:
             self._checks = _host.take()
         except BaseException:
             _host.discard()
+            raise
+        finally:
+            recorded_grads = [p.grad for p in params]
             for p, g in zip(params, kept, strict=True):
                 p.grad = g
-            raise
-        self._grads = [p.grad for p in params]
-        for p, g in zip(params, kept, strict=True):
-            p.grad = g
+        self._grads = recorded_grads
         self._loss = loss.detach()
         self._graph = graph
         self._where = self._addresses()

@@ -112,8 +112,12 @@ def resume(checks: Sequence[tuple[Tensor, Verdict]]) -> None:
 
 def judge(checks: Sequence[tuple[Tensor, Verdict]]) -> None:
     """Read ``checks`` in one transfer and raise the first failed one's error."""
-    values = _fetch([v for v, _ in checks])
-    for (_, verdict), got in zip(checks, values, strict=True):
+    _raise_first(checks, _fetch([v for v, _ in checks]))
+
+
+def _raise_first(checks: Sequence[tuple[Tensor, Verdict]], values: list[list[float]]) -> None:
+    """Judge each check by its value on the host (``values`` may go on past the checks)."""
+    for (_, verdict), got in zip(checks, values, strict=False):
         error = verdict(got)
         if error is not None:
             raise error
@@ -167,10 +171,7 @@ def read(*tensors: Tensor, end_step: bool = True) -> list[list[float]]:
     if end_step:
         _in_step = False
     values = _fetch([v for v, _ in pending] + list(tensors))
-    for (_, verdict), got in zip(pending, values, strict=False):
-        error = verdict(got)
-        if error is not None:
-            raise error
+    _raise_first(pending, values)
     return values[len(pending) :]
 
 

@@ -81,8 +81,7 @@ def _agree_max(values: Tensor, group: Group) -> Tensor:
     top = 255 if small else 0
     tail = digits + [top - d for d in digits]  # exact in uint8 and in any float
     device = comm_device(group)
-    tag_t = torch.tensor(tail, dtype=values.dtype, device=values.device)
-    flat = torch.cat([values, tag_t]).to(device)
+    flat = torch.cat([values, _host.upload(tail, values)]).to(device)
     if strict():
         _check_header(group, tag, flat.numel(), _MAX_KIND, "fixed-point scale", device)
     _record(flat.numel(), flat.numel() * flat.element_size())

@@ -281,7 +281,6 @@ DETERMINISTIC_ALGORITHMS = ("maml", "fomaml", "metasgd")
 GRAPHED_ALGORITHMS = ("maml", "fomaml", "metasgd", "anil", "reptile")
 
 # What each setting holds, from the field's annotation ("int | None" -> int).
-
 KINDS: dict[str, tuple[tuple[type, ...], str]] = {
     "int": ((int,), "an integer"),
     "float": ((int, float), "a number"),
