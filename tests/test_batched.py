@@ -11,7 +11,7 @@ from torch import nn
 
 import metaddp
 from metaddp.testing import scenarios as S
-from metaddp.algorithms._stacked import batchable, use_batched
+from metaddp.algorithms._stacked import batchable, per_task, use_batched
 from metaddp.distributed.launch import run_local
 
 # Float64 throughout. Stacked and looped runs do the same arithmetic except for how sums are
@@ -269,3 +269,26 @@ def test_optimizer_state_and_whole_tensor_updates_stay_per_task():
         maml.meta_loss(problem.tasks(), problem.loss_fn).backward()
         out[batched] = {n: p.grad.clone() for n, p in net.named_parameters()}
     assert rel_diff(out[True], out[False]) < RTOL
+
+
+def test_rowwise_optimizers_are_their_own_per_task_form():
+    # Only plain Python rates say rowwise: a tensor rate may be learned (its gradient sums
+    # over tasks) or per entry, and a custom optimizer may look across entries.
+    assert metaddp.sgd(0.1).rowwise and metaddp.sgd(0.1, momentum=0.9).rowwise
+    assert metaddp.adam(0.01).rowwise and metaddp.sgd({"w": 0.1, "b": 0.2}).rowwise
+    assert not metaddp.sgd(torch.tensor(0.1)).rowwise
+    assert not metaddp.sgd({"w": torch.tensor(0.1)}).rowwise
+    assert not _normalized_sgd_with_counter(0.3).rowwise
+    problem = S.Problem(model="mlp", steps=3)
+    for opt in (metaddp.sgd(0.3, momentum=0.9, nesterov=True), metaddp.adam(0.05)):
+        assert per_task(opt, 4) is opt and per_task(opt._replace(rowwise=False), 4) is not opt
+        for memory in ("default", "low"):
+            grads = []
+            for o in (opt, opt._replace(rowwise=False)):  # without vmap, and under it
+                net = problem.build_model()
+                maml = metaddp.MAML(net, steps=3, optimizer=o, batched=True, memory=memory)
+                maml.meta_loss(problem.tasks(), problem.loss_fn).backward()
+                grads.append([p.grad for p in net.parameters()])
+            # The same elementwise kernels on the same values, only without vmap: equal bits.
+            diffs = [(a - b).abs().max().item() for a, b in zip(*grads, strict=True)]
+            assert diffs == [0.0] * len(diffs), (opt, memory, diffs)

@@ -104,12 +104,17 @@ def per_task(
 
     With ``rates`` (learned rates stacked ``[n, ...]`` by parameter name, one copy per task),
     ``optimizer`` builds a task's optimizer from its row of them.
+
+    A ``rowwise`` optimizer (plain rates: its update is entry by entry) is its own per-task
+    form, returned as it is: the same bits without ``vmap``'s cost per call (BENCHMARKS.md).
     """
     if isinstance(optimizer, InnerOptimizer):
         built = optimizer
         build: Callable[[Params | None], InnerOptimizer] = lambda r: built  # noqa: E731
     else:
         build = optimizer
+    if rates is None and (plain := build(None)).rowwise:
+        return plain
 
     def init(params: Params) -> State:
         # Every task starts from the same weights, so task 0's state is every task's.

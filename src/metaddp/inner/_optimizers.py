@@ -24,10 +24,18 @@ LearningRate = float | Tensor | Mapping[str, Tensor | float]
 
 
 class InnerOptimizer(NamedTuple):
-    """``init(params) -> state``; ``update(grads, state, params) -> (updates, state)``."""
+    """``init(params) -> state``; ``update(grads, state, params) -> (updates, state)``.
+
+    ``rowwise``: the update treats every entry on its own and reads no tensor but its
+    arguments, so on weights stacked along a leading task dimension it gives every task's own
+    update, bit for bit: a stacked meta-batch applies it without ``torch.vmap``. Leave it
+    ``False`` (the default) for anything that looks across entries (a norm, a clipping) or
+    reads per-parameter tensors (learned rates).
+    """
 
     init: Callable[[Params], State]
     update: Callable[[Params, State, Params], tuple[Params, State]]
+    rowwise: bool = False
 
 
 class SlotState(NamedTuple):
@@ -74,6 +82,13 @@ def lr_for(lr: LearningRate, name: str, like: Tensor | None = None) -> float | T
             "tensor of the parameter's own shape (one rate per entry)"
         )
     return lr
+
+
+def _rowwise(lr: LearningRate) -> bool:
+    """Whether a rate is the same Python number for every entry (see ``InnerOptimizer``)."""
+    if isinstance(lr, Mapping):
+        return all(isinstance(v, int | float) for v in lr.values())
+    return isinstance(lr, int | float)
 
 
 class Shapes(tuple):
@@ -140,7 +155,7 @@ def sgd(
             out = {k: -lr_for(lr, k, g) * g for k, g in grads.items()}
             return out, SlotState(state.count + 1, (), state.shapes)
 
-        return InnerOptimizer(init_plain, update_plain)
+        return InnerOptimizer(init_plain, update_plain, _rowwise(lr))
 
     def init(params: Params) -> State:
         return SlotState(0, ({k: torch.zeros_like(p) for k, p in params.items()},), _shapes(params))
@@ -155,7 +170,7 @@ def sgd(
             out[k] = -lr_for(lr, k, g) * (g + momentum * b if nesterov else b)
         return out, SlotState(state.count + 1, (new_bufs,), state.shapes)
 
-    return InnerOptimizer(init, update)
+    return InnerOptimizer(init, update, _rowwise(lr))
 
 
 def adam(
@@ -206,4 +221,4 @@ def adam(
             out[k] = -lr_for(lr, k, g) * (m / c1) / (torch.sqrt(v / c2 + eps_root) + eps)
         return out, SlotState(t, (new_mu, new_nu), state.shapes)
 
-    return InnerOptimizer(init, update)
+    return InnerOptimizer(init, update, _rowwise(lr))
