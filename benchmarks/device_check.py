@@ -22,6 +22,8 @@ Sections (each runs even if an earlier one failed; each writes its rows to the r
   first-order peak device memory and time.
 - ``ranks``: two processes on this one device (gloo carrying device tensors: NCCL needs one
   GPU per rank), sample-parallel, against one process.
+- ``hvp``: the low mode's Hessian-vector product reverse over reverse against forward over
+  reverse (``benchmarks/hvp_modes.py``): on the CPU reverse over reverse is faster.
 
     python benchmarks/device_check.py OUT [--device cuda|cpu] [--quick]
 
@@ -472,6 +474,15 @@ def section_deterministic(device: str, quick: bool) -> list[dict]:
              "max_rel_diff_two": max(max_rel_diff(r, one) for r in two)}]
 
 
+def section_hvp(device: str, quick: bool) -> list[dict]:
+    """``benchmarks/hvp_modes.py`` on the device: the sinusoid MLP's 25 stacked tasks and one
+    Conv-4 task, each way's time and ``H v`` error against float64."""
+    import hvp_modes
+
+    rounds = 2 if quick else 20
+    return [row for name in ("mlp", "conv") for row in hvp_modes.measure(name, device, rounds)]
+
+
 SECTIONS = {
     "exact": section_exact,
     "syncs": section_syncs,
@@ -482,6 +493,7 @@ SECTIONS = {
     "memory": section_memory,
     "ranks": section_ranks,
     "deterministic": section_deterministic,
+    "hvp": section_hvp,
 }
 
 

@@ -18,14 +18,16 @@ alternate in every round. Each way's ``H v`` is compared with a float64 reverse-
 product of the same weights before its time is trusted.
 
     python benchmarks/hvp_modes.py --json benchmarks/results/hvp_modes.json
+
+``--device cuda`` runs the same on a GPU (the device check's ``hvp`` section).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,14 +36,14 @@ import torch.autograd.forward_ad as fwAD
 from torch.func import functional_call, grad, jvp, vmap
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import CONV, SINE, run_record, save_json  # noqa: E402
+from common import CONV, SINE, run_record, save_json, time_round_robin  # noqa: E402
 
 from metaddp.algorithms._stacked import _stack  # noqa: E402
 
 
-def _problem(name: str, dtype: torch.dtype):
-    """``(loss_of(params) -> scalar, params, direction)`` in ``dtype``."""
-    case = {"mlp": SINE, "conv": CONV}[name]
+def _problem(name: str, dtype: torch.dtype, device: str = "cpu"):
+    """``(loss_of(params) -> scalar, params, direction)`` in ``dtype`` on ``device``."""
+    case = dataclasses.replace({"mlp": SINE, "conv": CONV}[name], device=device)
     net = case.build(dtype)
     gen = torch.Generator().manual_seed(1)
     if name == "mlp":  # every task's row of stacked weights, the tasks' losses summed
@@ -63,7 +65,7 @@ def _problem(name: str, dtype: torch.dtype):
         def loss_of(p):
             return case.loss_fn(functional_call(net, p, (x,)), y).mean()
 
-    v = {k: torch.randn(p.shape, generator=gen).to(dtype) for k, p in params.items()}
+    v = {k: torch.randn(p.shape, generator=gen).to(dtype).to(device) for k, p in params.items()}
     return loss_of, params, v
 
 
@@ -90,10 +92,30 @@ def dual_fwd_rev(loss_of: Callable, params: dict, v: dict) -> tuple[list, list]:
 WAYS = {"rev-rev": rev_rev, "func fwd-rev": func_fwd_rev, "dual fwd-rev": dual_fwd_rev}
 
 
+def measure(name: str, device: str, rounds: int) -> list[dict]:
+    """One row per way: best and median seconds, and ``H v``'s error against float64."""
+    loss64, params64, v64 = _problem(name, torch.float64, device)
+    _, h64 = rev_rev(loss64, params64, v64)
+    scale = max(t.abs().max().item() for t in h64)
+    loss_of, params, v = _problem(name, torch.float32, device)
+    errors = {}
+    for way, fn in WAYS.items():
+        _, hv = fn(loss_of, params, v)
+        errors[way] = max((a.double() - b).abs().max().item()
+                          for a, b in zip(hv, h64, strict=True)) / scale
+    steps = {way: (lambda fn=fn: fn(loss_of, params, v)) for way, fn in WAYS.items()}
+    times = time_round_robin(steps, rounds)
+    base = statistics.median(times["rev-rev"])
+    return [dict(problem=name, way=way, rounds=rounds, best_s=min(t),
+                 median_s=statistics.median(t), median_over_rev_rev=statistics.median(t) / base,
+                 error_vs_float64=errors[way]) for way, t in times.items()]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--problems", default="mlp,conv")
     ap.add_argument("--rounds", type=int, default=None, help="default: 60 (mlp), 9 (conv)")
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -101,29 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'problem':>8} {'way':>14} {'best ms':>8} {'median ms':>9} {'/ rev-rev':>9} "
           f"{'Hv err vs float64':>17}")
     for name in args.problems.split(","):
-        loss64, params64, v64 = _problem(name, torch.float64)
-        _, h64 = rev_rev(loss64, params64, v64)
-        scale = max(t.abs().max().item() for t in h64)
-        loss_of, params, v = _problem(name, torch.float32)
-        errors = {}
-        for way, fn in WAYS.items():
-            _, hv = fn(loss_of, params, v)
-            errors[way] = max((a.double() - b).abs().max().item()
-                              for a, b in zip(hv, h64, strict=True)) / scale
-        rounds = args.rounds or (60 if name == "mlp" else 9)
-        times: dict[str, list[float]] = {w: [] for w in WAYS}
-        for _ in range(rounds):
-            for way, fn in WAYS.items():
-                t0 = time.perf_counter()
-                fn(loss_of, params, v)
-                times[way].append(time.perf_counter() - t0)
-        base = statistics.median(times["rev-rev"])
-        for way, t in times.items():
-            rows.append(dict(problem=name, way=way, rounds=rounds, best_s=min(t),
-                             median_s=statistics.median(t), error_vs_float64=errors[way]))
-            print(f"{name:>8} {way:>14} {min(t) * 1e3:8.2f} {statistics.median(t) * 1e3:9.2f} "
-                  f"{statistics.median(t) / base:9.2f} {errors[way]:17.1e}")
-    save_json(args.json, run_record(rows=rows, threads=1))
+        for row in measure(name, args.device, args.rounds or (60 if name == "mlp" else 9)):
+            rows.append(row)
+            print(f"{name:>8} {row['way']:>14} {row['best_s'] * 1e3:8.2f} "
+                  f"{row['median_s'] * 1e3:9.2f} {row['median_over_rev_rev']:9.2f} "
+                  f"{row['error_vs_float64']:17.1e}")
+    save_json(args.json, run_record(rows=rows, threads=1, device=args.device))
     return 0
 
 
