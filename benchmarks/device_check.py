@@ -74,6 +74,15 @@ def peak_mib(device: str) -> float | None:
     return None
 
 
+def live_mib(device: str) -> float | None:
+    """What the allocator holds for live tensors now (made before a step: weights, data, and
+    whatever earlier sections left alive)."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated() / 2**20
+    return None
+
+
 def on(problem: S.Problem, device: str) -> tuple:
     alg = problem.build_algorithm().to(device)
     tasks = [
@@ -402,6 +411,7 @@ def section_memory(device: str, quick: bool) -> list[dict]:
         row: dict = {"K": k}
         for mode in ("default", "low", "first-order"):
             net = case.build()
+            weights = sum(p.numel() * p.element_size() for p in net.parameters())
             alg = md.MAML(net, inner_lr=case.inner_lr, steps=k, batched=False,
                           first_order=mode == "first-order",
                           memory="low" if mode == "low" else "default")
@@ -410,10 +420,18 @@ def section_memory(device: str, quick: bool) -> list[dict]:
                 alg.meta_loss(tasks, case.loss_fn).backward()  # warm-up
                 net.zero_grad(set_to_none=True)
                 peak_reset(device)
+                before = live_mib(device)
                 t0 = time.perf_counter()
                 alg.meta_loss(tasks, case.loss_fn).backward()
                 peak = peak_mib(device)
-                row[mode] = {"seconds": time.perf_counter() - t0, "peak_mib": peak}
+                # The step's own peak is the peak less what was live before it; the low
+                # mode's part of it that grows with K is its kept weights (K + 1 copies per
+                # task, the first of them the meta-parameters themselves).
+                row[mode] = {"seconds": time.perf_counter() - t0, "peak_mib": peak,
+                             "live_before_mib": before,
+                             "step_peak_mib": None if peak is None else peak - before,
+                             "kept_weights_mib": k * len(tasks) * weights / 2**20
+                             if mode == "low" else 0.0}
             except torch.OutOfMemoryError:
                 row[mode] = {"error": "out of memory"}
             del alg, net
