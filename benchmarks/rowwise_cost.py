@@ -14,6 +14,7 @@ the two ways are checked equal bit for bit before any time is trusted.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -48,7 +49,9 @@ def main(argv: list[str] | None = None) -> int:
             for memory in ("default", "low"):
                 for rowwise in (False, True):
                     net = SINE.build()
-                    opt = OPTIMIZERS[opt_name]()._replace(rowwise=rowwise)
+                    opt = OPTIMIZERS[opt_name]()
+                    if not rowwise:  # another function: the optimizer then runs under vmap
+                        opt = metaddp.InnerOptimizer(opt.init, functools.partial(opt.update))
                     alg = metaddp.MAML(net, steps=steps, optimizer=opt, batched=True,
                                        memory=memory)
 

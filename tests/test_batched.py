@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -272,19 +273,26 @@ def test_optimizer_state_and_whole_tensor_updates_stay_per_task():
 
 
 def test_rowwise_optimizers_are_their_own_per_task_form():
-    # Only plain Python rates say rowwise: a tensor rate may be learned (its gradient sums
-    # over tasks) or per entry, and a custom optimizer may look across entries.
+    # Only the library's own updates with plain Python rates are rowwise: a tensor rate may be
+    # learned (its gradient sums over tasks) or per entry, and any other function (a wrapper
+    # of a rowwise update included) may look across entries.
     assert metaddp.sgd(0.1).rowwise and metaddp.sgd(0.1, momentum=0.9).rowwise
     assert metaddp.adam(0.01).rowwise and metaddp.sgd({"w": 0.1, "b": 0.2}).rowwise
     assert not metaddp.sgd(torch.tensor(0.1)).rowwise
     assert not metaddp.sgd({"w": torch.tensor(0.1)}).rowwise
     assert not _normalized_sgd_with_counter(0.3).rowwise
+    plain = metaddp.sgd(0.1)
+    wrapped = functools.wraps(plain.update)(lambda *a: plain.update(*a))
+    assert not plain._replace(update=wrapped).rowwise
+    assert not metaddp.InnerOptimizer(plain.init, len).rowwise  # not weakly referable
+    init, update = plain  # still a pair
     problem = S.Problem(model="mlp", steps=3)
     for opt in (metaddp.sgd(0.3, momentum=0.9, nesterov=True), metaddp.adam(0.05)):
-        assert per_task(opt, 4) is opt and per_task(opt._replace(rowwise=False), 4) is not opt
+        vmapped = metaddp.InnerOptimizer(opt.init, functools.partial(opt.update))
+        assert per_task(opt, 4) is opt and per_task(vmapped, 4) is not vmapped
         for memory in ("default", "low"):
             grads = []
-            for o in (opt, opt._replace(rowwise=False)):  # without vmap, and under it
+            for o in (opt, vmapped):  # without vmap, and under it
                 net = problem.build_model()
                 maml = metaddp.MAML(net, steps=3, optimizer=o, batched=True, memory=memory)
                 maml.meta_loss(problem.tasks(), problem.loss_fn).backward()

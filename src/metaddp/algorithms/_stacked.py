@@ -105,8 +105,9 @@ def per_task(
     With ``rates`` (learned rates stacked ``[n, ...]`` by parameter name, one copy per task),
     ``optimizer`` builds a task's optimizer from its row of them.
 
-    A ``rowwise`` optimizer (plain rates: its update is entry by entry) is its own per-task
-    form, returned as it is: the same bits without ``vmap``'s cost per call (BENCHMARKS.md).
+    A ``rowwise`` optimizer (``sgd`` or ``adam`` with plain rates: its update is entry by
+    entry) is its own per-task form, returned as it is: the same bits without ``vmap``'s cost
+    per call (BENCHMARKS.md).
     """
     if isinstance(optimizer, InnerOptimizer):
         built = optimizer

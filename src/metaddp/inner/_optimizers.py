@@ -12,6 +12,7 @@ optimizer: the inner updates are differentiable in them.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -24,18 +25,37 @@ LearningRate = float | Tensor | Mapping[str, Tensor | float]
 
 
 class InnerOptimizer(NamedTuple):
-    """``init(params) -> state``; ``update(grads, state, params) -> (updates, state)``.
-
-    ``rowwise``: the update treats every entry on its own and reads no tensor but its
-    arguments, so on weights stacked along a leading task dimension it gives every task's own
-    update, bit for bit: a stacked meta-batch applies it without ``torch.vmap``. Leave it
-    ``False`` (the default) for anything that looks across entries (a norm, a clipping) or
-    reads per-parameter tensors (learned rates).
-    """
+    """``init(params) -> state``; ``update(grads, state, params) -> (updates, state)``."""
 
     init: Callable[[Params], State]
     update: Callable[[Params, State, Params], tuple[Params, State]]
-    rowwise: bool = False
+
+    @property
+    def rowwise(self) -> bool:
+        """Whether ``update`` treats every entry on its own and reads no tensor but its
+        arguments, so that on weights stacked along a leading task dimension it gives every
+        task's own update, bit for bit (a stacked meta-batch then applies it without
+        ``torch.vmap``). True only of this module's own updates with Python-number rates:
+        any other function, a wrapper of one of them included, may look across entries."""
+        try:
+            return self.update in _ROWWISE
+        except TypeError:  # a callable that cannot be weakly referenced is not one of them
+            return False
+
+
+# The update functions known to be entry by entry (weakly held: they die with their optimizer).
+_ROWWISE: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
+
+
+def _optimizer(
+    init: Callable[[Params], State], update: Callable[..., Any], lr: LearningRate
+) -> InnerOptimizer:
+    """An :class:`InnerOptimizer` whose ``update`` is rowwise when ``lr`` is a Python number
+    (or a dict of them); a tensor rate may be learned or per entry."""
+    numbers = lr.values() if isinstance(lr, Mapping) else [lr]
+    if all(isinstance(v, int | float) for v in numbers):
+        _ROWWISE.add(update)
+    return InnerOptimizer(init, update)
 
 
 class SlotState(NamedTuple):
@@ -82,13 +102,6 @@ def lr_for(lr: LearningRate, name: str, like: Tensor | None = None) -> float | T
             "tensor of the parameter's own shape (one rate per entry)"
         )
     return lr
-
-
-def _rowwise(lr: LearningRate) -> bool:
-    """Whether a rate is the same Python number for every entry (see ``InnerOptimizer``)."""
-    if isinstance(lr, Mapping):
-        return all(isinstance(v, int | float) for v in lr.values())
-    return isinstance(lr, int | float)
 
 
 class Shapes(tuple):
@@ -155,7 +168,7 @@ def sgd(
             out = {k: -lr_for(lr, k, g) * g for k, g in grads.items()}
             return out, SlotState(state.count + 1, (), state.shapes)
 
-        return InnerOptimizer(init_plain, update_plain, _rowwise(lr))
+        return _optimizer(init_plain, update_plain, lr)
 
     def init(params: Params) -> State:
         return SlotState(0, ({k: torch.zeros_like(p) for k, p in params.items()},), _shapes(params))
@@ -170,7 +183,7 @@ def sgd(
             out[k] = -lr_for(lr, k, g) * (g + momentum * b if nesterov else b)
         return out, SlotState(state.count + 1, (new_bufs,), state.shapes)
 
-    return InnerOptimizer(init, update, _rowwise(lr))
+    return _optimizer(init, update, lr)
 
 
 def adam(
@@ -221,4 +234,4 @@ def adam(
             out[k] = -lr_for(lr, k, g) * (m / c1) / (torch.sqrt(v / c2 + eps_root) + eps)
         return out, SlotState(t, (new_mu, new_nu), state.shapes)
 
-    return InnerOptimizer(init, update, _rowwise(lr))
+    return _optimizer(init, update, lr)
