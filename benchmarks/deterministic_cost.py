@@ -84,7 +84,8 @@ def _switches() -> dict:
 def worker(case: Case, layout: str, repeats: int, warmup: int, chunks: int) -> dict:
     """On every rank of a fresh process group: the default mode, then the deterministic one."""
     # metaddp.init (run_local's ranks) kept freed memory unless METADDP_KEEP_FREED_MEMORY=0.
-    out: dict = {"threads": torch.get_num_threads(), "keep_freed_memory": metaddp.keep_freed_memory()}
+    out: dict = {"threads": torch.get_num_threads(),
+                 "keep_freed_memory": metaddp.keep_freed_memory()}
     for mode in MODES:
         switches = _switches()
         net = case.build()
@@ -131,7 +132,8 @@ def _constant(values: list[int]) -> int | list[int]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=None,
-                    help="timed meta-steps per mode per round (default 5; --quick: 3)")
+                    help="timed meta-steps per mode per round (default: 25 for the MLP, whose "
+                         "steps are short and noisy, 5 for Conv-4; --quick: 3)")
     ap.add_argument("--rounds", type=int, default=None,
                     help="times every process group is spawned (default 2; --quick: 1)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed meta-steps first (>= 1)")
@@ -140,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=Path(__file__).resolve().parent / "results"
                     / "deterministic_cost.json")
     args = ap.parse_args(argv)
-    repeats = args.repeats or (3 if args.quick else 5)
+    def repeats_of(name: str) -> int:
+        return args.repeats or (3 if args.quick else 25 if name.startswith("MLP") else 5)
+
     rounds = args.rounds or (1 if args.quick else 2)
     warmup = max(1, args.warmup)
     configs = [c for c in CONFIGS if not (args.quick and c[0].startswith("Conv"))]
@@ -166,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         for config in configs:
             name, nproc, layout = config
             t0 = time.perf_counter()
-            got = run_local(worker, nproc, PROBLEMS[name], layout, repeats, warmup, args.chunks,
-                            threads=1, timeout_s=600.0)
+            got = run_local(worker, nproc, PROBLEMS[name], layout, repeats_of(name), warmup,
+                            args.chunks, threads=1, timeout_s=600.0)
             results[config].append(got)
             print(f"round {r + 1}/{rounds}: {name}, {nproc} proc, {layout}: "
                   + ", ".join(f"{m} {1e3 * statistics.median(got[0][m]['times']):.1f} ms"
@@ -230,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{bits(e['bit_equal_to_1_process']):>8}")
     notes = [
         f"float32, CPU, 1 torch thread per process, gloo; chunks={args.chunks}; median of "
-        f"{rounds} round(s) x {repeats} meta-steps after {warmup} warm-up step(s) per mode; "
+        f"{rounds} round(s) x {', '.join(f'{repeats_of(p)} ({p})' for p in sorted(problems))} "
+        f"meta-steps after {warmup} warm-up step(s) per mode; "
         f"freed memory kept (metaddp.keep_freed_memory): {rows[0]['keep_freed_memory']}.",
         "calls/bytes: collectives and payload bytes per meta-step on rank 0 (counting()).",
         "err: max|g - g64| / max|g64| against the float64 per-task loop.",
@@ -246,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     print(f"\n({time.perf_counter() - t_start:.0f} s in all)")
     save_json(args.json, run_record(
-        quick=args.quick, rounds=rounds, repeats=repeats, warmup=warmup, chunks=args.chunks,
+        quick=args.quick, rounds=rounds, repeats={p: repeats_of(p) for p in sorted(problems)},
+        warmup=warmup, chunks=args.chunks,
         problems={k: dataclasses.asdict(v) for k, v in PROBLEMS.items() if k in problems},
         ref_check=ref_check, rows=rows, table=table))
     print(f"wrote {args.json}")
