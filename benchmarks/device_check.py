@@ -12,9 +12,11 @@ Sections (each runs even if an earlier one failed; each writes its rows to the r
 - ``syncs``: a MetaDDP meta-step under ``torch.cuda.set_sync_debug_mode("error")`` (on the
   CPU: metaddp's host reads, counted as a device's), stacked and looped.
 - ``graphs``: ``metaddp.CapturedStep`` (Conv-4 with BatchNorm, 32 tasks, K = 1 and 5, with
-  and without MetaDDP; a looped conv with running statistics): 6 SGD steps against eager from
-  the same weights, each step's time, and a non-finite inner gradient and a batch of another
-  shape through a replay.
+  and without MetaDDP; a looped conv with running statistics): one meta-step against eager
+  and eager against itself from the same weights (bits: cuDNN's default algorithm picks are
+  not reproducible run to run; ``--cudnn-deterministic`` makes them so), 6 SGD steps against
+  eager, each step's time, and a non-finite inner gradient and a batch of another shape
+  through a replay.
 - ``kernels``: one Conv-4 layer's convolution, dense (as the floor runs it) against grouped
   (as the stacked step runs per-task weights), NCHW and channels-last.
 - ``train``: ``metaddp train`` with and without ``--cuda-graphs``: the same losses.
@@ -285,6 +287,7 @@ def section_graphs(device: str, quick: bool) -> list[dict]:
         row: dict = {"case": label}
         try:
             learners = {"eager": make(), "graph": make()}
+            again = make()  # a second eager learner: is eager itself the same bits twice?
             wrapped = hasattr(learners["eager"], "mesh")
 
             def batch(tasks):
@@ -303,6 +306,26 @@ def section_graphs(device: str, quick: bool) -> list[dict]:
                 if wrapped:
                     learner.sync_grads()
 
+            # One meta-step from the same weights: the graph's first call records and replays.
+            # Eager against eager tells whether any difference is the graph's or the kernels'
+            # own (cuDNN may pick run-to-run nondeterministic algorithms unless told not to).
+            def grads_after_one(name, learner):
+                if name == "again":
+                    learner.zero_grad(set_to_none=True)
+                    learner.meta_loss(a, loss_fn).backward()
+                    if wrapped:
+                        learner.sync_grads()
+                else:
+                    run(name, a)
+                return {n: p.grad.detach().clone() for n, p in learner.named_parameters()
+                        if p.grad is not None}
+
+            one = {n: grads_after_one(n, m) for n, m in [*learners.items(), ("again", again)]}
+            for name in ("graph", "again"):
+                row[f"one_step_{name}_vs_eager"] = max_rel_diff(one[name], one["eager"])
+                row[f"one_step_{name}_equal"] = all(
+                    torch.equal(one[name][k], one["eager"][k]) for k in one["eager"])
+            del again
             opts = {n: torch.optim.SGD(m.parameters(), lr=0.01) for n, m in learners.items()}
             for i in range(6):
                 for name in learners:
@@ -538,7 +561,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-tf32", action="store_true",
                     help="float32 convolutions and matrix products in full float32 on CUDA "
                          "(PyTorch's default lets cuDNN convolutions use TF32)")
+    ap.add_argument("--cudnn-deterministic", action="store_true",
+                    help="torch.backends.cudnn.deterministic = True: only cuDNN algorithms "
+                         "that give the same bits run to run")
     args = ap.parse_args(argv)
+    if args.cudnn_deterministic:
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
     if args.no_tf32:
         torch.backends.cudnn.allow_tf32 = False
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -547,7 +576,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
     out = run_record(device=args.device, sections={},
                      tf32={"cudnn": torch.backends.cudnn.allow_tf32,
-                           "matmul": torch.backends.cuda.matmul.allow_tf32})
+                           "matmul": torch.backends.cuda.matmul.allow_tf32},
+                     cudnn_deterministic=torch.backends.cudnn.deterministic)
     if args.device.startswith("cuda"):
         out["gpu"] = torch.cuda.get_device_name()
     failed = 0
