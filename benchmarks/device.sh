@@ -3,7 +3,9 @@
 # against the inner steps, two processes on one device, deterministic mode's bits. Under 8
 # minutes on one GPU.
 #
-#   benchmarks/device.sh OUT [--device cuda|cpu] [--quick] [--sections exact,syncs,...]
+#   benchmarks/device.sh OUT [--device cuda|cpu] [--quick] [--sections exact,syncs,...] [--tf32]
+#
+# float32 runs in full float32 (TF32 off) unless --tf32 is given.
 #
 # Results: OUT/device_check.json and OUT/device_check.md (see benchmarks/device_check.py).
 # Peers (higher, torchopt) are optional rows: on a machine without a package index, carry

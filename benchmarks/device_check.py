@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import sys
 import time
@@ -426,6 +427,10 @@ def section_train(device: str, quick: bool) -> list[dict]:
 
 def section_memory(device: str, quick: bool) -> list[dict]:
     rows = []
+    # What earlier sections left (cycles not yet collected, cached blocks) is not this one's.
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
     ks = (1, 5) if quick else (1, 5, 10, 25, 50, 100)
     case = dataclasses.replace(CONV, n_tasks=2 if quick else 8, device=device,
                                hidden=8 if quick else 64)
@@ -558,9 +563,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="small sizes (CI keeps it alive)")
     ap.add_argument("--sections", default=",".join(SECTIONS))
-    ap.add_argument("--no-tf32", action="store_true",
-                    help="float32 convolutions and matrix products in full float32 on CUDA "
-                         "(PyTorch's default lets cuDNN convolutions use TF32)")
+    tf32 = ap.add_mutually_exclusive_group()
+    tf32.add_argument("--tf32", dest="no_tf32", action="store_false",
+                      help="leave PyTorch's TF32 defaults: cuDNN convolutions may then run in "
+                           "TF32, and every float32 error column measures TF32, not the code")
+    tf32.add_argument("--no-tf32", dest="no_tf32", action="store_true", default=True,
+                      help="float32 convolutions and matrix products in full float32 on CUDA "
+                           "(the default here)")
     ap.add_argument("--cudnn-deterministic", action="store_true",
                     help="torch.backends.cudnn.deterministic = True: only cuDNN algorithms "
                          "that give the same bits run to run")
