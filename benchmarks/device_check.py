@@ -47,7 +47,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import metaddp as md  # noqa: E402
 from common import (  # noqa: E402
     CONV,
     IMPLEMENTATIONS,
@@ -59,6 +58,8 @@ from common import (  # noqa: E402
     run_record,
     time_round_robin,
 )
+
+import metaddp as md  # noqa: E402
 from metaddp import _host  # noqa: E402
 from metaddp.distributed import Mesh  # noqa: E402
 from metaddp.testing import scenarios as S  # noqa: E402
@@ -478,7 +479,8 @@ def _ranks_worker(device: str) -> dict[str, torch.Tensor]:
 
 
 def _to(task: md.Task, device: str) -> md.Task:
-    return md.Task(*(md.Batch(b.x.to(device), b.y.to(device), b.n) for b in (task.support, task.query)))
+    return md.Task(*(md.Batch(b.x.to(device), b.y.to(device), b.n)
+                     for b in (task.support, task.query)))
 
 
 def section_ranks(device: str, quick: bool) -> list[dict]:
