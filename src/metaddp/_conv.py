@@ -40,22 +40,43 @@ from torch import Tensor, nn
 from torch.nn.modules.conv import _ConvNd
 from torch.overrides import TorchFunctionMode
 
-# (stride, padding, dilation, groups), each spatial entry a tuple of ``d`` ints.
-Spec = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int]
+# (stride, padding, dilation, groups, tasks), each spatial entry a tuple of ``d`` ints;
+# ``groups`` counts the stacked tasks' groups together, ``tasks`` the tasks (1 unstacked).
+Spec = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int, int]
 
 _CONVS = {torch.conv1d: 1, torch.conv2d: 2, torch.conv3d: 3}
 
+# Whether a stacked forward convolution runs as one convolution per task instead of one
+# grouped convolution (the default). Measured on an H200 (BENCHMARKS.md): cuDNN's float32
+# forward of a task-grouped convolution took 8.6x the time of one convolution per task
+# (Conv-4's second layer, 32 tasks of 75 images); yet whole meta-steps were faster per task
+# only in full float32 replayed from a CUDA graph (1.57x at K = 1, 1.15x at K = 5). Eager,
+# the extra launches cost as much or more, and with TF32 (PyTorch's default) per task was
+# 1.3x to 1.8x slower. Kept switchable so that the device check can measure it again.
+PER_TASK = False
+
 
 def _conv(x: Tensor, w: Tensor, b: Tensor | None, spec: Spec) -> Tensor:
-    stride, padding, dilation, groups = spec
+    stride, padding, dilation, groups, tasks = spec
     zeros = [0] * len(stride)
-    return torch.ops.aten.convolution(x, w, b, stride, padding, dilation, False, zeros, groups)
+    if tasks == 1 or not PER_TASK:
+        return torch.ops.aten.convolution(x, w, b, stride, padding, dilation, False, zeros, groups)
+    # One convolution per task (PER_TASK): the one an unstacked task runs.
+    xs = x.unflatten(1, (tasks, -1)).movedim(1, 0)
+    ws = w.unflatten(0, (tasks, -1))
+    bs = [None] * tasks if b is None else b.unflatten(0, (tasks, -1))
+    per = groups // tasks
+    ys = [
+        torch.ops.aten.convolution(xt, wt, bt, stride, padding, dilation, False, zeros, per)
+        for xt, wt, bt in zip(xs, ws, bs, strict=True)
+    ]
+    return torch.stack(ys, 1).flatten(1, 2)
 
 
 def _conv_backward(
     gy: Tensor, x: Tensor, w: Tensor, spec: Spec, bias: bool, mask: Sequence[bool]
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    stride, padding, dilation, groups = spec
+    stride, padding, dilation, groups, _ = spec
     zeros = [0] * len(stride)
     return torch.ops.aten.convolution_backward(
         gy,
@@ -99,7 +120,7 @@ class _Conv(torch.autograd.Function):
         shared weights fold the task axis into the samples."""
         dx, dw, db = in_dims[:3]
         tasks = info.batch_size
-        stride, padding, dilation, groups = spec
+        stride, padding, dilation, groups, stacked = spec
         if dw is None and db is None:
             x = x.movedim(dx, 0)
             y = _Conv.apply(x.reshape(tasks * x.shape[1], *x.shape[2:]), w, b, spec)
@@ -115,7 +136,7 @@ class _Conv(torch.autograd.Function):
         if b is not None:
             b = b.movedim(db, 0) if db is not None else b.expand(tasks, *b.shape)
             b = b.reshape(tasks * out)
-        grouped: Spec = (stride, padding, dilation, tasks * groups)
+        grouped: Spec = (stride, padding, dilation, tasks * groups, tasks * stacked)
         y = _Conv.apply(x, w.reshape(tasks * out, *w.shape[2:]), b, grouped)
         return y.reshape(n, tasks, out, *y.shape[2:]), 1
 
@@ -179,7 +200,7 @@ def convolution(
     double backward."""
     x, w, b = input, weight, bias
     d = w.dim() - 2
-    spec: Spec = (_spatial(stride, d), _spatial(padding, d), _spatial(dilation, d), int(groups))
+    spec: Spec = (_spatial(stride, d), _spatial(padding, d), _spatial(dilation, d), int(groups), 1)
     device = x.device.type
     if torch.is_autocast_enabled(device):
         # Autocast would cast inside the function, after its inputs are saved: cast first,
