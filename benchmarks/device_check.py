@@ -24,6 +24,13 @@ Sections (each runs even if an earlier one failed; each writes its rows to the r
   first-order peak device memory and time.
 - ``ranks``: two processes on this one device (gloo carrying device tensors: NCCL needs one
   GPU per rank), sample-parallel, against one process.
+- ``profile``: where a stacked Conv-4 meta-step's device time goes, against hand-written vmap
+  and the plain batched floor (torch.profiler: kernels by kind, the top 10, launches).
+- ``cudnn``: the stacked step with cuDNN's algorithms chosen by heuristics (PyTorch's
+  default) and by trying them (``torch.backends.cudnn.benchmark``).
+- ``stacked_conv``: the stacked step's forward convolutions one per task
+  (``metaddp._conv.PER_TASK``) against one grouped convolution (the default), eager and
+  graphed, float32 and TF32.
 - ``hvp``: the low mode's Hessian-vector product reverse over reverse against forward over
   reverse (``benchmarks/hvp_modes.py``): on the CPU reverse over reverse is faster.
 
@@ -493,11 +500,11 @@ def section_ranks(device: str, quick: bool) -> list[dict]:
              "max_rel_diff": max(max_rel_diff(r, one) for r in two)}]
 
 
-def _deterministic_worker(device: str) -> dict[str, torch.Tensor]:
+def _deterministic_worker(device: str, layout: str = "sample") -> dict[str, torch.Tensor]:
     p = S.Problem("conv", batchnorm=True, running_stats=False, steps=2, inner_lr=0.3,
                   dtype=torch.float32, deterministic=True)
     alg = p.build_algorithm().to(device)
-    learner = md.MetaDDP(alg, Mesh.for_layout("sample"), deterministic=True)
+    learner = md.MetaDDP(alg, Mesh.for_layout(layout), deterministic=True)
     tasks = learner.shard(p.n_tasks, lambda i: _to(p.task(i), device))
     learner.meta_loss(tasks, p.loss_fn).backward()
     learner.sync_grads()
@@ -505,21 +512,27 @@ def _deterministic_worker(device: str) -> dict[str, torch.Tensor]:
 
 
 def section_deterministic(device: str, quick: bool) -> list[dict]:
-    """Deterministic mode on the device: the same bits run to run, and at 2 processes (gloo,
-    sharing the device) as at 1; each run in fresh processes, one thread each."""
+    """Deterministic mode on the device: the same bits run to run, and at 2 to 4 processes
+    (gloo, sharing the device) in the sample, task and hybrid layouts as at 1; each run in
+    fresh processes, one thread each."""
     from metaddp.distributed.launch import run_local
 
     one = run_local(_deterministic_worker, 1, device, threads=1)[0]
     again = run_local(_deterministic_worker, 1, device, threads=1)[0]
-    two = run_local(_deterministic_worker, 2, device, threads=1)
 
     def equal(a: dict, b: dict) -> bool:
         return all(torch.equal(a[k], b[k]) for k in a)
 
-    return [{"case": "conv + BatchNorm, K=2, float32, deterministic=True", "device": device,
-             "run_to_run_equal": equal(again, one),
-             "two_processes_equal": all(equal(r, one) for r in two),
-             "max_rel_diff_two": max(max_rel_diff(r, one) for r in two)}]
+    case = "conv + BatchNorm, K=2, float32, deterministic=True"
+    rows = [{"case": case, "device": device, "processes": 1, "run_to_run_equal": equal(again, one)}]
+    worlds = [(2, "sample")] if quick else [(2, "sample"), (3, "sample"), (4, "sample"),
+                                            (2, "task"), (4, "hybrid")]
+    for n, layout in worlds:
+        got = run_local(_deterministic_worker, n, device, layout, threads=1)
+        rows.append({"case": case, "device": device, "processes": n, "layout": layout,
+                     "equal_to_one_process": all(equal(r, one) for r in got),
+                     "max_rel_diff": max(max_rel_diff(r, one) for r in got)})
+    return rows
 
 
 def section_hvp(device: str, quick: bool) -> list[dict]:
@@ -529,6 +542,160 @@ def section_hvp(device: str, quick: bool) -> list[dict]:
 
     rounds = 2 if quick else 20
     return [row for name in ("mlp", "conv") for row in hvp_modes.measure(name, device, rounds)]
+
+
+_KINDS = (  # (kind, substrings of a kernel's or operator's lower-cased name), first match
+    ("convolution", ("conv", "implicit_gemm", "xmma_fprop", "xmma_dgrad", "xmma_wgrad",
+                     "winograd", "cudnn")),
+    ("matrix product", ("gemm", "bmm", "matmul", "mm_", "cutlass")),
+    ("batch norm", ("batch_norm", "batchnorm", "bn_")),
+    ("pooling", ("pool",)),
+    ("copy", ("copy", "memcpy", "memset", "cat", "fill")),
+    ("reduction", ("reduce", "sum", "mean", "norm")),
+)
+
+
+def _kind(name: str) -> str:
+    low = name.lower()
+    return next((k for k, keys in _KINDS if any(key in low for key in keys)), "elementwise, other")
+
+
+def section_profile(device: str, quick: bool) -> list[dict]:
+    """Where one second-order Conv-4 meta-step's device time goes (torch.profiler): metaddp
+    stacked, hand-written vmap and the plain batched floor, K = 1, 32 tasks. On CUDA the
+    kernels (count and time per step, by kind, and the top 10); on the CPU the operators."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
+    rows = []
+    n_tasks, reps = (4, 2) if quick else (32, 3)
+    case = dataclasses.replace(CONV, n_tasks=n_tasks, steps=1, device=device,
+                               hidden=8 if quick else 64)
+    names = ("metaddp", "torch.func grad+vmap (hand-written)",
+             "floor: plain batched fwd+bwd (not a meta-step)")
+    for name in names:
+        step = IMPLEMENTATIONS[name](case, case.build(), case.tasks())
+        for _ in range(2):
+            step()
+        with profile(activities=[activity]) as prof:
+            for _ in range(reps):
+                step()
+            if cuda:
+                torch.cuda.synchronize()
+        if cuda:
+            events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            spent = [(e.name, e.time_range.elapsed_us()) for e in events]
+        else:
+            spent = [(e.key, e.self_cpu_time_total) for e in prof.key_averages()]
+            spent = [(k, t) for k, t in spent if k.startswith("aten::")]
+        by_name: dict[str, list[float]] = {}
+        for key, us in spent:
+            entry = by_name.setdefault(key, [0, 0.0])
+            entry[0] += 1
+            entry[1] += us
+        kinds: dict[str, float] = {}
+        for key, (_, us) in by_name.items():
+            kinds[_kind(key)] = kinds.get(_kind(key), 0.0) + us / reps / 1e3
+        top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:10]
+        rows.append({
+            "implementation": name, "K": 1, "tasks": n_tasks,
+            "what": "CUDA kernels" if cuda else "CPU operators (self time)",
+            "ms_per_step": sum(us for _, us in spent) / reps / 1e3,
+            "launches_per_step": len(spent) / reps if cuda else None,
+            "ms_by_kind": {k: round(v, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+            "top": [{"name": k[:90], "per_step": n / reps if cuda else None,
+                     "ms_per_step": round(us / reps / 1e3, 3)} for k, (n, us) in top],
+        })
+    return rows
+
+
+def section_cudnn(device: str, quick: bool) -> list[dict]:
+    """cuDNN's algorithm choice for the stacked step's grouped convolutions: the stacked
+    Conv-4 meta-step (K = 1, 32 tasks), hand-written vmap and the floor, timed with
+    ``torch.backends.cudnn.benchmark`` off (PyTorch's default: heuristics) and on (each
+    shape's algorithms tried once, the fastest kept); each one's error against float64."""
+    if not device.startswith("cuda"):
+        return [{"skipped": "cuDNN runs on CUDA devices only"}]
+    from torch.profiler import ProfilerActivity, profile
+
+    names = ("metaddp", "torch.func grad+vmap (hand-written)",
+             "floor: plain batched fwd+bwd (not a meta-step)")
+    rows = []
+    was = torch.backends.cudnn.benchmark
+    try:
+        for k in (1, 5):
+            case = dataclasses.replace(CONV, n_tasks=32, steps=k, device=device)
+            ref = reference_grads(case)
+            for bench in (False, True):
+                torch.backends.cudnn.benchmark = bench
+                steps = {n: IMPLEMENTATIONS[n](case, case.build(), case.tasks()) for n in names}
+                errors = {n: max_rel_diff(step(), ref) for n, step in steps.items()}
+                times = time_round_robin(steps, 6, warmup=2)
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    steps["metaddp"]()
+                    torch.cuda.synchronize()
+                kernels: dict[str, float] = {}
+                for e in prof.events():
+                    if e.device_type == torch.autograd.DeviceType.CUDA:
+                        kernels[e.name] = kernels.get(e.name, 0.0) + e.time_range.elapsed_us()
+                top = sorted(kernels.items(), key=lambda kv: -kv[1])[:3]
+                for n in names:
+                    rows.append({"K": k, "cudnn_benchmark": bench, "implementation": n,
+                                 "median_ms": median_ms(times[n]), "max_rel_diff": errors[n]})
+                rows.append({"K": k, "cudnn_benchmark": bench,
+                             "metaddp_top_kernels": [{"name": n[:90], "ms": round(us / 1e3, 3)}
+                                                     for n, us in top]})
+    finally:
+        torch.backends.cudnn.benchmark = was
+    return rows
+
+
+def section_stacked_conv(device: str, quick: bool) -> list[dict]:
+    """The stacked step's forward convolutions one per task (``metaddp._conv.PER_TASK``)
+    against one grouped convolution (the default): second-order MAML, Conv-4 with
+    BatchNorm, 32 tasks, K = 1 and 5, eager and replayed from a CUDA graph, in full float32
+    and with TF32; each one's time and error against float64."""
+    from metaddp import _conv
+
+    cuda = device.startswith("cuda")
+    n_tasks, reps, ks = (4, 2, (1,)) if quick else (32, 6, (1, 5))
+    cases = {k: dataclasses.replace(CONV, n_tasks=n_tasks, steps=k, device=device,
+                                    hidden=8 if quick else 64) for k in ks}
+    refs = {k: reference_grads(c) for k, c in cases.items()}
+    was = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32, _conv.PER_TASK)
+    rows = []
+    try:
+        for tf32 in (False, True) if cuda else (False,):
+            torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = tf32
+            for k, case in cases.items():
+                steps, errors = {}, {}
+                for per_task in (False, True):
+                    _conv.PER_TASK = per_task
+
+                    def flagged(step, per_task=per_task):
+                        def run():
+                            _conv.PER_TASK = per_task
+                            return step()
+                        return run
+
+                    makers = {"eager": make_metaddp}
+                    if cuda:
+                        makers["CUDA graph"] = make_captured
+                    for how, make in makers.items():
+                        name = f"{how}, {'per task' if per_task else 'grouped'}"
+                        steps[name] = flagged(make(case, case.build(), case.tasks()))
+                        errors[name] = max_rel_diff(steps[name](), refs[k])
+                floor = IMPLEMENTATIONS["floor: plain batched fwd+bwd (not a meta-step)"]
+                steps["floor"] = floor(case, case.build(), case.tasks())
+                times = time_round_robin(steps, reps, warmup=2)
+                for name, ts in times.items():
+                    rows.append({"K": k, "tasks": n_tasks, "tf32": tf32, "way": name,
+                                 "median_ms": median_ms(ts), "max_rel_diff": errors.get(name)})
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = was[:2]
+        _conv.PER_TASK = was[2]
+    return rows
 
 
 SECTIONS = {
@@ -542,6 +709,9 @@ SECTIONS = {
     "ranks": section_ranks,
     "deterministic": section_deterministic,
     "hvp": section_hvp,
+    "profile": section_profile,
+    "cudnn": section_cudnn,
+    "stacked_conv": section_stacked_conv,
 }
 
 
