@@ -28,8 +28,8 @@ Sections (each runs even if an earlier one failed; each writes its rows to the r
   and the plain batched floor (torch.profiler: kernels by kind, the top 10, launches).
 - ``cudnn``: the stacked step with cuDNN's algorithms chosen by heuristics (PyTorch's
   default) and by trying them (``torch.backends.cudnn.benchmark``).
-- ``stacked_conv``: the stacked step's forward convolutions one per task
-  (``metaddp._conv.PER_TASK``) against one grouped convolution (the default), eager and
+- ``stacked_conv``: the stacked step's forward convolutions each way
+  ``metaddp._conv.FORWARD`` names (grouped, the default; per task; transposed), eager and
   graphed, float32 and TF32.
 - ``hvp``: the low mode's Hessian-vector product reverse over reverse against forward over
   reverse (``benchmarks/hvp_modes.py``): on the CPU reverse over reverse is faster.
@@ -652,10 +652,11 @@ def section_cudnn(device: str, quick: bool) -> list[dict]:
 
 
 def section_stacked_conv(device: str, quick: bool) -> list[dict]:
-    """The stacked step's forward convolutions one per task (``metaddp._conv.PER_TASK``)
-    against one grouped convolution (the default): second-order MAML, Conv-4 with
-    BatchNorm, 32 tasks, K = 1 and 5, eager and replayed from a CUDA graph, in full float32
-    and with TF32; each one's time and error against float64."""
+    """The stacked step's forward convolutions each way ``metaddp._conv.FORWARD`` names: one
+    grouped convolution (the default), one per task, and one transposed convolution.
+    Second-order MAML, Conv-4 with BatchNorm, 32 tasks, K = 1 and 5, eager and replayed
+    from a CUDA graph, in full float32 and with TF32; each one's time and error against
+    float64."""
     from metaddp import _conv
 
     cuda = device.startswith("cuda")
@@ -663,19 +664,19 @@ def section_stacked_conv(device: str, quick: bool) -> list[dict]:
     cases = {k: dataclasses.replace(CONV, n_tasks=n_tasks, steps=k, device=device,
                                     hidden=8 if quick else 64) for k in ks}
     refs = {k: reference_grads(c) for k, c in cases.items()}
-    was = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32, _conv.PER_TASK)
+    was = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32, _conv.FORWARD)
     rows = []
     try:
         for tf32 in (False, True) if cuda else (False,):
             torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = tf32
             for k, case in cases.items():
                 steps, errors = {}, {}
-                for per_task in (False, True):
-                    _conv.PER_TASK = per_task
+                for forward in _conv.FORWARDS:
+                    _conv.FORWARD = forward
 
-                    def flagged(step, per_task=per_task):
+                    def flagged(step, forward=forward):
                         def run():
-                            _conv.PER_TASK = per_task
+                            _conv.FORWARD = forward
                             return step()
                         return run
 
@@ -683,7 +684,7 @@ def section_stacked_conv(device: str, quick: bool) -> list[dict]:
                     if cuda:
                         makers["CUDA graph"] = make_captured
                     for how, make in makers.items():
-                        name = f"{how}, {'per task' if per_task else 'grouped'}"
+                        name = f"{how}, {forward}"
                         steps[name] = flagged(make(case, case.build(), case.tasks()))
                         errors[name] = max_rel_diff(steps[name](), refs[k])
                 floor = IMPLEMENTATIONS["floor: plain batched fwd+bwd (not a meta-step)"]
@@ -694,7 +695,7 @@ def section_stacked_conv(device: str, quick: bool) -> list[dict]:
                                  "median_ms": median_ms(ts), "max_rel_diff": errors.get(name)})
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = was[:2]
-        _conv.PER_TASK = was[2]
+        _conv.FORWARD = was[2]
     return rows
 
 

@@ -13,7 +13,10 @@ check's ``profile`` section), and trying cuDNN's other algorithms
   batched floor runs: the same arithmetic, no groups);
 * ``gemm``: per-task ``unfold`` then a batched matrix product (``torch.bmm``), the input
   gradient through ``fold``, the weight gradient one more batched product;
-* ``loop``: one dense convolution (and backward) per task.
+* ``loop``: one dense convolution (and backward) per task;
+* ``transposed``: the grouped forward as a transposed convolution with each group's weight
+  transposed and flipped (``metaddp._conv.FORWARD = "transposed"``), which cuDNN runs with
+  its input-gradient kernels (forward only: the backward is ``grouped``'s).
 
 Each way's result is checked against ``grouped`` (float32, max-abs normalised). Times are
 medians of ``--repeats`` calls, each synchronised on CUDA.
@@ -21,8 +24,8 @@ medians of ``--repeats`` calls, each synchronised on CUDA.
 Measured on an H200 (BENCHMARKS.md): the grouped forward, not its backward, is the slow
 kernel, and one convolution per task runs it 2.3x to 8.6x faster. Whole meta-steps gained
 from that only in full float32 replayed from a CUDA graph (the device check's
-``stacked_conv`` section), so metaddp keeps the grouped forward (``metaddp._conv.PER_TASK``
-switches).
+``stacked_conv`` section), so metaddp keeps the grouped forward (``metaddp._conv.FORWARD``
+switches; its "transposed" way had not yet run on a GPU).
 
     python benchmarks/grouped_conv.py --device cuda --json benchmarks/results/grouped_conv_h200.json
 """
@@ -135,6 +138,11 @@ def measure(shape, device: str, repeats: int) -> list[dict]:
         return lambda: [torch.ops.aten.convolution_backward(
             gy[i], x[i], w[i], None, one, pad, one, False, zero, 1, mask) for i in range(t)]
 
+    def transposed_fwd():
+        flipped = w.reshape(t * cout, cin, 3, 3).unflatten(0, (t, -1)).transpose(1, 2)
+        flipped = flipped.flatten(0, 1).flip([2, 3])
+        return torch.ops.aten.convolution(xg, flipped, None, one, pad, one, True, zero, t)
+
     rows = []
     ways = {
         "grouped": (grouped_fwd, grouped_bwd([True, False, False]),
@@ -143,6 +151,8 @@ def measure(shape, device: str, repeats: int) -> list[dict]:
         "gemm": (gemm_fwd, gemm_dgrad, gemm_wgrad),
     }
     errors = {
+        "transposed": (_rel(transposed_fwd().reshape(b, t, cout, hw, hw).transpose(0, 1), y_ref),
+                       None, None),
         "gemm": (_rel(gemm_fwd(), y_ref), _rel(gemm_dgrad(), gx_ref), _rel(gemm_wgrad(), gw_ref)),
         "loop": (_rel(torch.stack(loop_fwd()), y_ref), None, None),
     }
@@ -151,6 +161,9 @@ def measure(shape, device: str, repeats: int) -> list[dict]:
                      "input_grad_ms": run(dgrad, repeats) if cin > 1 else None,
                      "weight_grad_ms": run(wgrad, repeats),
                      "error_vs_grouped": errors.get(name)})
+    rows.append({"shape": label, "way": "transposed", "forward_ms": run(transposed_fwd, repeats),
+                 "input_grad_ms": None, "weight_grad_ms": None,
+                 "error_vs_grouped": errors["transposed"]})
     rows.append({"shape": label, "way": "loop", "forward_ms": run(loop_fwd, repeats),
                  "input_grad_ms": run(loop_bwd([True, False, False]), repeats)
                  if cin > 1 else None,

@@ -46,22 +46,47 @@ Spec = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int, int]
 
 _CONVS = {torch.conv1d: 1, torch.conv2d: 2, torch.conv3d: 3}
 
-# Whether a stacked forward convolution runs as one convolution per task instead of one
-# grouped convolution (the default). Measured on an H200 (BENCHMARKS.md): cuDNN's float32
-# forward of a task-grouped convolution took 8.6x the time of one convolution per task
-# (Conv-4's second layer, 32 tasks of 75 images); yet whole meta-steps were faster per task
-# only in full float32 replayed from a CUDA graph (1.57x at K = 1, 1.15x at K = 5). Eager,
-# the extra launches cost as much or more, and with TF32 (PyTorch's default) per task was
-# 1.3x to 1.8x slower. Kept switchable so that the device check can measure it again.
-PER_TASK = False
+# How a stacked forward convolution runs (the backward is always grouped):
+# - "grouped": one convolution of ``tasks * groups`` groups (the default);
+# - "per_task": one convolution per task;
+# - "transposed": the same grouped convolution as a transposed convolution with flipped
+#   weights (stride 1 only, else grouped), which cuDNN runs with its input-gradient kernels.
+# Measured on an H200 (BENCHMARKS.md): cuDNN's float32 forward of a task-grouped convolution
+# took 8.6x the time of one convolution per task, and 8.4x its own input gradient (Conv-4's
+# second layer, 32 tasks of 75 images); yet whole meta-steps were faster per task only in
+# full float32 replayed from a CUDA graph (1.57x at K = 1, 1.15x at K = 5): eager, the extra
+# launches cost as much or more, and with TF32 (PyTorch's default) per task was 1.3x to 1.8x
+# slower. "transposed" is one launch; it awaits a GPU measurement (the device check's
+# ``stacked_conv`` section measures all three).
+FORWARD = "grouped"
+FORWARDS = ("grouped", "per_task", "transposed")
 
 
 def _conv(x: Tensor, w: Tensor, b: Tensor | None, spec: Spec) -> Tensor:
     stride, padding, dilation, groups, tasks = spec
     zeros = [0] * len(stride)
-    if tasks == 1 or not PER_TASK:
-        return torch.ops.aten.convolution(x, w, b, stride, padding, dilation, False, zeros, groups)
-    # One convolution per task (PER_TASK): the one an unstacked task runs.
+    if tasks > 1 and FORWARD == "per_task":
+        return _per_task(x, w, b, spec)
+    if FORWARD == "transposed" and set(stride) == {1}:
+        # For stride 1, conv(x, w, padding p, dilation d) is the transposed convolution of x
+        # with each group's weight transposed (in and out channels) and flipped, padding
+        # d (k - 1) - p: the same sums, in another kernel. Also for one task, so that a
+        # task's kernel does not depend on how many are stacked.
+        k = w.shape[2:]
+        q = [di * (ki - 1) - pi for ki, pi, di in zip(k, padding, dilation, strict=True)]
+        if min(q) >= 0:
+            flipped = w.unflatten(0, (groups, -1)).transpose(1, 2).flatten(0, 1)
+            flipped = flipped.flip(list(range(2, w.dim())))
+            return torch.ops.aten.convolution(
+                x, flipped, b, stride, q, dilation, True, zeros, groups
+            )
+    return torch.ops.aten.convolution(x, w, b, stride, padding, dilation, False, zeros, groups)
+
+
+def _per_task(x: Tensor, w: Tensor, b: Tensor | None, spec: Spec) -> Tensor:
+    """One convolution per task: the one an unstacked task runs."""
+    stride, padding, dilation, groups, tasks = spec
+    zeros = [0] * len(stride)
     xs = x.unflatten(1, (tasks, -1)).movedim(1, 0)
     ws = w.unflatten(0, (tasks, -1))
     bs = [None] * tasks if b is None else b.unflatten(0, (tasks, -1))
