@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The one device check: exactness on the device, peers side by side, host syncs, memory
-# against the inner steps, two processes on one device, deterministic mode's bits. Under 8
-# minutes on one GPU.
+# against the inner steps, where the step's kernel time goes and the stacked convolution's
+# ways, processes sharing one device, deterministic mode's bits at 1 to 4 processes. About
+# 6 minutes on one H200 (its sections took 350 s together, measured one by one); the script
+# stops it at 470 s.
 #
 #   benchmarks/device.sh OUT [--device cuda|cpu] [--quick] [--sections exact,syncs,...] [--tf32]
 #

@@ -26,8 +26,8 @@ Sections (each runs even if an earlier one failed; each writes its rows to the r
   GPU per rank), sample-parallel, against one process.
 - ``profile``: where a stacked Conv-4 meta-step's device time goes, against hand-written vmap
   and the plain batched floor (torch.profiler: kernels by kind, the top 10, launches).
-- ``cudnn``: the stacked step with cuDNN's algorithms chosen by heuristics (PyTorch's
-  default) and by trying them (``torch.backends.cudnn.benchmark``).
+- ``cudnn`` (only when named): the stacked step with cuDNN's algorithms chosen by heuristics
+  (PyTorch's default) and by trying them (``torch.backends.cudnn.benchmark``).
 - ``stacked_conv``: the stacked step's forward convolutions each way
   ``metaddp._conv.FORWARD`` names (grouped, the default; per task; transposed), eager and
   graphed, float32 and TF32.
@@ -716,6 +716,11 @@ SECTIONS = {
 }
 
 
+# Sections whose question is answered, run only when named: ``cudnn`` (cuDNN's benchmark
+# mode did not change the slow grouped kernel on an H200, BENCHMARKS.md).
+ON_REQUEST = ("cudnn",)
+
+
 def markdown(out: dict) -> str:
     lines = [f"# Device check, {out['date']}", "",
              f"{out['machine']}; device {out['device']}; TF32 {out.get('tf32')}", ""]
@@ -735,7 +740,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", type=Path)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="small sizes (CI keeps it alive)")
-    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--sections", default=",".join(s for s in SECTIONS if s not in ON_REQUEST),
+                    help=f"comma-separated, from {', '.join(SECTIONS)} (default: all but "
+                         f"{', '.join(ON_REQUEST)})")
     tf32 = ap.add_mutually_exclusive_group()
     tf32.add_argument("--tf32", dest="no_tf32", action="store_false",
                       help="leave PyTorch's TF32 defaults: cuDNN convolutions may then run in "
