@@ -134,6 +134,33 @@ def test_per_task_forward_convolutions_add_one_convolution_per_task(monkeypatch)
         assert count_ops(6, steps) - count_ops(2, steps) == 4 * forward_convs
 
 
+def test_the_transposed_forward_runs_transposed_convolutions_at_stride_one(monkeypatch):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Convolutions(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls: list[tuple[bool, tuple]] = []  # (transposed, stride)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.convolution.default:
+                self.calls.append((args[6], tuple(args[3])))
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(metaddp._conv, "FORWARD", "transposed")
+    w = torch.randn(3, 4, 2, 3, 3, dtype=torch.float64)
+    x = torch.randn(3, 5, 2, 6, 6, dtype=torch.float64)
+
+    def one(w, x):
+        return F.conv2d(x, w, padding=1).sum() + F.conv2d(x, w, stride=2).sum()
+
+    with stacked_convolutions(), Convolutions() as seen:
+        got = torch.vmap(one)(w, x)
+    assert seen.calls == [(True, (1, 1)), (False, (2, 2))]
+    # The same sums in another kernel: float64 rounding of 18-term sums.
+    assert torch.allclose(got, torch.vmap(one)(w, x), rtol=1e-13, atol=0)
+
+
 def test_the_routing_is_scoped_to_the_stacked_forward():
     net = nn.Conv2d(1, 1, 1)
     x = torch.randn(1, 1, 2, 2)
