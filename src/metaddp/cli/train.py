@@ -116,7 +116,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--cuda-graphs",
         action="store_true",
         default=S,
-        help="record the meta-step once in a CUDA graph and replay it: the same numbers, "
+        help="record the meta-step once in a CUDA graph and replay it: the same arithmetic, "
         "less launch cost (every algorithm but iMAML; CUDA, one process or NCCL)",
     )
     g = p.add_argument_group("evaluation and output")
