@@ -545,12 +545,14 @@ def section_hvp(device: str, quick: bool) -> list[dict]:
 
 
 _KINDS = (  # (kind, substrings of a kernel's or operator's lower-cased name), first match
+    # cuDNN names its BatchNorm kernels bn_fw_* / bn_bw_*: before convolutions, whose cuDNN
+    # kernels are named by algorithm (direct, dgrad/wgrad engines, implicit GEMM, FFT).
+    ("batch norm", ("batch_norm", "batchnorm", "bn_fw", "bn_bw")),
     ("convolution", ("conv", "implicit_gemm", "xmma_fprop", "xmma_dgrad", "xmma_wgrad",
-                     "winograd", "cudnn")),
+                     "dgrad", "wgrad", "winograd", "fft2d")),
     ("matrix product", ("gemm", "bmm", "matmul", "mm_", "cutlass")),
-    ("batch norm", ("batch_norm", "batchnorm", "bn_")),
     ("pooling", ("pool",)),
-    ("copy", ("copy", "memcpy", "memset", "cat", "fill")),
+    ("copy", ("copy", "memcpy", "memset", "cat", "fill", "transpose")),
     ("reduction", ("reduce", "sum", "mean", "norm")),
 )
 
