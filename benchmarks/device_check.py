@@ -21,7 +21,8 @@ Sections (each runs even if an earlier one failed; each writes its rows to the r
   (as the stacked step runs per-task weights), NCHW and channels-last.
 - ``train``: ``metaddp train`` with and without ``--cuda-graphs``: the same losses.
 - ``memory``: second order against K (1 to 100 on CUDA): default, ``memory="low"`` and
-  first-order peak device memory and time.
+  first-order peak device memory (the whole and the step's own) and time (the median of 3
+  steps up to K = 25, one step above).
 - ``ranks``: two processes on this one device (gloo carrying device tensors: NCCL needs one
   GPU per rank), sample-parallel, against one process.
 - ``profile``: where a stacked Conv-4 meta-step's device time goes, against hand-written vmap
@@ -45,6 +46,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import statistics
 import sys
 import time
 import traceback
@@ -440,6 +442,8 @@ def section_memory(device: str, quick: bool) -> list[dict]:
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     ks = (1, 5) if quick else (1, 5, 10, 25, 50, 100)
+    repeats = 1 if quick else 3
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     case = dataclasses.replace(CONV, n_tasks=2 if quick else 8, device=device,
                                hidden=8 if quick else 64)
     tasks = case.tasks()
@@ -454,18 +458,26 @@ def section_memory(device: str, quick: bool) -> list[dict]:
             try:
                 net.zero_grad(set_to_none=True)
                 alg.meta_loss(tasks, case.loss_fn).backward()  # warm-up
-                net.zero_grad(set_to_none=True)
-                peak_reset(device)
-                before = live_mib(device)
-                t0 = time.perf_counter()
-                alg.meta_loss(tasks, case.loss_fn).backward()
-                peak = peak_mib(device)
+                seconds, peak, before = [], None, None
+                for _ in range(repeats if k <= 25 else 1):  # medians where steps are short
+                    net.zero_grad(set_to_none=True)
+                    sync()
+                    if peak is None:
+                        peak_reset(device)
+                        before = live_mib(device)
+                    t0 = time.perf_counter()
+                    alg.meta_loss(tasks, case.loss_fn).backward()
+                    sync()  # a step is done when its kernels are, not when they are queued
+                    seconds.append(time.perf_counter() - t0)
+                    if peak is None:
+                        peak = peak_mib(device) or 0.0
                 # The step's own peak is the peak less what was live before it; the low
                 # mode's part of it that grows with K is its kept weights (K + 1 copies per
                 # task, the first of them the meta-parameters themselves).
-                row[mode] = {"seconds": time.perf_counter() - t0, "peak_mib": peak,
-                             "live_before_mib": before,
-                             "step_peak_mib": None if peak is None else peak - before,
+                cuda = device.startswith("cuda")
+                row[mode] = {"seconds": statistics.median(seconds), "seconds_all": seconds,
+                             "peak_mib": peak if cuda else None, "live_before_mib": before,
+                             "step_peak_mib": peak - before if cuda else None,
                              "kept_weights_mib": k * len(tasks) * weights / 2**20
                              if mode == "low" else 0.0}
             except torch.OutOfMemoryError:
