@@ -3,7 +3,8 @@
 # against the inner steps, where the step's kernel time goes and the stacked convolution's
 # ways, processes sharing one device, deterministic mode's bits at 1 to 4 processes. About
 # 6 minutes on one H200 (its sections, timed in separate runs, took 321 s together before
-# stacked_conv gained its third way and memory its repeated steps, about 30 s more); the
+# stacked_conv gained its third way and memory its repeated steps, about 30 s more by
+# estimate); the
 # script stops it at 470 s.
 #
 #   benchmarks/device.sh OUT [--device cuda|cpu] [--quick] [--sections exact,syncs,...] [--tf32]
