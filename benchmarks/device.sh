@@ -4,8 +4,7 @@
 # ways, processes sharing one device, deterministic mode's bits at 1 to 4 processes. About
 # 6 minutes on one H200 (its sections, timed in separate runs, took 321 s together before
 # stacked_conv gained its third way and memory its repeated steps, about 30 s more by
-# estimate); the
-# script stops it at 470 s.
+# estimate); the script stops it at 470 s.
 #
 #   benchmarks/device.sh OUT [--device cuda|cpu] [--quick] [--sections exact,syncs,...] [--tf32]
 #
