@@ -574,6 +574,22 @@ def _kind(name: str) -> str:
     return next((k for k, keys in _KINDS if any(key in low for key in keys)), "elementwise, other")
 
 
+# The stacked step, the peer that batches tasks the same way, and the plain batched floor.
+_STACKED_AND_FLOOR = ("metaddp", "torch.func grad+vmap (hand-written)",
+                      "floor: plain batched fwd+bwd (not a meta-step)")
+
+
+def _kernels(prof) -> dict[str, list[float]]:
+    """CUDA kernels of a ``torch.profiler`` run: name -> [launches, microseconds]."""
+    out: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            entry = out.setdefault(e.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += e.time_range.elapsed_us()
+    return out
+
+
 def section_profile(device: str, quick: bool) -> list[dict]:
     """Where one second-order Conv-4 meta-step's device time goes (torch.profiler): metaddp
     stacked, hand-written vmap and the plain batched floor, K = 1, 32 tasks. On CUDA the
@@ -586,9 +602,7 @@ def section_profile(device: str, quick: bool) -> list[dict]:
     n_tasks, reps = (4, 2) if quick else (32, 3)
     case = dataclasses.replace(CONV, n_tasks=n_tasks, steps=1, device=device,
                                hidden=8 if quick else 64)
-    names = ("metaddp", "torch.func grad+vmap (hand-written)",
-             "floor: plain batched fwd+bwd (not a meta-step)")
-    for name in names:
+    for name in _STACKED_AND_FLOOR:
         step = IMPLEMENTATIONS[name](case, case.build(), case.tasks())
         for _ in range(2):
             step()
@@ -598,16 +612,10 @@ def section_profile(device: str, quick: bool) -> list[dict]:
             if cuda:
                 torch.cuda.synchronize()
         if cuda:
-            events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-            spent = [(e.name, e.time_range.elapsed_us()) for e in events]
+            by_name = _kernels(prof)
         else:
-            spent = [(e.key, e.self_cpu_time_total) for e in prof.key_averages()]
-            spent = [(k, t) for k, t in spent if k.startswith("aten::")]
-        by_name: dict[str, list[float]] = {}
-        for key, us in spent:
-            entry = by_name.setdefault(key, [0, 0.0])
-            entry[0] += 1
-            entry[1] += us
+            by_name = {e.key: [e.count, e.self_cpu_time_total] for e in prof.key_averages()
+                       if e.key.startswith("aten::")}
         kinds: dict[str, float] = {}
         for key, (_, us) in by_name.items():
             kinds[_kind(key)] = kinds.get(_kind(key), 0.0) + us / reps / 1e3
@@ -615,8 +623,8 @@ def section_profile(device: str, quick: bool) -> list[dict]:
         rows.append({
             "implementation": name, "K": 1, "tasks": n_tasks,
             "what": "CUDA kernels" if cuda else "CPU operators (self time)",
-            "ms_per_step": sum(us for _, us in spent) / reps / 1e3,
-            "launches_per_step": len(spent) / reps if cuda else None,
+            "ms_per_step": sum(us for _, us in by_name.values()) / reps / 1e3,
+            "launches_per_step": sum(n for n, _ in by_name.values()) / reps if cuda else None,
             "ms_by_kind": {k: round(v, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
             "top": [{"name": k[:90], "per_step": n / reps if cuda else None,
                      "ms_per_step": round(us / reps / 1e3, 3)} for k, (n, us) in top],
@@ -633,8 +641,7 @@ def section_cudnn(device: str, quick: bool) -> list[dict]:
         return [{"skipped": "cuDNN runs on CUDA devices only"}]
     from torch.profiler import ProfilerActivity, profile
 
-    names = ("metaddp", "torch.func grad+vmap (hand-written)",
-             "floor: plain batched fwd+bwd (not a meta-step)")
+    names = _STACKED_AND_FLOOR
     rows = []
     was = torch.backends.cudnn.benchmark
     try:
@@ -649,17 +656,13 @@ def section_cudnn(device: str, quick: bool) -> list[dict]:
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     steps["metaddp"]()
                     torch.cuda.synchronize()
-                kernels: dict[str, float] = {}
-                for e in prof.events():
-                    if e.device_type == torch.autograd.DeviceType.CUDA:
-                        kernels[e.name] = kernels.get(e.name, 0.0) + e.time_range.elapsed_us()
-                top = sorted(kernels.items(), key=lambda kv: -kv[1])[:3]
+                top = sorted(_kernels(prof).items(), key=lambda kv: -kv[1][1])[:3]
                 for n in names:
                     rows.append({"K": k, "cudnn_benchmark": bench, "implementation": n,
                                  "median_ms": median_ms(times[n]), "max_rel_diff": errors[n]})
                 rows.append({"K": k, "cudnn_benchmark": bench,
                              "metaddp_top_kernels": [{"name": n[:90], "ms": round(us / 1e3, 3)}
-                                                     for n, us in top]})
+                                                     for n, (_, us) in top]})
     finally:
         torch.backends.cudnn.benchmark = was
     return rows

@@ -33,16 +33,14 @@ switches; its "transposed" way had not yet run on a GPU).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import run_record, save_json  # noqa: E402
+from common import median_ms, run_record, save_json, time_round_robin  # noqa: E402
 
 # (label, tasks, samples per task, channels in, channels out, height = width)
 SHAPES = [
@@ -51,24 +49,6 @@ SHAPES = [
     ("layer 3, query", 32, 75, 64, 64, 7),
     ("layer 2, support", 32, 5, 64, 64, 14),
 ]
-
-
-def _timer(device: str):
-    def run(fn, repeats: int) -> float:
-        for _ in range(3):
-            fn()
-        times = []
-        for _ in range(repeats):
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        return 1e3 * statistics.median(times)
-
-    return run
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -81,7 +61,10 @@ def measure(shape, device: str, repeats: int) -> list[dict]:
     x = torch.randn(t, b, cin, hw, hw, generator=g).to(device)
     w = (torch.randn(t, cout, cin, 3, 3, generator=g) / (3 * cin**0.5)).to(device)
     gy = torch.randn(t, b, cout, hw, hw, generator=g).to(device)
-    run = _timer(device)
+
+    def run(fn, repeats: int) -> float:  # milliseconds, median, synchronised on CUDA
+        return median_ms(time_round_robin({"fn": fn}, repeats, warmup=3)["fn"])
+
     pad, one, zero = [1, 1], [1, 1], [0, 0]
 
     # grouped: samples x (tasks * channels)
