@@ -1,5 +1,6 @@
-"""``memory="low"``: each inner step's graph rebuilt during the outer backward gives the default
-meta-gradient, on one process and across ranks, with 3K + 1 collectives sample-parallel."""
+"""``memory="low"``: each inner step's graph rebuilt one at a time gives the default
+meta-gradient, on one process and across ranks, with 3K collectives sample-parallel (3K + 1
+when the inner loop is differentiated apart from the query loss)."""
 
 from __future__ import annotations
 
@@ -115,7 +116,7 @@ def across_ranks(request):
     return request.param, run_local(worker, request.param, DIST + MIXED)
 
 
-def test_low_memory_across_ranks_is_exact_with_3k_plus_1_collectives(across_ranks):
+def test_low_memory_across_ranks_is_exact_with_3k_collectives(across_ranks):
     world, results = across_ranks
     for i, p in enumerate(DIST):
         _, want = reference.maml_meta_grad(p.build_model(), p.tasks(), steps=p.steps,
@@ -125,10 +126,11 @@ def test_low_memory_across_ranks_is_exact_with_3k_plus_1_collectives(across_rank
             got = r[i]
             assert rel(got["grads"], want) < RTOL, f"{p.layout} world {world} rank {rank}"
             if p.layout == "sample":
-                # The MLP's tasks are stacked (all at once): K forward SUMs, then K rebuilt
-                # (forward) and K adjoint SUMs; besides, the weights' broadcast when MetaDDP is
-                # built, the meta-gradient SUM and the SUM of the loss's value.
-                assert got["calls"] == 3 * p.steps + 3, got["calls"]
+                # The MLP's tasks are stacked (all at once): K forward SUMs, K adjoint SUMs
+                # and K - 1 rebuilt steps' SUMs (the last step is built once, with its
+                # graph); besides, the weights' broadcast when MetaDDP is built, the
+                # meta-gradient SUM and the SUM of the loss's value.
+                assert got["calls"] == 3 * p.steps + 2, got["calls"]
 
 
 def test_low_memory_across_ranks_with_adam_learned_rates_batchnorm_and_empty_shards(across_ranks):
@@ -170,3 +172,49 @@ def test_low_memory_through_adapt_gives_the_default_meta_gradient(algorithm):
             md.share(p.loss_fn(alg(task.query.x, fast=fast), task.query.y), task.query).backward()
         grads[memory] = S.meta_gradient(alg)
     assert rel(grads["low"], grads["default"]) < RTOL
+
+
+def test_the_query_loss_and_the_last_step_run_once_and_the_backward_scales():
+    # rematerialized_loss computes its gradient in the forward: K - 1 first-order steps, the
+    # last step with its graph under the one query pass, then K - 1 rebuilt steps. Counted
+    # here through the losses it is given, on a small float64 least-squares problem.
+    from metaddp._remat import rematerialized_loss
+
+    torch.manual_seed(0)
+    w = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+    xq, yq = torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    calls = {"support": 0, "query": 0}
+
+    def support(fast, buffers):
+        calls["support"] += 1
+        return ((x @ fast["w"] - y) ** 2).mean()
+
+    def query(fast, buffers):
+        calls["query"] += 1
+        return ((xq @ fast["w"] - yq) ** 2).mean()
+
+    steps = 4
+    fast = {"w": w}
+    for _ in range(steps):  # the default: every step's graph kept
+        (g,) = torch.autograd.grad(support(fast, None), [fast["w"]], create_graph=True)
+        fast = {"w": fast["w"] - 0.1 * g}
+    (want,) = torch.autograd.grad(2.5 * query(fast, None), [w])
+
+    def low():
+        return rematerialized_loss(support, query, {"w": w}, steps=steps,
+                                   optimizer=md.sgd(0.1), reduce=lambda g: g)
+
+    calls.update(support=0, query=0)
+    loss = low()
+    assert calls == {"support": 2 * steps - 1, "query": 1}
+    (got,) = torch.autograd.grad(2.5 * loss, [w])  # the upstream gradient scales it
+    assert calls == {"support": 2 * steps - 1, "query": 1}  # the backward ran nothing more
+    # Float64, the same operations in another order (see RTOL).
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=0)
+    assert float(loss.detach()) == pytest.approx(float(query(fast, None).detach()), rel=RTOL)
+
+    calls.update(support=0, query=0)
+    with torch.no_grad():  # no gradient wanted: the steps and the query loss, nothing more
+        low()
+    assert calls == {"support": steps, "query": 1}

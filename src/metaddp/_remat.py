@@ -10,16 +10,19 @@ and pulls the adjoint of the step's outputs through it with one vector-Jacobian 
 step's graph exists at a time.
 
 :func:`rematerialized_loss` goes one step further: the function also computes the query loss
-at the adapted weights, without a graph, and rebuilds it first in the backward. A task then
-keeps nothing but its K copies of the weights (and optimizer state) until the outer backward,
-so a meta-batch of many tasks holds one task's graph at a time.
+at the adapted weights, and since the loss is its only output, its whole backward at an
+upstream gradient of one, in the forward; the backward scales that. The last inner step is
+then built once, with its graph, under the query pass, and the query pass is not run twice. A
+task keeps nothing but gradients the size of its inputs until the outer backward, so a
+meta-batch of many tasks holds one task's graph at a time.
 
 The result is the default's meta-gradient: the same operations, differentiated by autograd
 (``tests/test_remat.py`` compares them). Through a ``reduce`` the rebuilt step's inner gradient
 is again the global one, and the vector-Jacobian product passes through the reduction's
 adjoint (a SUM over the same ranks), so every rank runs the same collectives in the same
-order: per inner step one SUM forward, and in the backward one to rebuild and one adjoint:
-3K + 1 per meta-step with the final gradient SUM (the default: 2K + 1).
+order: per inner step one SUM forward and one adjoint, and one more to rebuild each step but
+(with the query loss) the last: 3K + 1 per meta-step with the final gradient SUM, 3K with
+the query loss (the default: 2K + 1).
 """
 
 from __future__ import annotations
@@ -92,33 +95,85 @@ class _Loop:
         *,
         create_graph: bool,
         buffers: Params | None = None,
+        check: bool | None = None,
     ) -> tuple[Params, State]:
         loss = self.loss_of(fast, buffers)
         g = grad(loss, fast, reduce=self.reduce, create_graph=create_graph)
-        if not create_graph:  # checked once, in the forward; the rebuilt step is the same
-            self.check(g, k)
+        if not create_graph if check is None else check:
+            self.check(g, k)  # once per step, where the forward runs it; a rebuilt one is alike
         updates, state = self.optimizer.update(g, state, fast)
         return apply_updates(fast, updates), state
 
+    def walk(
+        self,
+        kept: list[tuple[Params, State]],
+        a_fast: list[Tensor],
+        a_state: list[Tensor] | None,
+        extras: list[Tensor],
+        extra_grads: list[Tensor],
+    ) -> list[Tensor]:
+        """Pull the adjoint of the weights after ``kept[-1]``'s step (and of the optimizer
+        state, ``None``: zero) back through the kept steps, one rebuilt step at a time.
+        Returns the adjoint of ``kept[0]``'s weights; adds the extras' into ``extra_grads``."""
+        n = len(self.names)
+        for k in reversed(range(len(kept))):
+            fast, state = kept[k]
+            copies = self.copies()
+            with torch.enable_grad():
+                leaf = {name: v.detach().requires_grad_() for name, v in fast.items()}
+                tensors, put = _unzip(state)
+                s_leaves = [t.detach().requires_grad_() for t in tensors]
+                new, new_state = self.step(
+                    leaf, put(s_leaves), k, create_graph=True, buffers=copies
+                )
+                new_tensors = _unzip(new_state)[0]
+                outs = list(new.values()) + new_tensors
+                if a_state is None:
+                    a_state = [torch.zeros_like(t) for t in new_tensors]
+                grads = torch.autograd.grad(
+                    outs,
+                    list(leaf.values()) + s_leaves + extras,
+                    grad_outputs=a_fast + a_state,
+                    allow_unused=True,
+                    materialize_grads=True,
+                )
+            a_fast = list(grads[:n])
+            a_state = list(grads[n : n + len(s_leaves)])
+            for e, g in zip(extra_grads, grads[n + len(s_leaves) :], strict=True):
+                e.add_(g)
+        return a_fast
+
+
+def _sweep(
+    loop: _Loop, fast: Params, steps: int
+) -> tuple[list[tuple[Params, State]], Params, State]:
+    """``steps`` first-order steps from ``fast``: the weights and state before each (kept),
+    and after the last."""
+    state = loop.optimizer.init(fast)
+    kept = []
+    for k in range(steps):
+        kept.append((fast, state))
+        with torch.enable_grad():
+            leaf = {
+                name: t.requires_grad_()
+                for name, t in ((name, v.detach()) for name, v in fast.items())
+            }
+            new, new_state = loop.step(leaf, state, k, create_graph=False)
+        fast = {name: v.detach() for name, v in new.items()}
+        tensors, put = _unzip(new_state)
+        state = put([t.detach() for t in tensors])
+    return kept, fast, state
+
 
 class _Rematerialized(torch.autograd.Function):
+    """The inner steps (and with ``loop.then``, the query loss), first order forward, each
+    step rebuilt in the backward."""
+
     @staticmethod
     def forward(ctx: Any, loop: _Loop, n: int, *inputs: Tensor) -> tuple[Tensor, ...]:
         ctx.loop, ctx.n = loop, n
         fast = dict(zip(loop.names, (t.detach() for t in inputs[:n]), strict=True))
-        state = loop.optimizer.init(fast)
-        kept = []
-        for k in range(loop.steps):
-            kept.append((fast, state))
-            with torch.enable_grad():
-                leaf = {
-                    name: t.requires_grad_()
-                    for name, t in ((name, v.detach()) for name, v in fast.items())
-                }
-                new, new_state = loop.step(leaf, state, k, create_graph=False)
-            fast = {name: v.detach() for name, v in new.items()}
-            tensors, put = _unzip(new_state)
-            state = put([t.detach() for t in tensors])
+        kept, fast, _ = _sweep(loop, fast, loop.steps)
         ctx.kept, ctx.last = kept, fast
         ctx.extras = inputs[n:]  # the very tensors the steps read (rates, features)
         if loop.then is not None:
@@ -150,33 +205,57 @@ class _Rematerialized(torch.autograd.Function):
             torch.zeros_like(f) if a is None else a
             for a, f in zip(adjoint, ctx.last.values(), strict=True)
         ]
-        a_state: list[Tensor] | None = None  # the state's adjoint (none after the last step)
-        for k in reversed(range(loop.steps)):
-            fast, state = ctx.kept[k]
-            copies = loop.copies()
-            with torch.enable_grad():
-                leaf = {name: v.detach().requires_grad_() for name, v in fast.items()}
-                tensors, put = _unzip(state)
-                s_leaves = [t.detach().requires_grad_() for t in tensors]
-                new, new_state = loop.step(
-                    leaf, put(s_leaves), k, create_graph=True, buffers=copies
-                )
-                new_tensors = _unzip(new_state)[0]
-                outs = list(new.values()) + new_tensors
-                if a_state is None:
-                    a_state = [torch.zeros_like(t) for t in new_tensors]
-                grads = torch.autograd.grad(
-                    outs,
-                    list(leaf.values()) + s_leaves + extras,
-                    grad_outputs=a_fast + a_state,
-                    allow_unused=True,
-                    materialize_grads=True,
-                )
-            a_fast = list(grads[:n])
-            a_state = list(grads[n : n + len(s_leaves)])
-            for e, g in zip(extra_grads, grads[n + len(s_leaves) :], strict=True):
-                e.add_(g)
+        a_fast = loop.walk(ctx.kept, a_fast, None, extras, extra_grads)
         return (None, None, *a_fast, *extra_grads)
+
+
+class _RematerializedLoss(torch.autograd.Function):
+    """The query loss after the inner steps, its gradient computed in the forward.
+
+    The loss is the function's only output, so its backward is the gradient at an upstream
+    gradient of one, times the upstream gradient: all of it can run at once, in the forward.
+    That saves what the backward would redo: the query pass (forward without a graph, then
+    rebuilt) and the last inner step (first order, then rebuilt), whose graphs now live
+    together, once: the last step is built with its graph, the query loss on top of it, and
+    one vector-Jacobian product goes through both. The steps before are rebuilt one at a time
+    as in :class:`_Rematerialized`. Memory still does not grow with K (one step's graph and
+    the query pass at a time) nor with the tasks (each function holds only gradients, the
+    size of its inputs, until the backward). On one step (K = 1) nothing is computed twice.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, loop: _Loop, n: int, *inputs: Tensor) -> Tensor:
+        assert loop.then is not None
+        start = dict(zip(loop.names, (t.detach() for t in inputs[:n]), strict=True))
+        extras = list(inputs[n:])
+        kept, fast, state = _sweep(loop, start, max(loop.steps - 1, 0))
+        with torch.enable_grad():
+            leaf = {name: v.detach().requires_grad_() for name, v in fast.items()}
+            tensors, put = _unzip(state)
+            s_leaves = [t.detach().requires_grad_() for t in tensors]
+            at = leaf
+            if loop.steps:
+                at, _ = loop.step(
+                    leaf, put(s_leaves), loop.steps - 1, create_graph=True, check=True
+                )
+            loss = loop.then(at, None)
+            grads = torch.autograd.grad(
+                loss,
+                list(leaf.values()) + s_leaves + extras,
+                allow_unused=True,
+                materialize_grads=True,
+            )
+        extra_grads = list(grads[n + len(s_leaves) :])
+        a_fast = loop.walk(
+            kept, list(grads[:n]), list(grads[n : n + len(s_leaves)]), extras, extra_grads
+        )
+        ctx.grads = (*a_fast, *extra_grads)
+        return loss.detach()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, a_loss: Tensor) -> tuple[Tensor | None, ...]:
+        return (None, None, *(a_loss * g for g in ctx.grads))
 
 
 def rematerialized_loop(
@@ -233,5 +312,8 @@ def rematerialized_loss(
     """
     names = list(params)
     loop = _Loop(loss_of, names, optimizer, steps, reduce, dict(buffers or {}), check, query_of)
-    (out,) = _Rematerialized.apply(loop, len(names), *params.values(), *extras)
+    inputs = (*params.values(), *extras)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        return _RematerializedLoss.apply(loop, len(names), *inputs)
+    (out,) = _Rematerialized.apply(loop, len(names), *inputs)  # no gradient to compute
     return out

@@ -28,7 +28,7 @@ from ._learner import Learner
 
 OptimizerFactory = Callable[[LearningRate], InnerOptimizer]
 # "default": every inner step's graph is kept for the outer backward (memory grows with the
-# steps); "low": each step's graph is rebuilt during the backward (metaddp._remat), the same
+# steps); "low": each step's graph is rebuilt, one at a time (metaddp._remat), the same
 # meta-gradient in memory that does not grow with the steps.
 MEMORY_MODES = ("default", "low")
 
@@ -209,8 +209,9 @@ class Algorithm(nn.Module):
     ) -> Tensor:
         """This rank's share of the query loss after the inner loop on ``support``.
 
-        With ``memory="low"`` the query pass is rebuilt during the backward too, so a task
-        holds only its kept weights until then.
+        With ``memory="low"`` the meta-gradient is computed here, one rebuilt inner step's
+        graph at a time, so a task holds only gradients the size of its weights until the
+        backward (:func:`metaddp._remat.rematerialized_loss`).
         """
         module = self.adapted_module()
         if not self._rematerialize():

@@ -36,10 +36,11 @@ class MAML(Algorithm):
             ``"tensor"`` (one per parameter tensor) or ``"parameter"`` (one per entry, as
             Meta-SGD). The rates are parameters of this module, kept in :attr:`lr`.
         memory: ``"default"`` keeps every inner step's graph for the outer backward;
-            ``"low"`` rebuilds one step's graph at a time during it (:mod:`metaddp._remat`):
-            the same meta-gradient, with memory that does not grow with ``steps`` and one
-            more collective per inner step on several ranks. Stacked tasks rebuild one
-            stacked step at a time; tasks one by one keep only their weights until then.
+            ``"low"`` rebuilds one step's graph at a time (:mod:`metaddp._remat`), in
+            ``meta_loss`` itself: the same meta-gradient, with memory that does not grow
+            with ``steps`` and one more collective per inner step but the last on several
+            ranks. Stacked tasks rebuild one stacked step at a time; tasks one by one keep
+            only gradients the size of their weights until the backward.
         autocast: run the forward passes (inner and query) under ``torch.autocast`` in this
             dtype (``torch.bfloat16`` or ``torch.float16``); the meta-parameters, gradients and
             reductions keep the parameters' dtype. Faster matrix work on a GPU, at the

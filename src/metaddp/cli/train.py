@@ -83,7 +83,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--memory",
         choices=("default", "low"),
         default=S,
-        help="low: rebuild each inner step's graph during the backward, the same "
+        help="low: rebuild each inner step's graph, one at a time, the same "
         "meta-gradient in memory that does not grow with --inner-steps (default: keep them)",
     )
     g.add_argument(

@@ -134,7 +134,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         choices=("default", "low"),
         default="default",
         help="run MAML, Meta-SGD and ANIL scenarios with each inner step's graph rebuilt "
-        "during the backward (memory='low')",
+        "one at a time (memory='low')",
     )
     p.add_argument(
         "--deterministic",
