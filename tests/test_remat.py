@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 
 import pytest
 import torch
 
 import metaddp as md
+from metaddp import _host
 from metaddp.algorithms.registry import split_head
 from metaddp.distributed.launch import run_local
 from metaddp.testing import scenarios as S
@@ -177,8 +179,9 @@ def test_low_memory_through_adapt_gives_the_default_meta_gradient(algorithm):
 def test_the_query_loss_and_the_last_step_run_once_and_the_backward_scales():
     # rematerialized_loss computes its gradient in the forward: K - 1 first-order steps, the
     # last step with its graph under the one query pass, then K - 1 rebuilt steps. Counted
-    # here through the losses it is given, on a small float64 least-squares problem.
-    from metaddp._remat import rematerialized_loss
+    # here through the losses it is given, on a small float64 least-squares problem, with
+    # momentum, whose state's adjoint must pass from the last step to the rebuilt ones.
+    from metaddp._remat import rematerialized_loop, rematerialized_loss
 
     torch.manual_seed(0)
     w = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
@@ -195,15 +198,16 @@ def test_the_query_loss_and_the_last_step_run_once_and_the_backward_scales():
         return ((xq @ fast["w"] - yq) ** 2).mean()
 
     steps = 4
-    fast = {"w": w}
+    fast, v = {"w": w}, None
     for _ in range(steps):  # the default: every step's graph kept
         (g,) = torch.autograd.grad(support(fast, None), [fast["w"]], create_graph=True)
-        fast = {"w": fast["w"] - 0.1 * g}
+        v = g if v is None else 0.9 * v + g
+        fast = {"w": fast["w"] - 0.1 * v}
     (want,) = torch.autograd.grad(2.5 * query(fast, None), [w])
 
     def low():
         return rematerialized_loss(support, query, {"w": w}, steps=steps,
-                                   optimizer=md.sgd(0.1), reduce=lambda g: g)
+                                   optimizer=md.sgd(0.1, momentum=0.9), reduce=lambda g: g)
 
     calls.update(support=0, query=0)
     loss = low()
@@ -218,3 +222,60 @@ def test_the_query_loss_and_the_last_step_run_once_and_the_backward_scales():
     with torch.no_grad():  # no gradient wanted: the steps and the query loss, nothing more
         low()
     assert calls == {"support": steps, "query": 1}
+
+    # The inner loop alone (adapt's): K - 1 first-order steps, the last with its graph; the
+    # backward rebuilds the K - 1.
+    calls.update(support=0, query=0)
+    adapted = rematerialized_loop(support, {"w": w}, steps=steps,
+                                  optimizer=md.sgd(0.1, momentum=0.9), reduce=lambda g: g)
+    assert calls["support"] == steps
+    (got,) = torch.autograd.grad(2.5 * query(adapted, None), [w])
+    assert calls == {"support": 2 * steps - 1, "query": 1}
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=0)  # as above
+
+
+class _Live:
+    """Bytes of the storages autograd holds for backward passes, now and at most."""
+
+    def __init__(self) -> None:
+        self.now = self.peak = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        size = t.untyped_storage().nbytes()
+        self.now += size
+        self.peak = max(self.peak, self.now)
+        holder = torch.empty(0)  # its life is the saved tensor's: freed with the graph
+        weakref.finalize(holder, self._free, size)
+        return (t, holder)
+
+    def _free(self, size: int) -> None:
+        self.now -= size
+
+    @staticmethod
+    def unpack(packed):
+        return packed[0]
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["stacked", "one-by-one"])
+def test_after_meta_loss_the_low_mode_holds_no_graph(batched):
+    # Until the backward, memory="low" keeps no saved tensor at all, also while the step's
+    # finiteness checks wait to be read (as on a GPU, where they are read at its end); the
+    # default holds every step's graph. The peak is one task's (or one stacked) step and query
+    # pass, whatever K. (From K = 2: the first step, on the meta-parameters themselves, saves
+    # less than the others, whose weights are the tasks' own.)
+    peaks = {}
+    for steps in (2, 5):
+        for memory in ("default", "low"):
+            p = dataclasses.replace(MLP, steps=steps, memory=memory)
+            alg = md.MAML(p.build_model(), inner_lr=0.1, steps=steps, memory=memory,
+                          batched=batched)
+            live = _Live()
+            with _host.as_on_a_device(), torch.autograd.graph.saved_tensors_hooks(
+                    live.pack, live.unpack):
+                loss = alg.meta_loss(p.tasks(), p.loss_fn)
+                held = live.now
+                loss.backward()
+            peaks[steps, memory] = live.peak
+            assert (held == 0) == (memory == "low"), (steps, memory, held)
+    assert peaks[5, "low"] == peaks[2, "low"]  # exact byte counts: nothing grows with K
+    assert peaks[5, "default"] > 2 * peaks[2, "default"]

@@ -86,7 +86,8 @@ def finite_flags(tensors: Sequence[Tensor]) -> Tensor:
     full = [t for t in tensors if t.numel()]
     if not full:
         return torch.ones(len(tensors), dtype=torch.bool)
-    finite = torch.isfinite(torch.stack(torch._foreach_norm(full, ord=float("inf"))))
+    with torch.no_grad():  # a graph here would hold the gradients (and theirs) until read
+        finite = torch.isfinite(torch.stack(torch._foreach_norm(full, ord=float("inf"))))
     if len(full) == len(tensors):
         return finite
     out = finite.new_ones(len(tensors))

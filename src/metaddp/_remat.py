@@ -1,28 +1,27 @@
 """Second-order inner loops in memory that does not grow with the number of inner steps.
 
 The default inner loop keeps every step's graph (built with ``create_graph=True``) alive until
-the outer backward, so its memory grows with the step count K. Here the loop is one autograd
-function. Its forward runs the K steps first order and keeps only each step's fast weights and
-optimizer state. Its backward walks the steps in reverse: it rebuilds one step's graph from
-the kept weights (the inner gradient with ``create_graph=True``, then the optimizer update)
-and pulls the adjoint of the step's outputs through it with one vector-Jacobian product
-(reverse over reverse), which holds the Hessian-vector product of the inner loss. Only one
-step's graph exists at a time.
+the outer backward, so its memory grows with the step count K. Here the first K - 1 steps are
+one autograd function. Its forward runs them first order and keeps only each step's fast
+weights and optimizer state. Its backward walks the steps in reverse: it rebuilds one step's
+graph from the kept weights (the inner gradient with ``create_graph=True``, then the optimizer
+update) and pulls the adjoint of the step's outputs through it with one vector-Jacobian
+product (reverse over reverse), which holds the Hessian-vector product of the inner loss. The
+last step is built once, with its graph, as by default: the query pass differentiates through
+it. One step's graph exists at a time, and at K = 1 nothing runs twice.
 
 :func:`rematerialized_loss` goes one step further: the function also computes the query loss
 at the adapted weights, and since the loss is its only output, its whole backward at an
-upstream gradient of one, in the forward; the backward scales that. The last inner step is
-then built once, with its graph, under the query pass, and the query pass is not run twice. A
-task keeps nothing but gradients the size of its inputs until the outer backward, so a
-meta-batch of many tasks holds one task's graph at a time.
+upstream gradient of one, in the forward; the backward scales that. A task then keeps
+nothing but gradients the size of its inputs until the outer backward, so a meta-batch of
+many tasks holds one task's graph at a time.
 
 The result is the default's meta-gradient: the same operations, differentiated by autograd
 (``tests/test_remat.py`` compares them). Through a ``reduce`` the rebuilt step's inner gradient
 is again the global one, and the vector-Jacobian product passes through the reduction's
 adjoint (a SUM over the same ranks), so every rank runs the same collectives in the same
 order: per inner step one SUM forward and one adjoint, and one more to rebuild each step but
-(with the query loss) the last: 3K + 1 per meta-step with the final gradient SUM, 3K with
-the query loss (the default: 2K + 1).
+the last: 3K per meta-step with the final gradient SUM (the default: 2K + 1).
 """
 
 from __future__ import annotations
@@ -81,6 +80,8 @@ class _Loop:
         self.loss_of, self.names, self.optimizer = loss_of, names, optimizer
         self.steps, self.reduce, self.buffers, self.check = steps, reduce, buffers, check
         self.then = then
+        # How the optimizer state's tensors go back into its structure (set by a forward).
+        self.put: Callable[[Sequence[Tensor]], State] = lambda tensors: ()
 
     def copies(self) -> Params | None:
         """Copies of the buffers for a rebuilt forward: BatchNorm's running statistics moved
@@ -166,46 +167,35 @@ def _sweep(
 
 
 class _Rematerialized(torch.autograd.Function):
-    """The inner steps (and with ``loop.then``, the query loss), first order forward, each
-    step rebuilt in the backward."""
+    """``loop.steps`` inner steps, first order forward, each rebuilt in the backward. Outputs
+    the weights and the optimizer state's tensors after the last; :attr:`_Loop.put` puts the
+    latter back in the state's structure."""
 
     @staticmethod
     def forward(ctx: Any, loop: _Loop, n: int, *inputs: Tensor) -> tuple[Tensor, ...]:
         ctx.loop, ctx.n = loop, n
         fast = dict(zip(loop.names, (t.detach() for t in inputs[:n]), strict=True))
-        kept, fast, _ = _sweep(loop, fast, loop.steps)
-        ctx.kept, ctx.last = kept, fast
+        ctx.kept, fast, state = _sweep(loop, fast, loop.steps)
         ctx.extras = inputs[n:]  # the very tensors the steps read (rates, features)
-        if loop.then is not None:
-            return (loop.then(fast, None),)
-        return tuple(fast.values())
+        tensors, loop.put = _unzip(state)
+        return (*fast.values(), *tensors)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, *adjoint: Tensor | None) -> tuple[Tensor | None, ...]:
         loop, n = ctx.loop, ctx.n
         extras = list(ctx.extras)
         extra_grads = [torch.zeros_like(e) for e in extras]
-        if loop.then is not None:
-            # The query loss first: its gradient at the K-th weights is the loop's adjoint.
-            (a_loss,) = adjoint
-            with torch.enable_grad():
-                leaf = {name: v.detach().requires_grad_() for name, v in ctx.last.items()}
-                loss = loop.then(leaf, loop.copies())
-                grads = torch.autograd.grad(
-                    loss,
-                    list(leaf.values()) + extras,
-                    grad_outputs=a_loss,
-                    allow_unused=True,
-                    materialize_grads=True,
-                )
-            adjoint = grads[:n]
-            for e, g in zip(extra_grads, grads[n:], strict=True):
-                e.add_(g)
+        last = ctx.kept[-1][0]  # the weights' shapes: a step keeps them
         a_fast = [
             torch.zeros_like(f) if a is None else a
-            for a, f in zip(adjoint, ctx.last.values(), strict=True)
+            for a, f in zip(adjoint[:n], last.values(), strict=True)
         ]
-        a_fast = loop.walk(ctx.kept, a_fast, None, extras, extra_grads)
+        a_state = [
+            torch.zeros_like(t) if a is None else a
+            for a, t in zip(adjoint[n:], _unzip(ctx.kept[-1][1])[0], strict=True)
+        ]
+        a_fast = loop.walk(ctx.kept, a_fast, a_state, extras, extra_grads)
         return (None, None, *a_fast, *extra_grads)
 
 
@@ -282,10 +272,18 @@ def rematerialized_loop(
             by default.
         check: called with each step's reduced gradient and the step number.
     """
-    names = list(params)
-    loop = _Loop(loss_of, names, optimizer, steps, reduce, dict(buffers or {}), check)
-    out = _Rematerialized.apply(loop, len(names), *params.values(), *extras)
-    return dict(zip(names, out, strict=True))
+    if steps == 0:
+        return dict(params)
+    names, n = list(params), len(params)
+    # The first K - 1 steps in one function; the last one is built with its graph, which the
+    # caller's query pass differentiates through (the last step is then not run twice).
+    loop = _Loop(loss_of, names, optimizer, steps - 1, reduce, dict(buffers or {}), check)
+    if loop.steps:
+        out = _Rematerialized.apply(loop, n, *params.values(), *extras)
+        fast, state = dict(zip(names, out[:n], strict=True)), loop.put(out[n:])
+    else:
+        fast, state = dict(params), optimizer.init(dict(params))
+    return loop.step(fast, state, steps - 1, create_graph=True, check=True)[0]
 
 
 def rematerialized_loss(
@@ -315,5 +313,6 @@ def rematerialized_loss(
     inputs = (*params.values(), *extras)
     if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
         return _RematerializedLoss.apply(loop, len(names), *inputs)
-    (out,) = _Rematerialized.apply(loop, len(names), *inputs)  # no gradient to compute
-    return out
+    with torch.no_grad():  # no gradient to compute: the steps first order, then the loss
+        fast = _sweep(loop, {k: v.detach() for k, v in params.items()}, steps)[1]
+        return query_of(fast, None)
