@@ -472,13 +472,14 @@ def section_memory(device: str, quick: bool) -> list[dict]:
                     if peak is None:
                         peak = peak_mib(device) or 0.0
                 # The step's own peak is the peak less what was live before it; the low
-                # mode's part of it that grows with K is its kept weights (K + 1 copies per
-                # task, the first of them the meta-parameters themselves).
+                # mode's part of it that grows with K is its kept weights: the K - 1 a task
+                # keeps while its gradient is computed (in meta_loss, one task at a time),
+                # and one gradient per task until the backward.
                 cuda = device.startswith("cuda")
                 row[mode] = {"seconds": statistics.median(seconds), "seconds_all": seconds,
                              "peak_mib": peak if cuda else None, "live_before_mib": before,
                              "step_peak_mib": peak - before if cuda else None,
-                             "kept_weights_mib": k * len(tasks) * weights / 2**20
+                             "kept_weights_mib": (k - 1 + len(tasks)) * weights / 2**20
                              if mode == "low" else 0.0}
             except torch.OutOfMemoryError:
                 row[mode] = {"error": "out of memory"}

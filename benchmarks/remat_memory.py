@@ -7,9 +7,9 @@ bytes held by tensors that autograd saved for a backward pass, counted through
 ``torch.autograd.graph.saved_tensors_hooks`` (each storage once, released when the graph
 frees it): these are the activations and inner-gradient graphs that grow with K, measured
 exactly and independently of the allocator (the CPU's resident set reuses freed blocks and
-hides them). It covers the rebuilt step graphs of ``memory="low"`` too, which live inside the
-backward; not the K copies of the fast weights the low mode keeps (one model's weights per
-step: 0.45 MiB for this Conv-4). Time is the median of ``--repeats`` steps.
+hides them). It covers the rebuilt step graphs of ``memory="low"`` too; not the copies of the
+fast weights the low mode keeps (one model's weights each: 0.45 MiB for this Conv-4), given
+apart. Time is the median of ``--repeats`` steps.
 
     python benchmarks/remat_memory.py --json benchmarks/results/remat_memory.json
 """
@@ -90,9 +90,11 @@ def measure(case_name: str, steps: int, mode: str, repeats: int, n_tasks: int) -
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
         step()
     times = step_times(step, repeats)
-    # What the low mode keeps besides: each task's K + 1 copies of the weights (SGD: no state).
+    # What the low mode keeps besides (SGD: no state): while a task's gradient is computed
+    # (in meta_loss, one task at a time), its K - 1 first-order steps' weights; until the
+    # backward, one gradient the size of the weights per task.
     weights = sum(p.numel() * p.element_size() for p in net.parameters())
-    kept = weights * (steps + 1) * len(tasks) if mode == "low" else 0
+    kept = weights * (steps - 1 + len(tasks)) if mode == "low" else 0
     return {"peak_mib": counter.peak / 2**20, "seconds": statistics.median(times),
             "kept_mib": kept / 2**20}
 
