@@ -1,6 +1,5 @@
 """``memory="low"``: each inner step's graph rebuilt one at a time gives the default
-meta-gradient, on one process and across ranks, with 3K collectives sample-parallel (3K + 1
-when the inner loop is differentiated apart from the query loss)."""
+meta-gradient, on one process and across ranks, with 3K collectives sample-parallel."""
 
 from __future__ import annotations
 

@@ -80,8 +80,9 @@ class _Loop:
         self.loss_of, self.names, self.optimizer = loss_of, names, optimizer
         self.steps, self.reduce, self.buffers, self.check = steps, reduce, buffers, check
         self.then = then
-        # How the optimizer state's tensors go back into its structure (set by a forward).
-        self.put: Callable[[Sequence[Tensor]], State] = lambda tensors: ()
+        # How the optimizer state's tensors go back into its structure (set by the forward of
+        # _Rematerialized, which outputs them).
+        self.put: Callable[[Sequence[Tensor]], State] | None = None
 
     def copies(self) -> Params | None:
         """Copies of the buffers for a rebuilt forward: BatchNorm's running statistics moved
@@ -96,12 +97,12 @@ class _Loop:
         *,
         create_graph: bool,
         buffers: Params | None = None,
-        check: bool | None = None,
+        check: bool = False,
     ) -> tuple[Params, State]:
         loss = self.loss_of(fast, buffers)
         g = grad(loss, fast, reduce=self.reduce, create_graph=create_graph)
-        if not create_graph if check is None else check:
-            self.check(g, k)  # once per step, where the forward runs it; a rebuilt one is alike
+        if check:  # once per step, where it first runs; a rebuilt step is the same
+            self.check(g, k)
         updates, state = self.optimizer.update(g, state, fast)
         return apply_updates(fast, updates), state
 
@@ -159,7 +160,7 @@ def _sweep(
                 name: t.requires_grad_()
                 for name, t in ((name, v.detach()) for name, v in fast.items())
             }
-            new, new_state = loop.step(leaf, state, k, create_graph=False)
+            new, new_state = loop.step(leaf, state, k, create_graph=False, check=True)
         fast = {name: v.detach() for name, v in new.items()}
         tensors, put = _unzip(new_state)
         state = put([t.detach() for t in tensors])
@@ -186,7 +187,7 @@ class _Rematerialized(torch.autograd.Function):
         loop, n = ctx.loop, ctx.n
         extras = list(ctx.extras)
         extra_grads = [torch.zeros_like(e) for e in extras]
-        last = ctx.kept[-1][0]  # the weights' shapes: a step keeps them
+        last = ctx.kept[-1][0]  # shapes for the adjoints autograd leaves out (None)
         a_fast = [
             torch.zeros_like(f) if a is None else a
             for a, f in zip(adjoint[:n], last.values(), strict=True)
@@ -280,6 +281,7 @@ def rematerialized_loop(
     loop = _Loop(loss_of, names, optimizer, steps - 1, reduce, dict(buffers or {}), check)
     if loop.steps:
         out = _Rematerialized.apply(loop, n, *params.values(), *extras)
+        assert loop.put is not None  # set by the forward
         fast, state = dict(zip(names, out[:n], strict=True)), loop.put(out[n:])
     else:
         fast, state = dict(params), optimizer.init(dict(params))
