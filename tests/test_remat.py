@@ -278,3 +278,19 @@ def test_after_meta_loss_the_low_mode_holds_no_graph(batched):
             assert (held == 0) == (memory == "low"), (steps, memory, held)
     assert peaks[5, "low"] == peaks[2, "low"]  # exact byte counts: nothing grows with K
     assert peaks[5, "default"] > 2 * peaks[2, "default"]
+
+
+def _one_more_step_on_rank_one() -> str:
+    p = dataclasses.replace(MLP, steps=2 + md.rank(), layout="sample", memory="low")
+    try:
+        S.run(p)
+    except md.CollectiveError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ranks_out_of_step_fail_with_a_message_not_a_hang():
+    # Rank 1 runs one more inner step: the rebuilt steps' SUMs carry the same sequence tags
+    # as every other collective, so both ranks stop at the first one that disagrees.
+    for rank, msg in enumerate(run_local(_one_more_step_on_rank_one, 2, timeout_s=60)):
+        assert "ranks are out of step" in msg and "inner-step counts" in msg, (rank, msg)
