@@ -73,9 +73,39 @@ def scaling(results: Path) -> Path | None:
     return out
 
 
+def remat_memory(results: Path) -> Path | None:
+    """Second-order peak memory against K: default, ``memory="low"`` (with and without the
+    weights it keeps) and first order, one panel per problem."""
+    src = results / "remat_memory.json"
+    if not src.exists():
+        return None
+    data = json.loads(src.read_text())
+    cases = list(dict.fromkeys(r["case"] for r in data["rows"]))
+    titles = {"conv": "Conv-4 + BatchNorm, 8 tasks", "sine": "sinusoid MLP, 25 tasks"}
+    fig, axes = plt.subplots(1, len(cases), figsize=(5.5 * len(cases), 4), squeeze=False)
+    for ax, case in zip(axes[0], cases, strict=True):
+        rows = sorted((r for r in data["rows"] if r["case"] == case), key=lambda r: r["steps"])
+        ks = [r["steps"] for r in rows]
+        for mode, style in (("default", "o-"), ("first-order", "s--"), ("low", "^-")):
+            ax.plot(ks, [r[mode]["peak_mib"] for r in rows], style, label=mode)
+        ax.plot(ks, [r["low"]["peak_mib"] + r["low"]["kept_mib"] for r in rows], "^:",
+                label="low, with the weights it keeps")
+        ax.set_xlabel("inner steps K")
+        ax.set_ylabel("peak MiB held for the backward")
+        ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+        ax.set_title(titles.get(case, case), fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"second-order MAML, one meta-step, CPU; {data['date']}", fontsize=9)
+    fig.tight_layout()
+    out = results / "remat_memory.png"
+    fig.savefig(out, dpi=110)
+    return out
+
+
 def main(argv: list[str]) -> int:
     results = Path(argv[0]) if argv else Path(__file__).resolve().parent / "results"
-    for made in (growth(results), scaling(results)):
+    for made in (growth(results), scaling(results), remat_memory(results)):
         if made:
             print(made)
     return 0
