@@ -294,3 +294,24 @@ def test_ranks_out_of_step_fail_with_a_message_not_a_hang():
     # as every other collective, so both ranks stop at the first one that disagrees.
     for rank, msg in enumerate(run_local(_one_more_step_on_rank_one, 2, timeout_s=60)):
         assert "ranks are out of step" in msg and "inner-step counts" in msg, (rank, msg)
+
+
+@pytest.mark.parametrize("through", ["meta_loss", "adapt"])
+def test_differentiating_the_meta_gradient_again_is_a_clear_error(through):
+    # The rebuilt steps give first derivatives only. A create_graph backward (a penalty on
+    # the meta-gradient, say) would silently drop this mode's terms from the second ones,
+    # even when another term of the loss keeps its graph: it is refused instead.
+    p = dataclasses.replace(MLP, steps=2, memory="low")
+    alg = p.build_algorithm()
+    params = [q for q in alg.parameters() if q.requires_grad]
+    if through == "meta_loss":
+        loss = alg.meta_loss(p.tasks(), p.loss_fn)
+    else:
+        task = p.tasks()[0]
+        fast = alg.adapt(task.support, p.loss_fn)
+        loss = md.share(p.loss_fn(alg(task.query.x, fast=fast), task.query.y), task.query)
+    loss = loss + sum((q ** 2).sum() for q in params)
+    with pytest.raises(RuntimeError, match="memory='default' to differentiate"):
+        torch.autograd.grad(loss, params, create_graph=True)
+    (first,) = torch.autograd.grad(loss, params[:1])  # a plain gradient still works
+    assert torch.isfinite(first).all()

@@ -182,8 +182,8 @@ class _Rematerialized(torch.autograd.Function):
         return (*fast.values(), *tensors)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, *adjoint: Tensor | None) -> tuple[Tensor | None, ...]:
+        _first_derivatives_only()
         loop, n = ctx.loop, ctx.n
         extras = list(ctx.extras)
         extra_grads = [torch.zeros_like(e) for e in extras]
@@ -244,9 +244,21 @@ class _RematerializedLoss(torch.autograd.Function):
         return loss.detach()
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, a_loss: Tensor) -> tuple[Tensor | None, ...]:
+        _first_derivatives_only()
         return (None, None, *(a_loss * g for g in ctx.grads))
+
+
+def _first_derivatives_only() -> None:
+    """A backward here runs under grad mode only for ``create_graph=True``: a derivative of
+    the meta-gradient, which the rebuilt steps' plain vector-Jacobian products do not give.
+    Refuse rather than return gradients that silently lack those terms."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "memory='low' gives the meta-gradient (first derivatives of the meta-loss) only: a "
+            "backward with create_graph=True through it would miss its second-order terms. "
+            "Use memory='default' to differentiate the meta-gradient again"
+        )
 
 
 def rematerialized_loop(
