@@ -15,6 +15,19 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def _log_axes(ax, xlabel: str, ylabel: str) -> None:  # type: ignore[no-untyped-def]
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+
+
+def _save(fig, out: Path) -> Path:  # type: ignore[no-untyped-def]
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    return out
+
+
 def growth(results: Path) -> Path | None:
     src = results / "growth.json"
     if not src.exists():
@@ -29,16 +42,10 @@ def growth(results: Path) -> Path | None:
         ax_t.plot(xs, [r["median_ms"] for r in rows], marker="o", label=impl)
         ax_m.plot(xs, [r["peak_extra_mib"] or float("nan") for r in rows], marker="o", label=impl)
     for ax, label in ((ax_t, "median ms per meta-step"), (ax_m, "peak extra resident MiB")):
-        ax.set_xlabel("inner steps")
-        ax.set_ylabel(label)
-        ax.set_yscale("log")
-        ax.grid(True, alpha=0.3)
+        _log_axes(ax, "inner steps", label)
     ax_t.legend(fontsize=7)
     fig.suptitle(f"{data['case']}, second order; {data['date']}", fontsize=9)
-    fig.tight_layout()
-    out = results / "growth_steps.png"
-    fig.savefig(out, dpi=110)
-    return out
+    return _save(fig, results / "growth_steps.png")
 
 
 def scaling(results: Path) -> Path | None:
@@ -67,10 +74,7 @@ def scaling(results: Path) -> Path | None:
     ax.set_ylabel("throughput vs 1 process x 1 thread")
     ax.legend(fontsize=7)
     ax.set_title(f"gloo on CPU, fixed global meta-batch; {data['date']}", fontsize=9)
-    fig.tight_layout()
-    out = results / "scaling.png"
-    fig.savefig(out, dpi=110)
-    return out
+    return _save(fig, results / "scaling.png")
 
 
 def remat_memory(results: Path) -> Path | None:
@@ -90,17 +94,11 @@ def remat_memory(results: Path) -> Path | None:
             ax.plot(ks, [r[mode]["peak_mib"] for r in rows], style, label=mode)
         ax.plot(ks, [r["low"]["peak_mib"] + r["low"]["kept_mib"] for r in rows], "^:",
                 label="low, with the weights it keeps")
-        ax.set_xlabel("inner steps K")
-        ax.set_ylabel("peak MiB held for the backward")
-        ax.set_yscale("log")
-        ax.grid(True, alpha=0.3)
+        _log_axes(ax, "inner steps K", "peak MiB held for the backward")
         ax.set_title(titles.get(case, case), fontsize=9)
         ax.legend(fontsize=7)
     fig.suptitle(f"second-order MAML, one meta-step, CPU; {data['date']}", fontsize=9)
-    fig.tight_layout()
-    out = results / "remat_memory.png"
-    fig.savefig(out, dpi=110)
-    return out
+    return _save(fig, results / "remat_memory.png")
 
 
 def main(argv: list[str]) -> int:
