@@ -70,7 +70,8 @@ def scaling(results: Path) -> Path | None:
         ax.bar([i + (j - 1) * width for i in range(len(groups))], vals, width,
                label=f"{nproc} process(es) x {threads} thread(s)")
     ax.axhline(1.6, color="gray", linestyle="--", linewidth=1, label="target 1.6x")
-    ax.set_xticks(range(len(groups)), [f"{c}\n{layout}-parallel" for c, layout in groups], fontsize=8)
+    ax.set_xticks(range(len(groups)), [f"{c}\n{layout}-parallel" for c, layout in groups],
+                  fontsize=8)
     ax.set_ylabel("throughput vs 1 process x 1 thread")
     ax.legend(fontsize=7)
     ax.set_title(f"gloo on CPU, fixed global meta-batch; {data['date']}", fontsize=9)
