@@ -110,40 +110,51 @@ class _Loop:
         self,
         kept: list[tuple[Params, State]],
         a_fast: list[Tensor],
-        a_state: list[Tensor] | None,
+        a_state: list[Tensor],
         extras: list[Tensor],
         extra_grads: list[Tensor],
     ) -> list[Tensor]:
-        """Pull the adjoint of the weights after ``kept[-1]``'s step (and of the optimizer
-        state, ``None``: zero) back through the kept steps, one rebuilt step at a time.
-        Returns the adjoint of ``kept[0]``'s weights; adds the extras' into ``extra_grads``."""
-        n = len(self.names)
+        """Pull the adjoint of the weights and optimizer state after ``kept[-1]``'s step back
+        through the kept steps, one rebuilt step at a time. Returns the adjoint of
+        ``kept[0]``'s weights; adds the extras' into ``extra_grads``."""
         for k in reversed(range(len(kept))):
             fast, state = kept[k]
             copies = self.copies()
             with torch.enable_grad():
-                leaf = {name: v.detach().requires_grad_() for name, v in fast.items()}
-                tensors, put = _unzip(state)
-                s_leaves = [t.detach().requires_grad_() for t in tensors]
-                new, new_state = self.step(
-                    leaf, put(s_leaves), k, create_graph=True, buffers=copies
-                )
-                new_tensors = _unzip(new_state)[0]
-                outs = list(new.values()) + new_tensors
-                if a_state is None:
-                    a_state = [torch.zeros_like(t) for t in new_tensors]
-                grads = torch.autograd.grad(
-                    outs,
-                    list(leaf.values()) + s_leaves + extras,
-                    grad_outputs=a_fast + a_state,
-                    allow_unused=True,
-                    materialize_grads=True,
-                )
-            a_fast = list(grads[:n])
-            a_state = list(grads[n : n + len(s_leaves)])
-            for e, g in zip(extra_grads, grads[n + len(s_leaves) :], strict=True):
+                leaf, s_leaves, leaf_state = _leaves(fast, state)
+                new, new_state = self.step(leaf, leaf_state, k, create_graph=True, buffers=copies)
+                outs = list(new.values()) + _unzip(new_state)[0]
+                a_fast, a_state, grads = _vjp(outs, leaf, s_leaves, extras, a_fast + a_state)
+            for e, g in zip(extra_grads, grads, strict=True):
                 e.add_(g)
         return a_fast
+
+
+def _leaves(fast: Params, state: State) -> tuple[Params, list[Tensor], State]:
+    """New leaves for the weights and for the state's tensors, and the state made of them."""
+    leaf = {name: v.detach().requires_grad_() for name, v in fast.items()}
+    tensors, put = _unzip(state)
+    s_leaves = [t.detach().requires_grad_() for t in tensors]
+    return leaf, s_leaves, put(s_leaves)
+
+
+def _vjp(
+    outputs: Tensor | list[Tensor],
+    leaf: Params,
+    s_leaves: list[Tensor],
+    extras: list[Tensor],
+    adjoint: list[Tensor] | None,
+) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    """The adjoint of ``outputs`` pulled back to the weights, the state and the extras."""
+    n, m = len(leaf), len(s_leaves)
+    grads = torch.autograd.grad(
+        outputs,
+        list(leaf.values()) + s_leaves + extras,
+        grad_outputs=adjoint,
+        allow_unused=True,
+        materialize_grads=True,
+    )
+    return list(grads[:n]), list(grads[n : n + m]), list(grads[n + m :])
 
 
 def _sweep(
@@ -156,10 +167,7 @@ def _sweep(
     for k in range(steps):
         kept.append((fast, state))
         with torch.enable_grad():
-            leaf = {
-                name: t.requires_grad_()
-                for name, t in ((name, v.detach()) for name, v in fast.items())
-            }
+            leaf = {name: v.detach().requires_grad_() for name, v in fast.items()}
             new, new_state = loop.step(leaf, state, k, create_graph=False, check=True)
         fast = {name: v.detach() for name, v in new.items()}
         tensors, put = _unzip(new_state)
@@ -221,25 +229,13 @@ class _RematerializedLoss(torch.autograd.Function):
         extras = list(inputs[n:])
         kept, fast, state = _sweep(loop, start, max(loop.steps - 1, 0))
         with torch.enable_grad():
-            leaf = {name: v.detach().requires_grad_() for name, v in fast.items()}
-            tensors, put = _unzip(state)
-            s_leaves = [t.detach().requires_grad_() for t in tensors]
+            leaf, s_leaves, leaf_state = _leaves(fast, state)
             at = leaf
             if loop.steps:
-                at, _ = loop.step(
-                    leaf, put(s_leaves), loop.steps - 1, create_graph=True, check=True
-                )
+                at, _ = loop.step(leaf, leaf_state, loop.steps - 1, create_graph=True, check=True)
             loss = loop.then(at, None)
-            grads = torch.autograd.grad(
-                loss,
-                list(leaf.values()) + s_leaves + extras,
-                allow_unused=True,
-                materialize_grads=True,
-            )
-        extra_grads = list(grads[n + len(s_leaves) :])
-        a_fast = loop.walk(
-            kept, list(grads[:n]), list(grads[n : n + len(s_leaves)]), extras, extra_grads
-        )
+            a_fast, a_state, extra_grads = _vjp(loss, leaf, s_leaves, extras, None)
+        a_fast = loop.walk(kept, a_fast, a_state, extras, extra_grads)
         ctx.grads = (*a_fast, *extra_grads)
         return loss.detach()
 
