@@ -32,6 +32,37 @@ def test_share_wants_one_loss_per_sample():
         md.share(torch.ones(3), 2)
 
 
+def _one_task(n=6):
+    x = torch.linspace(-1, 1, 2 * n, dtype=torch.float64)[:, None]
+    return md.Task(md.Batch(x[:n], x[:n] ** 2, n), md.Batch(x[n:], x[n:] ** 3, n))
+
+
+@pytest.mark.parametrize("path", ["loop", "stacked", "low", "deterministic"])
+def test_a_loss_averaged_over_the_batch_is_refused_on_every_path(path):
+    # mean(0) keeps a dimension of one: taken as one sample, its weight (and the meta-
+    # gradient) would change with the number of processes.
+    mean_loss = lambda p, y: ((p - y) ** 2).mean(0)  # noqa: E731
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+    alg = md.MAML(net, inner_lr=0.1, batched=path == "stacked",
+                  memory="low" if path == "low" else "default")
+    with pytest.raises(ValueError, match=r"returned shape \(1,\) for \d+ samples"):
+        if path == "deterministic":
+            # 16 samples in 8 chunks of 2 (a chunk of one sample is its own mean).
+            learner = md.MetaDDP(alg, deterministic=True, chunks=8)
+            learner.meta_loss(learner.shard([_one_task(16)]), mean_loss)
+        else:
+            alg.meta_loss([_one_task()], mean_loss)
+    with pytest.raises(ValueError, match="one loss per sample"):
+        md.share(torch.ones(1), _one_task().support)
+
+
+def test_sharding_a_ranks_part_again_is_refused():
+    tasks = md.MetaBatch.shard([_one_task(), _one_task()], task_index=0, task_parts=2)
+    with pytest.raises(ValueError, match="already this rank's part"):
+        md.MetaBatch.shard(tasks, task_index=0, task_parts=2)
+
+
 def test_shard_lengths_must_agree():
     with pytest.raises(ValueError, match="3 inputs, 2 targets"):
         md.Batch.local(torch.ones(3, 1), torch.ones(2), n=8)

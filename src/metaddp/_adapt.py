@@ -160,7 +160,7 @@ def batch_share(
     buffers: Mapping[str, Tensor] | None = None,
 ) -> Tensor:
     """This process's share of the mean loss of ``params`` over the whole (global) ``batch``."""
-    return share(loss_fn(call(model, params, batch.x, buffers=buffers), batch.y), batch.n)
+    return share(loss_fn(call(model, params, batch.x, buffers=buffers), batch.y), batch)
 
 
 def inner_loop(

@@ -158,6 +158,14 @@ class MetaBatch(Sequence[Task]):
         else:
             if make_task is not None:
                 raise TypeError("give either the tasks or their number and make_task, not both")
+            if isinstance(tasks, MetaBatch):
+                # Already one rank's part: cutting it again would make a meta-batch of its
+                # tasks alone, of another size on every rank.
+                raise ValueError(
+                    f"{tasks!r} is already this rank's part of a meta-batch: pass it to "
+                    "meta_loss as it is, or shard the whole meta-batch (every task, on every "
+                    "rank) once"
+                )
             whole = list(tasks)
             n, build = len(whole), whole.__getitem__
         if n < 1:

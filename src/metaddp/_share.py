@@ -20,9 +20,10 @@ def share(per_sample: Tensor, n_global: int | Batch) -> Tensor:
     any further dimensions are averaged per sample first, so that for ``mse_loss`` the shares
     add up to ``mse_loss(..., reduction='mean')`` on the whole batch. ``n_global`` is the
     global sample count, or the :class:`metaddp.Batch` the losses come from (its own global
-    size, so no count is written by hand).
+    size, so no count is written by hand; the losses must then be one per sample it holds).
     """
     if isinstance(n_global, Batch):
+        check_per_sample(per_sample, n_global.x.shape[0])
         n_global = n_global.n
     if per_sample.dim() == 0:
         raise ValueError(
@@ -35,6 +36,21 @@ def share(per_sample: Tensor, n_global: int | Batch) -> Tensor:
     if n_local > n_global:
         raise ValueError(f"{n_local} local samples cannot be a share of {n_global} global ones")
     return one_per_sample(per_sample).sum() / n_global
+
+
+def check_per_sample(losses: Tensor, n_local: int) -> None:
+    """Raise unless ``losses`` holds one loss per sample of a shard of ``n_local`` samples.
+
+    A loss reduced over the batch but kept as a dimension (``mean(0)``: shape ``[1]``) would
+    otherwise count as one sample, and weigh differently on every number of processes.
+    """
+    if losses.dim() == 0 or losses.shape[0] != n_local:
+        raise ValueError(
+            f"the loss function returned shape {tuple(losses.shape)} for {n_local} samples: "
+            f"expected one loss per sample (shape [{n_local}, ...]). Compute it with "
+            "reduction='none' and without averaging over the batch, so that metaddp can "
+            "weigh this rank's samples globally"
+        )
 
 
 def one_per_sample(losses: Tensor) -> Tensor:

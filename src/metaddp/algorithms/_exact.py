@@ -31,7 +31,7 @@ from .._adapt import check_finite
 from .._conv import stacked_convolutions
 from .._data import Batch, Chunks, Task
 from .._functional import call
-from .._share import one_per_sample
+from .._share import check_per_sample, one_per_sample
 from .._types import LossFn, Params
 from ..inner import InnerOptimizer, apply_updates
 from ._stacked import per_task
@@ -93,6 +93,7 @@ def _chunk_values(
     def one(w: Mapping[str, Tensor], xc: Tensor, yc: Tensor, mc: Tensor) -> Tensor:
         with _mask.sample_mask(mc):
             per = loss_fn(call(model, w, xc), yc)
+        check_per_sample(per, xc.shape[0])
         per = one_per_sample(per)
         return (per * mc.to(per.dtype)).sum() / divisor
 

@@ -31,7 +31,7 @@ from .._conv import has_convolutions, stacked_convolutions
 from .._data import Batch, Task
 from .._functional import call
 from .._remat import rematerialized_loss
-from .._share import share
+from .._share import check_per_sample, share
 from .._types import LossFn, Params, Reduce
 from ..inner import InnerOptimizer, State
 
@@ -81,7 +81,9 @@ def stacked_shares(
     """
 
     def one(p: Mapping[str, Tensor], xt: Tensor, yt: Tensor) -> Tensor:
-        return share(loss_fn(call(model, p, xt, buffers=buffers), yt), n)
+        losses = loss_fn(call(model, p, xt, buffers=buffers), yt)
+        check_per_sample(losses, xt.shape[0])  # shapes are a task's own under vmap
+        return share(losses, n)
 
     with stacked_convolutions(model):
         return torch.vmap(one)(dict(params), x, y)
