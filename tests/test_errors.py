@@ -32,13 +32,21 @@ def test_share_wants_one_loss_per_sample():
         md.share(torch.ones(3), 2)
 
 
+@pytest.fixture
+def onednn_kept():
+    # Deterministic mode turns oneDNN off for the process: back as it was for later tests.
+    was = torch.backends.mkldnn.enabled
+    yield
+    torch.backends.mkldnn.enabled = was
+
+
 def _one_task(n=6):
     x = torch.linspace(-1, 1, 2 * n, dtype=torch.float64)[:, None]
     return md.Task(md.Batch(x[:n], x[:n] ** 2, n), md.Batch(x[n:], x[n:] ** 3, n))
 
 
 @pytest.mark.parametrize("path", ["loop", "stacked", "low", "deterministic"])
-def test_a_loss_averaged_over_the_batch_is_refused_on_every_path(path):
+def test_a_loss_averaged_over_the_batch_is_refused_on_every_path(path, onednn_kept):
     # mean(0) keeps a dimension of one: taken as one sample, its weight (and the meta-
     # gradient) would change with the number of processes.
     mean_loss = lambda p, y: ((p - y) ** 2).mean(0)  # noqa: E731
@@ -61,6 +69,19 @@ def test_sharding_a_ranks_part_again_is_refused():
     tasks = md.MetaBatch.shard([_one_task(), _one_task()], task_index=0, task_parts=2)
     with pytest.raises(ValueError, match="already this rank's part"):
         md.MetaBatch.shard(tasks, task_index=0, task_parts=2)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_gradients_summed_once_are_not_summed_again(overlap):
+    got = run_local(workers.summed_gradients_twice, 2, overlap)
+    assert got[0] == got[1]  # every rank the same, refusals included
+    g = got[0]
+    # The meta-gradient, whatever zeroing preceded it; two backwards give twice it (the same
+    # float64 sum of two equal terms, exact).
+    assert g["zeroed in place"] == g["once"] == g["after the refusals"]
+    assert g["two backwards, one sync"] == 2 * g["once"]
+    assert "no backward has added to them since" in g["sync twice"]
+    assert "this backward would add to them" in g["not zeroed"]
 
 
 def test_shard_lengths_must_agree():

@@ -289,3 +289,39 @@ def deterministic_sum_out_of_step(dtype_name: str) -> str:
     except _collectives.CollectiveError as e:
         return str(e)
     return "no error"
+
+
+def summed_gradients_twice(overlap: bool) -> dict:
+    """sync_grads() refuses gradients that already hold its SUM; legitimate patterns pass.
+
+    Returns each pattern's first-layer gradient (or the error's text), on this rank.
+    """
+    torch.manual_seed(0)
+    net = nn.Linear(1, 1).double()
+    learner = md.MetaDDP(md.MAML(net, inner_lr=0.1), md.Mesh.create(), overlap=overlap)
+    x = torch.linspace(-1, 1, 8, dtype=torch.float64)[:, None]
+    whole = [md.Task(md.Batch(x, 2 * x, 8), md.Batch(x, 3 * x, 8))]
+    loss_fn = lambda p, y: (p - y) ** 2  # noqa: E731
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)  # steps that leave the weights alone
+
+    def step(zero: str | None = "none", syncs: int = 1, backwards: int = 1):
+        if zero is not None:
+            opt.zero_grad(set_to_none=zero == "none")
+        try:
+            for _ in range(backwards):
+                learner.meta_loss(learner.shard(whole), loss_fn).backward()
+            for _ in range(syncs):
+                learner.sync_grads()
+        except RuntimeError as e:
+            return str(e)
+        opt.step()
+        return net.weight.grad.item()
+
+    return {
+        "once": step(),
+        "zeroed in place": step(zero="in place"),
+        "two backwards, one sync": step(backwards=2),
+        "sync twice": step(syncs=2),
+        "not zeroed": step(zero=None),
+        "after the refusals": step(),
+    }

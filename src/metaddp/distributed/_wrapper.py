@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, overload
 
@@ -147,6 +148,9 @@ class MetaDDP(nn.Module):
         else:
             self.check_in_sync()
         self.exact: ExactSums | None = None
+        # Each trained parameter's .grad as sync_grads() left it, with its version: while a
+        # .grad is that tensor, unchanged, it holds a SUM over the ranks already.
+        self._summed: dict[int, tuple[weakref.ref[Tensor], int]] = {}
         if deterministic:
             self.exact = ExactSums(self.mesh, chunks)
             _deterministic_kernels(module)
@@ -299,7 +303,40 @@ class MetaDDP(nn.Module):
         algorithm = self._algorithm("meta_loss")
         if self.checking:
             self.check_sizes(tasks)
-        return algorithm.meta_loss(tasks, loss_fn)
+        loss = algorithm.meta_loss(tasks, loss_fn)
+        if self._summed and loss.requires_grad:
+            loss.register_hook(self._before_backward)
+        return loss
+
+    def _before_backward(self, grad: Tensor) -> None:
+        # Runs as the backward of a meta-loss starts, before any .grad is added to.
+        if held := self._still_summed():
+            self._refuse_summed(held, "this backward would add to them")
+
+    def _still_summed(self) -> list[str]:
+        """The trained parameters whose ``.grad`` is still the SUM the last sync_grads()
+        wrote, untouched since (not zeroed, replaced or added to)."""
+        if not self._summed:
+            return []
+        held = []
+        for name, p in self.module.named_parameters():
+            kept, g = self._summed.get(id(p)), p.grad
+            if kept is not None and g is not None and kept[0]() is g and g._version == kept[1]:
+                held.append(name)
+        return held
+
+    def _refuse_summed(self, names: list[str], what: str) -> None:
+        _host.discard()  # the step ends here: its pending checks go with it
+        raise RuntimeError(
+            "the gradients of "
+            + ", ".join(names[:5])
+            + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            + f" still hold the SUM over ranks that the last sync_grads() wrote, and {what}: "
+            "sync_grads() would sum them again, multiplying them by the number of ranks. Zero "
+            "the gradients once the optimizer has used them (optimizer.zero_grad()); to "
+            "accumulate several meta-batches, run backward() on each and sync_grads() once, "
+            "after the last."
+        )
 
     def adapt(self, support: Batch, loss_fn: LossFn, *, steps: int | None = None) -> Params:
         """The wrapped algorithm's fast weights after adapting to ``support``."""
@@ -435,10 +472,13 @@ class MetaDDP(nn.Module):
         extra = [] if values is None else [values.detach().reshape(-1)]
         if self.exact is not None:
             return self._finish_exact(extra)
+        if held := self._still_summed():
+            self._refuse_summed(held, "no backward has added to them since")
         if self._reducer is not None:
             missing, summed = self._reducer.finish(extra)
             self._check_trained_unchanged()
             self._raise_missing(missing)
+            self._remember_summed()
             return summed
         params = [p for p in self.module.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else p.detach().new_zeros(p.shape) for p in params]
@@ -462,7 +502,15 @@ class MetaDDP(nn.Module):
             for p, g, f in zip(params, reduced, got, strict=False):
                 if f > 0:
                     p.grad = g if p.grad is None else p.grad.copy_(g)
+        self._remember_summed()
         return got[len(params) :]
+
+    def _remember_summed(self) -> None:
+        self._summed = {
+            id(p): (weakref.ref(p.grad), p.grad._version)
+            for p in self.module.parameters()
+            if p.grad is not None
+        }
 
     def _finish_exact(self, extra: list[Tensor]) -> list[float]:
         # Deterministic mode: the backward of meta_loss already summed the meta-gradient on
