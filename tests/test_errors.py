@@ -84,6 +84,24 @@ def test_gradients_summed_once_are_not_summed_again(overlap):
     assert "this backward would add to them" in g["not zeroed"]
 
 
+def test_rates_learned_outside_the_algorithm_are_refused_by_the_wrapper(onednn_kept):
+    # sync_grads() sums the algorithm's parameters: a rate tensor elsewhere would be trained
+    # by every rank on its own gradient.
+    net = nn.Linear(1, 1).double()
+    rate = torch.tensor(0.1, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(ValueError, match="1 learning rate.*not parameters of the wrapped"):
+        md.MetaDDP(md.MAML(net, optimizer=md.sgd(rate)))
+    # Registered on the algorithm, it is summed like any parameter; deterministic mode, which
+    # spreads only learn_lr's rates to the tasks, refuses it still.
+    param = nn.Parameter(torch.tensor(0.1, dtype=torch.float64))
+    alg = md.MAML(net, optimizer=md.adam(param))
+    alg.register_parameter("rate", param)
+    md.MetaDDP(alg).release()
+    with pytest.raises(ValueError, match="through learn_lr only"):
+        md.MetaDDP(alg, deterministic=True)
+    md.MetaDDP(md.MAML(net, optimizer=md.sgd(0.1)), deterministic=True).release()
+
+
 def test_shard_lengths_must_agree():
     with pytest.raises(ValueError, match="3 inputs, 2 targets"):
         md.Batch.local(torch.ones(3, 1), torch.ones(2), n=8)

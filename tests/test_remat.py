@@ -315,3 +315,36 @@ def test_differentiating_the_meta_gradient_again_is_a_clear_error(through):
         torch.autograd.grad(loss, params, create_graph=True)
     (first,) = torch.autograd.grad(loss, params[:1])  # a plain gradient still works
     assert torch.isfinite(first).all()
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["stacked", "one-by-one"])
+@pytest.mark.parametrize("make", [md.sgd, md.adam], ids=["sgd", "adam"])
+def test_a_rate_given_to_the_optimizer_as_a_tensor_gets_its_meta_gradient(make, batched):
+    # A tensor rate that requires grad is trained by the outer loop in either mode: the low
+    # mode's function takes it as an input. (Without that it got no gradient at all.)
+    grads = {}
+    for memory in ("default", "low"):
+        rate = torch.tensor(0.02, dtype=torch.float64, requires_grad=True)
+        alg = md.MAML(MLP.build_model(), steps=3, optimizer=make(rate), memory=memory,
+                      batched=batched)
+        grads[memory] = meta_grads(alg, MLP)
+        grads[memory]["rate"] = rate.grad.clone()
+    assert float(grads["default"]["rate"].abs()) > 0
+    assert rel(grads["low"], grads["default"]) < RTOL
+
+
+@pytest.mark.parametrize("through,steps", [("meta_loss", 1), ("meta_loss", 3), ("adapt", 3)])
+def test_a_tensor_from_outside_that_needs_a_gradient_is_refused(through, steps):
+    # A weight the loss function captures is no input of the low mode's function, whose
+    # backward would leave it without a gradient: refused, naming the way out.
+    scale = torch.tensor(1.5, dtype=torch.float64, requires_grad=True)
+    loss_fn = lambda pred, y: scale * MLP.loss_fn(pred, y)  # noqa: E731
+    alg = md.MAML(MLP.build_model(), inner_lr=0.1, steps=steps, memory="low")
+    with pytest.raises(ValueError, match=r"cannot give a gradient to 1 tensor\(s\) of shape \(\)"):
+        if through == "meta_loss":
+            alg.meta_loss(MLP.tasks(), loss_fn)
+        else:
+            alg.adapt(MLP.tasks()[0].support, loss_fn)
+    # The default mode differentiates it as any other tensor.
+    md.MAML(MLP.build_model(), inner_lr=0.1, steps=steps).meta_loss(MLP.tasks(), loss_fn).backward()
+    assert scale.grad is not None and float(scale.grad.abs()) > 0

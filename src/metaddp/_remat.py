@@ -83,6 +83,10 @@ class _Loop:
         # How the optimizer state's tensors go back into its structure (set by the forward of
         # _Rematerialized, which outputs them).
         self.put: Callable[[Sequence[Tensor]], State] | None = None
+        # The function's other inputs (set by its forward), and whether a step's graph has
+        # been searched for tensors from outside them (once per function).
+        self.extras: Sequence[Tensor] = ()
+        self.looked = False
 
     def copies(self) -> Params | None:
         """Copies of the buffers for a rebuilt forward: BatchNorm's running statistics moved
@@ -104,7 +108,12 @@ class _Loop:
         if check:  # once per step, where it first runs; a rebuilt step is the same
             self.check(g, k)
         updates, state = self.optimizer.update(g, state, fast)
-        return apply_updates(fast, updates), state
+        new = apply_updates(fast, updates)
+        if not self.looked:  # the first step inside the function: every later one is alike
+            self.looked = True
+            inside = [*fast.values(), *_unzip(state)[0], *self.extras]
+            _refuse_outside([loss, *new.values()], inside, stop=list(g.values()))
+        return new, state
 
     def walk(
         self,
@@ -157,6 +166,41 @@ def _vjp(
     return list(grads[:n]), list(grads[n : n + m]), list(grads[n + m :])
 
 
+def _refuse_outside(
+    roots: Sequence[Tensor], inside: Sequence[Tensor], stop: Sequence[Tensor] = ()
+) -> None:
+    """Raise if the graphs of ``roots`` reach a tensor that needs a gradient other than
+    ``inside`` (the step's weights and state, the function's other inputs) or ``stop`` (whose
+    graphs are known: the step's gradients). The function's backward gives gradients to its
+    inputs alone: such a tensor (a weight the loss function captures, a rate a custom
+    optimizer reads) would silently get none."""
+    leaves = {id(t) for t in inside if t.grad_fn is None}
+    known = {t.grad_fn for t in (*inside, *stop) if t.grad_fn is not None}
+    todo = [r.grad_fn for r in roots if r.grad_fn is not None]
+    seen, outside = set(), []
+    while todo:
+        node = todo.pop()
+        if node in seen or node in known:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # a leaf's AccumulateGrad
+        if variable is not None:
+            if id(variable) not in leaves:
+                outside.append(tuple(variable.shape))
+            continue
+        todo.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+    if outside:
+        raise ValueError(
+            f"memory='low' cannot give a gradient to {len(outside)} tensor(s) of shape "
+            f"{', '.join(map(str, outside[:5]))} that need one and that the inner steps or "
+            "the query loss read from outside: captured by the loss function, the model or a "
+            "custom inner optimizer. The low mode's steps run inside one autograd function "
+            "whose inputs are the meta-parameters, the learned rates (learn_lr, or tensors "
+            "given to sgd or adam as lr) and inputs computed from parameters. Make such a "
+            "tensor a parameter of the model or a learned rate, or use memory='default'"
+        )
+
+
 def _sweep(
     loop: _Loop, fast: Params, steps: int
 ) -> tuple[list[tuple[Params, State]], Params, State]:
@@ -184,8 +228,8 @@ class _Rematerialized(torch.autograd.Function):
     def forward(ctx: Any, loop: _Loop, n: int, *inputs: Tensor) -> tuple[Tensor, ...]:
         ctx.loop, ctx.n = loop, n
         fast = dict(zip(loop.names, (t.detach() for t in inputs[:n]), strict=True))
+        loop.extras = ctx.extras = inputs[n:]  # the very tensors the steps read (rates, features)
         ctx.kept, fast, state = _sweep(loop, fast, loop.steps)
-        ctx.extras = inputs[n:]  # the very tensors the steps read (rates, features)
         tensors, loop.put = _unzip(state)
         return (*fast.values(), *tensors)
 
@@ -227,6 +271,7 @@ class _RematerializedLoss(torch.autograd.Function):
         assert loop.then is not None
         start = dict(zip(loop.names, (t.detach() for t in inputs[:n]), strict=True))
         extras = list(inputs[n:])
+        loop.extras = extras
         kept, fast, state = _sweep(loop, start, max(loop.steps - 1, 0))
         with torch.enable_grad():
             leaf, s_leaves, leaf_state = _leaves(fast, state)
@@ -234,6 +279,7 @@ class _RematerializedLoss(torch.autograd.Function):
             if loop.steps:
                 at, _ = loop.step(leaf, leaf_state, loop.steps - 1, create_graph=True, check=True)
             loss = loop.then(at, None)
+            _refuse_outside([loss], [*at.values(), *extras])
             a_fast, a_state, extra_grads = _vjp(loss, leaf, s_leaves, extras, None)
         a_fast = loop.walk(kept, a_fast, a_state, extras, extra_grads)
         ctx.grads = (*a_fast, *extra_grads)

@@ -24,6 +24,7 @@ from .._functional import call, params_of
 from .._remat import rematerialized_loop, rematerialized_loss
 from .._types import LossFn, Params, Reduce
 from ..inner import InnerOptimizer, LearnedLR, LearningRate, sgd
+from ..inner._optimizers import learned_rates
 from ._learner import Learner
 
 OptimizerFactory = Callable[[LearningRate], InnerOptimizer]
@@ -200,8 +201,13 @@ class Algorithm(nn.Module):
 
     def _needing_grad(self, *batches: Batch) -> list[Tensor]:
         """What the inner steps read besides the weights that needs a gradient: the learned
-        rates, and inputs computed from parameters (ANIL's body features)."""
-        rates = [] if self.lr is None else list(self.lr.parameters())
+        rates (``learn_lr``'s, or tensors given to the optimizer), and inputs computed from
+        parameters (ANIL's body features)."""
+        rates: list[Tensor]
+        if self.lr is not None:
+            rates = list(self.lr.parameters())
+        else:
+            rates = list(learned_rates(self.inner_optimizer()))
         return rates + [b.x for b in batches if b.x.requires_grad]
 
     def adapted_loss(

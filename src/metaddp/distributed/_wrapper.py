@@ -25,6 +25,8 @@ from .._adapt import grad
 from .._binding import LOCAL, Collectives, bind, unbind
 from .._data import Batch, MetaBatch, Task
 from .._types import LossFn, MetaAlgorithm, Params, identity_reduce
+from ..inner import InnerOptimizer
+from ..inner._optimizers import learned_rates
 from ._batchnorm import BatchNormSync, has_batchnorm, sync_batchnorm
 from ._check import OutOfSyncError, WeightCheck, from_env
 from ._collectives import (
@@ -68,6 +70,32 @@ def _deterministic_kernels(module: nn.Module) -> None:
         torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
+
+
+def _refuse_rates_outside(module: nn.Module, deterministic: bool) -> None:
+    """Raise if the algorithm's inner optimizer learns rates (tensors that require grad,
+    given to ``sgd`` or ``adam``) that the wrapper would not keep alike on every rank."""
+    optimizer = getattr(module, "optimizer", None)
+    rates = learned_rates(optimizer) if isinstance(optimizer, InnerOptimizer) else ()
+    if not rates:
+        return
+    if deterministic:
+        raise ValueError(
+            "deterministic mode learns inner learning rates through learn_lr only (those rates "
+            "are spread to every task and summed order-free): build the algorithm with "
+            "learn_lr='scalar', 'tensor' or 'parameter' instead of giving its optimizer rates "
+            "that require grad"
+        )
+    ours = {id(p) for p in module.parameters()}
+    outside = [r for r in rates if id(r) not in ours]
+    if outside:
+        raise ValueError(
+            f"the inner optimizer learns {len(outside)} learning rate(s) that are not "
+            "parameters of the wrapped algorithm: sync_grads() would not sum their gradients "
+            "over the ranks, and every rank would train its own. Build the algorithm with "
+            "learn_lr='scalar', 'tensor' or 'parameter' (its rates are then its parameters), "
+            "or register the rates on it as nn.Parameters"
+        )
 
 
 class MetaDDP(nn.Module):
@@ -138,6 +166,7 @@ class MetaDDP(nn.Module):
             )
         if isinstance(module, MetaDDP):
             raise TypeError("this module is already wrapped in MetaDDP")
+        _refuse_rates_outside(module, deterministic)
         self.module = module
         self.mesh = mesh if mesh is not None else Mesh.create()
         self.allow_unused = allow_unused

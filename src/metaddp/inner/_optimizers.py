@@ -47,15 +47,35 @@ class InnerOptimizer(NamedTuple):
 _ROWWISE: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
 
 
+# The tensors that require grad which an update function reads as its learning rates
+# (weakly keyed: an entry dies with its optimizer).
+_LEARNED: weakref.WeakKeyDictionary[Callable[..., Any], tuple[Tensor, ...]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def _optimizer(
     init: Callable[[Params], State], update: Callable[..., Any], lr: LearningRate
 ) -> InnerOptimizer:
     """An :class:`InnerOptimizer` whose ``update`` is rowwise when ``lr`` is a Python number
     (or a dict of them); a tensor rate may be learned or per entry."""
-    numbers = lr.values() if isinstance(lr, Mapping) else [lr]
+    numbers = list(lr.values()) if isinstance(lr, Mapping) else [lr]
     if all(isinstance(v, int | float) for v in numbers):
         _ROWWISE.add(update)
+    learned = {id(v): v for v in numbers if isinstance(v, Tensor) and v.requires_grad}
+    if learned:
+        _LEARNED[update] = tuple(learned.values())
     return InnerOptimizer(init, update)
+
+
+def learned_rates(optimizer: InnerOptimizer) -> tuple[Tensor, ...]:
+    """The learning rates that require grad (trained by the outer loop) which ``optimizer``
+    reads: those given to :func:`sgd` or :func:`adam` as tensors. Empty for any other
+    optimizer, whose update may read anything."""
+    try:
+        return _LEARNED.get(optimizer.update, ())
+    except TypeError:  # a callable that cannot be weakly referenced is not one of them
+        return ()
 
 
 class SlotState(NamedTuple):
