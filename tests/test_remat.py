@@ -160,13 +160,15 @@ def test_the_training_command_trains_alike_in_either_mode(tmp_path):
 
 
 
-@pytest.mark.parametrize("algorithm", ["maml", "anil"])
-def test_low_memory_through_adapt_gives_the_default_meta_gradient(algorithm):
+@pytest.mark.parametrize("steps", [1, 2])
+@pytest.mark.parametrize("algorithm", ["maml", "anil", "metasgd"])
+def test_low_memory_through_adapt_gives_the_default_meta_gradient(algorithm, steps):
     # adapt() with a hand-written query loss: the rematerialized inner loop alone (the query
-    # pass is the caller's). ANIL's support features need their own gradient through it.
+    # pass is the caller's). ANIL's support features need their own gradient through it, and
+    # Meta-SGD's rates theirs. With one step, all of it is the caller's graph.
     grads = {}
     for memory in ("default", "low"):
-        p = dataclasses.replace(BN, algorithm=algorithm, memory=memory)
+        p = dataclasses.replace(BN, algorithm=algorithm, memory=memory, steps=steps)
         alg = p.build_algorithm()
         for task in p.tasks():
             fast = alg.adapt(task.support, p.loss_fn)

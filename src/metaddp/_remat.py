@@ -75,17 +75,17 @@ class _Loop:
         reduce: Reduce,
         buffers: Params,
         check: Callable[[Params, int], None],
+        extras: Sequence[Tensor],
         then: LossOf | None = None,
     ) -> None:
         self.loss_of, self.names, self.optimizer = loss_of, names, optimizer
         self.steps, self.reduce, self.buffers, self.check = steps, reduce, buffers, check
-        self.then = then
+        self.extras, self.then = list(extras), then
         # How the optimizer state's tensors go back into its structure (set by the forward of
         # _Rematerialized, which outputs them).
         self.put: Callable[[Sequence[Tensor]], State] | None = None
-        # The function's other inputs (set by its forward), and whether a step's graph has
-        # been searched for tensors from outside them (once per function).
-        self.extras: Sequence[Tensor] = ()
+        # Whether a step inside the function has been searched for tensors from outside its
+        # inputs (once per function: every later step reads the same tensors).
         self.looked = False
 
     def copies(self) -> Params | None:
@@ -228,7 +228,7 @@ class _Rematerialized(torch.autograd.Function):
     def forward(ctx: Any, loop: _Loop, n: int, *inputs: Tensor) -> tuple[Tensor, ...]:
         ctx.loop, ctx.n = loop, n
         fast = dict(zip(loop.names, (t.detach() for t in inputs[:n]), strict=True))
-        loop.extras = ctx.extras = inputs[n:]  # the very tensors the steps read (rates, features)
+        ctx.extras = inputs[n:]  # the very tensors the steps read (rates, features)
         ctx.kept, fast, state = _sweep(loop, fast, loop.steps)
         tensors, loop.put = _unzip(state)
         return (*fast.values(), *tensors)
@@ -271,7 +271,6 @@ class _RematerializedLoss(torch.autograd.Function):
         assert loop.then is not None
         start = dict(zip(loop.names, (t.detach() for t in inputs[:n]), strict=True))
         extras = list(inputs[n:])
-        loop.extras = extras
         kept, fast, state = _sweep(loop, start, max(loop.steps - 1, 0))
         with torch.enable_grad():
             leaf, s_leaves, leaf_state = _leaves(fast, state)
@@ -332,13 +331,14 @@ def rematerialized_loop(
     names, n = list(params), len(params)
     # The first K - 1 steps in one function; the last one is built with its graph, which the
     # caller's query pass differentiates through (the last step is then not run twice).
-    loop = _Loop(loss_of, names, optimizer, steps - 1, reduce, dict(buffers or {}), check)
+    loop = _Loop(loss_of, names, optimizer, steps - 1, reduce, dict(buffers or {}), check, extras)
     if loop.steps:
         out = _Rematerialized.apply(loop, n, *params.values(), *extras)
         assert loop.put is not None  # set by the forward
         fast, state = dict(zip(names, out[:n], strict=True)), loop.put(out[n:])
     else:
         fast, state = dict(params), optimizer.init(dict(params))
+    loop.looked = True  # the last step is the caller's graph: autograd reaches every tensor
     return loop.step(fast, state, steps - 1, create_graph=True, check=True)[0]
 
 
@@ -365,7 +365,9 @@ def rematerialized_loss(
         Others: as :func:`rematerialized_loop`.
     """
     names = list(params)
-    loop = _Loop(loss_of, names, optimizer, steps, reduce, dict(buffers or {}), check, query_of)
+    loop = _Loop(
+        loss_of, names, optimizer, steps, reduce, dict(buffers or {}), check, extras, query_of
+    )
     inputs = (*params.values(), *extras)
     if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
         return _RematerializedLoss.apply(loop, len(names), *inputs)
