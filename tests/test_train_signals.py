@@ -137,3 +137,52 @@ def all_children(pid: int) -> list[int]:
             if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
                 out.append(int(entry))
     return sorted(out)
+
+
+def test_ctrl_c_on_a_terminal_checkpoints_under_the_launcher(tmp_path):
+    # Ctrl-C signals the whole process group: every worker gets SIGINT from the terminal and
+    # once more from the launcher, milliseconds apart. That is one request: the step ends and
+    # the checkpoint is written (a second SIGINT used to end the worker before it).
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "metaddp", "train", *TINY, "--nproc", "2",
+                             "--steps", "100000", "--checkpoint-every", "100000", "--out",
+                             str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    wait_for(lambda: len(rows(run)) >= 3)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("metaddp train: stopped by SIGINT after step "), err
+    step = int(last.split("after step ")[1].split(";")[0])
+    assert (run / "checkpoint.pt").exists() and len(rows(run)) == step
+
+
+def test_a_restart_before_the_first_checkpoint_starts_the_run_again(tmp_path):
+    # torchrun runs the command again after a worker dies; with no checkpoint yet, the folder
+    # holds only this run's own start, so --resume auto starts it again there.
+    run = tmp_path / "run"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.Popen(
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+         "-m", "metaddp", "train", *TINY, "--steps", "120", "--checkpoint-every", "1000",
+         "--out", str(run), "--resume", "auto"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: len(rows(run)) >= 10)
+    assert not (run / "checkpoint.pt").exists()
+    os.kill(all_children(proc.pid)[1], signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert [int(r["step"]) for r in rows(run)] == list(range(1, 121))
+
+
+def test_an_evaluation_that_diverges_ends_in_one_line(tmp_path):
+    # Training at this rate is finite for 3 steps; adapting held-out tasks for 10 is not.
+    run = subprocess.run([sys.executable, "-m", "metaddp", "train", "sinusoid", "--inner-lr",
+                          "0.3", "--steps", "3", "--eval-tasks", "4", "--checkpoint-every", "1",
+                          "--no-progress", "--out", str(tmp_path / "run")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 3, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("metaddp train: evaluation after step 3: ")
+    assert "the last checkpoint holds step 2" in lines[0]

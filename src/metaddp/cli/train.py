@@ -248,6 +248,10 @@ def settings(args: argparse.Namespace, world: int) -> tuple[TrainConfig, Path, b
         out = (
             Path(args.out) if args.out is not None else Path("runs") / f"{cfg.task}-{cfg.algorithm}"
         )
+        if not args.force and _train.unsaved_start(out, cfg.identity()):
+            # This very run, stopped or failed before its first checkpoint (a launcher's
+            # restart, or the same command again): nothing in the folder to keep.
+            args.force = True
         _train.check_folder(out, resume=False, force=args.force)
     family_class(cfg.task).check_data(cfg.data)
     cfg.family()  # building it runs the family's own checks (e.g. enough classes for --ways)
@@ -397,11 +401,18 @@ def finish(outcome: dict | None, cfg: TrainConfig, out: Path) -> int:
         return int(outcome["code"])
     if "stopped" in outcome:
         stop = outcome["stopped"]
-        print(
-            f"metaddp train: stopped by {stop['signal']} after step {stop['step']}; checkpoint "
-            f"written. Continue with: metaddp train --resume {out}",
-            file=sys.stderr,
-        )
+        if stop["step"] is None:
+            print(
+                f"metaddp train: stopped by {stop['signal']} before its first checkpoint: "
+                "nothing was saved. Start it again with the same command",
+                file=sys.stderr,
+            )
+        else:
+            print(
+                f"metaddp train: stopped by {stop['signal']} after step {stop['step']}; "
+                f"checkpoint written. Continue with: metaddp train --resume {out}",
+                file=sys.stderr,
+            )
         return EXIT_STOPPED
     report(outcome["summary"], cfg, out)
     return 0
@@ -497,8 +508,9 @@ def signal_name(signum: int) -> str:
     return signal.Signals(signum).name
 
 
-def _checkpoint_step(out: Path) -> int:
+def _checkpoint_step(out: Path) -> int | None:
+    """The step the folder's latest checkpoint holds; ``None`` without one."""
     try:
         return int(_checkpoint.load_latest(out / _train.CHECKPOINT, {})["step"])
     except _checkpoint.CheckpointError:
-        return 0
+        return None

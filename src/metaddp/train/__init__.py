@@ -10,6 +10,7 @@ from ._folder import (
     check_folder,
     prepare_folder,
     saved_config,
+    unsaved_start,
 )
 from ._trainer import NonFiniteError, Trainer, train
 
@@ -28,4 +29,5 @@ __all__ = [
     "read_toml",
     "saved_config",
     "train",
+    "unsaved_start",
 ]

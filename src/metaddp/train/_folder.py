@@ -47,11 +47,29 @@ def check_folder(out: Path, resume: bool, force: bool) -> None:
         raise RunFolderError(f"--out {out} is a file, not a folder")
     held = sorted(p.name for p in out.iterdir() if p.name != LOCK) if out.is_dir() else []
     if held and not force:
-        raise RunFolderError(
-            f"{out} is not empty (it holds {', '.join(held[:4])}"
-            f"...). Continue that run with --resume {out}, choose another --out, or pass "
-            "--force to replace it"
+        go_on = (
+            f"Continue that run with --resume {out}, choose"
+            if _checkpoint.exists(out / CHECKPOINT)
+            else "It holds no checkpoint (a run with other settings that stopped before its "
+            "first): choose"
         )
+        raise RunFolderError(
+            f"{out} is not empty (it holds {', '.join(held[:4])}...). {go_on} another --out, "
+            "or pass --force to replace it"
+        )
+
+
+def unsaved_start(out: Path, identity: dict[str, Any]) -> bool:
+    """Whether ``out`` holds a run with these settings (``identity``) that wrote no
+    checkpoint: it stopped or failed before its first one, so starting it again in the
+    folder loses nothing (a launcher's restart, or the same command run again)."""
+    out = Path(out)
+    if not (out / CONFIG_JSON).is_file() or _checkpoint.exists(out / CHECKPOINT):
+        return False
+    try:
+        return TrainConfig(**saved_config(out)).resolved().identity() == identity
+    except (RunFolderError, TypeError, ValueError):
+        return False
 
 
 class RunLock:

@@ -254,7 +254,9 @@ class Trainer:
         t0 = time.perf_counter() - (log.seconds if log is not None else 0.0)
         stopped: dict[str, Any] | None = None
         try:
-            with StopSignals() as signals:
+            # Under a launcher (torchrun's, or --nproc's), a second Ctrl-C is its to act on: it
+            # kills the processes that have not stopped in its own time.
+            with StopSignals(escalate="TORCHELASTIC_RUN_ID" not in os.environ) as signals:
                 for step in range(self.start, cfg.steps):
                     value, stop = self.step(step, signals.received is not None)
                     losses.append(value)
@@ -305,7 +307,19 @@ class Trainer:
             "seconds": time.perf_counter() - t0,
         }
         if not stopping and (done == cfg.steps or (cfg.eval_every and done % cfg.eval_every == 0)):
-            last_eval = self.evaluate()
+            try:
+                last_eval = self.evaluate()
+            except FloatingPointError as e:
+                kept = (
+                    f"the last checkpoint holds step {self.saved}"
+                    if self.saved
+                    else "no checkpoint was written yet"
+                )
+                raise NonFiniteError(
+                    f"evaluation after step {done}: adapting to held-out tasks for "
+                    f"{cfg.eval_steps} step(s) is not finite ({e}). Lower --eval-steps or the "
+                    f"inner learning rate (--inner-lr {cfg.inner_lr:g}); {kept}"
+                ) from None
             row.update(last_eval)
         if log is not None:
             log.write(row)
