@@ -101,3 +101,43 @@ def test_cuda_graphs_is_not_part_of_the_identity():
     b = dict(a, cuda_graphs=True)
     ident = TrainConfig.IDENTITY
     assert "cuda_graphs" not in ident and {k: a[k] for k in ident} == {k: b[k] for k in ident}
+
+
+@pytest.mark.parametrize("option, message", [
+    (dict(algorithm="reptile", inner_optimizer="adam"), "inner_optimizer is a setting of .* not of reptile"),
+    (dict(algorithm="imaml", autocast="bf16"), "autocast is a setting of .* not of imaml"),
+    (dict(algorithm="fomaml", memory="low"), "which fomaml does not take"),
+    (dict(algorithm="reptile", memory="low"), "which reptile does not take"),
+    (dict(ways=5), "ways is a setting of classification tasks, not of sinusoid"),
+    (dict(data="/nowhere"), "the sinusoid task reads no dataset"),
+])
+def test_settings_a_run_would_not_read_are_refused(option, message):
+    # Accepted, they were written to the run's settings as if used, and changed nothing.
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**{**BASE, **option}).resolved()
+
+
+def test_first_order_maml_takes_the_inner_optimizer():
+    # fomaml used to build plain SGD whatever the setting: Adam's meta-gradient differs.
+    from metaddp.algorithms.registry import Settings, build
+    from metaddp.testing import scenarios as S
+
+    problem = S.Problem("mlp", steps=2)
+    grads = {}
+    for name in ("sgd", "adam"):
+        alg = build("fomaml", problem.build_model(), Settings(inner_lr=0.05, steps=2, optimizer=name))
+        assert alg.first_order
+        alg.meta_loss(problem.tasks(), problem.loss_fn).backward()
+        grads[name] = S.meta_gradient(alg)
+    assert max(float((grads["sgd"][k] - grads["adam"][k]).abs().max()) for k in grads["sgd"]) > 1e-3
+
+
+@pytest.mark.parametrize("flag", [["--lam", "2"], ["--chunks", "4"]])
+def test_flags_for_other_runs_are_one_line(tmp_path, capsys, flag):
+    from metaddp.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", "sinusoid", "--steps", "2", "--no-progress", "--out", str(out), *flag]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and ("iMAML's proximal strength" in err[0] or "deterministic runs only" in err[0])
+    assert not out.exists()

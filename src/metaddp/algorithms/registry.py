@@ -85,7 +85,7 @@ ALGORITHMS: dict[str, Builder] = {
     # Finn, Abbeel & Levine 2017: second-order meta-gradient through the inner loop.
     "maml": lambda m, s: MAML(m, **_unrolled(s)),
     # The same with the inner gradients held constant (first-order MAML, ibid. sec. 5.2).
-    "fomaml": lambda m, s: MAML(m, inner_lr=s.inner_lr, steps=s.steps, first_order=True),
+    "fomaml": lambda m, s: MAML(m, **{**_unrolled(s), "first_order": True}),
     # Li et al. 2017: a learned learning rate per parameter entry, initialised at inner_lr.
     "metasgd": lambda m, s: MetaSGD(m, **_unrolled(s)),
     # Raghu et al. 2020: only the last layer adapts, on features of the rest computed once.

@@ -233,12 +233,19 @@ def settings(args: argparse.Namespace, world: int) -> tuple[TrainConfig, Path, b
         saved = _train.saved_config(out)
         # A run from before a setting existed resumes as it ran (no BatchNorm, SGD steps...).
         values.update({**_checkpoint.settings_before(saved), **saved})
+    asked = dict(flags)  # what this command sets, beside what a resumed run recorded
     if args.config is not None:
-        values.update(read_toml(args.config))
+        asked = {**read_toml(args.config), **flags}
+        values.update(asked)
     values.update(flags)
     if "task" not in values:
         raise UsageError("name a task: metaddp train {" + ",".join(FAMILIES) + "} [options]")
     cfg = TrainConfig(**values).resolved()
+    # Settings with a value either way, which only some runs read: set for another, refused.
+    if "lam" in asked and cfg.algorithm != "imaml":
+        raise UsageError(f"lam is iMAML's proximal strength: {cfg.algorithm} does not take it")
+    if "chunks" in asked and not cfg.deterministic:
+        raise UsageError("chunks cuts batches in deterministic runs only: add --deterministic")
     if cfg.layout == "hybrid" and world > 1 and world % 2:
         raise UsageError(
             f"--layout hybrid makes two task groups of equal size, which {world} processes "

@@ -154,7 +154,11 @@ class TrainConfig:
             for k, v in dataclasses.asdict(self).items()
         }
         if not cls.classification:
+            if self.ways is not None:
+                raise ValueError(f"ways is a setting of classification tasks, not of {self.task}")
             filled["ways"] = None
+        if self.data is not None and not (cls.needs_data or cls.data_option):
+            raise ValueError(f"the {self.task} task reads no dataset: drop data ({self.data})")
         if "norm" not in cls.defaults and self.norm is not None:
             raise ValueError(f"norm is a setting of the image tasks, not of {self.task}")
         # The fonts' identity replaces "all" or "matplotlib"; a recorded one must be found here.
@@ -207,6 +211,17 @@ class TrainConfig:
         for k in ("inner_steps", "eval_every", "eval_steps"):
             if getattr(self, k) < 0:
                 raise ValueError(f"{k} must be >= 0, got {getattr(self, k)!r}")
+        unrolled = ("maml", "metasgd", "anil")  # the algorithms that take these settings
+        for k, plain in (("inner_optimizer", "sgd"), ("autocast", None)):
+            if getattr(self, k) != plain and self.algorithm not in (*unrolled, "fomaml"):
+                raise ValueError(
+                    f"{k} is a setting of {', '.join(unrolled)} and fomaml, not of {self.algorithm}"
+                )
+        if self.memory != "default" and self.algorithm not in unrolled:
+            raise ValueError(
+                f"memory={self.memory!r} rebuilds second-order inner steps, which "
+                f"{self.algorithm} does not take: it is a setting of {', '.join(unrolled)}"
+            )
         if self.deterministic:
             if self.algorithm not in DETERMINISTIC_ALGORITHMS:
                 raise ValueError(
