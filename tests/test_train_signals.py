@@ -186,3 +186,18 @@ def test_an_evaluation_that_diverges_ends_in_one_line(tmp_path):
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("metaddp train: evaluation after step 3: ")
     assert "the last checkpoint holds step 2" in lines[0]
+
+
+def test_a_killed_process_without_restarts_ends_in_one_line_with_the_way_back(tmp_path):
+    run = tmp_path / "run"
+    proc = start("--nproc", "2", "--steps", "100000", "--checkpoint-every", "20", "--out",
+                 str(run))
+    wait_for(lambda: (run / "checkpoint.pt").exists() and len(rows(run)) >= 30)
+    os.kill(children(proc.pid)[1], signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, err
+    assert "Root Cause" not in err and "Traceback" not in err, err  # torch's report, left out
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("metaddp train: process 1 was killed by SIGKILL; the last checkpoint "
+                           "holds step "), err
+    assert last.endswith(f"Continue with: metaddp train --resume {run}"), err

@@ -22,6 +22,7 @@ import os
 import sys
 import traceback
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -356,8 +357,9 @@ def launch(nproc: int, max_restarts: int, *args: Any) -> dict | None:
 
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    # Its own warnings on a stop or restart repeat what this command reports in one line.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    # Its own warnings and error reports on a stop, restart or failure repeat what this
+    # command reports in one line (--debug prints the failure report).
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -407,20 +409,7 @@ def finish(outcome: dict | None, cfg: TrainConfig, out: Path) -> int:
         print(f"metaddp train: {outcome['error']}", file=sys.stderr)
         return int(outcome["code"])
     if "stopped" in outcome:
-        stop = outcome["stopped"]
-        if stop["step"] is None:
-            print(
-                f"metaddp train: stopped by {stop['signal']} before its first checkpoint: "
-                "nothing was saved. Start it again with the same command",
-                file=sys.stderr,
-            )
-        else:
-            print(
-                f"metaddp train: stopped by {stop['signal']} after step {stop['step']}; "
-                f"checkpoint written. Continue with: metaddp train --resume {out}",
-                file=sys.stderr,
-            )
-        return EXIT_STOPPED
+        return stopped(outcome["stopped"]["signal"], outcome["stopped"]["step"], out)
     report(outcome["summary"], cfg, out)
     return 0
 
@@ -504,9 +493,49 @@ def main(args: argparse.Namespace) -> int:
                 step = _checkpoint_step(out)
                 outcome = {"stopped": {"signal": signal_name(e.sigval), "step": step}}
             except ChildFailedError as e:
-                print(f"metaddp train: a process failed:\n{e}", file=sys.stderr)
-                return 1
+                if args.debug:
+                    print(e, file=sys.stderr)
+                return failed(e.failures, e.get_first_failure()[0], out)
     return finish(outcome, cfg, out)
+
+
+def stopped(by: str, step: int | None, out: Path) -> int:
+    """Say that a stop request ended the run, and what the folder keeps."""
+    if step is None:
+        print(
+            f"metaddp train: stopped by {by} before its first checkpoint: nothing was saved. "
+            "Start it again with the same command",
+            file=sys.stderr,
+        )
+    else:
+        print(
+            f"metaddp train: stopped by {by} after step {step}; checkpoint written. Continue "
+            f"with: metaddp train --resume {out}",
+            file=sys.stderr,
+        )
+    return EXIT_STOPPED
+
+
+def failed(failures: Mapping[int, Any], first: int, out: Path) -> int:
+    """One line for processes the launcher saw end badly (and no restart left), with what the
+    folder keeps; returns the exit status."""
+    step = _checkpoint_step(out)
+    if all(f.exitcode == EXIT_STOPPED for f in failures.values()):
+        # A stop signal sent to the processes alone: they ended their step and checkpointed.
+        return stopped("a signal to its processes", step, out)
+    failure = failures[first]
+    how = (
+        f"was killed by {failure.signal_name()}"
+        if failure.exitcode < 0
+        else f"exited with status {failure.exitcode} (its error is above)"
+    )
+    kept = (
+        f"the last checkpoint holds step {step}. Continue with: metaddp train --resume {out}"
+        if step is not None
+        else "no checkpoint was written: start it again with the same command"
+    )
+    print(f"metaddp train: process {first} {how}; {kept}", file=sys.stderr)
+    return 1
 
 
 def signal_name(signum: int) -> str:
