@@ -26,6 +26,8 @@ def test_verify_seed_agrees_across_world_sizes():
 def test_verify_rejects_bad_world_sizes():
     run = metaddp("verify", "--world-sizes", "1,two")
     assert run.returncode != 0 and "--world-sizes must be integers" in run.stderr
+    run = metaddp("verify", "--world-sizes", "2,2")  # the reference compared with itself
+    assert run.returncode == 2 and "two different sizes" in run.stderr
 
 
 def test_unknown_scenario_is_rejected_by_name():

@@ -152,7 +152,10 @@ def parse_world_sizes(text: str) -> list[int]:
         raise ValueError(f"--world-sizes must be integers like 1,2,4, got {text!r}") from None
     if not sizes or min(sizes) < 1:
         raise ValueError(f"--world-sizes needs positive integers, got {text!r}")
-    return sizes
+    if len(set(sizes)) < 2:
+        # The first is the reference: one size alone would be compared with itself.
+        raise ValueError(f"--world-sizes needs two different sizes to compare, got {text!r}")
+    return list(dict.fromkeys(sizes))
 
 
 def main(args: argparse.Namespace) -> int:

@@ -327,7 +327,7 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"config file {path} does not exist") from None
     except OSError as e:
         raise ValueError(f"cannot read config file {path}: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"config file {path} is not valid TOML: {e}") from None
     table = isinstance(values.get("train"), dict)
     if table:
