@@ -50,6 +50,9 @@ CASES = {
                                         optimizer=md.sgd(0.1, momentum=0.9), memory=m)),
     "adam": (MLP, lambda m: md.MAML(MLP.build_model(), steps=3, optimizer=md.adam(0.01),
                                     memory=m)),
+    # One step: the state's leaves are the function's own (no first-order sweep before).
+    "adam-one-step": (MLP, lambda m: md.MAML(MLP.build_model(), steps=1,
+                                             optimizer=md.adam(0.01), memory=m)),
     "metasgd-adam": (MLP, lambda m: md.MetaSGD(
         MLP.build_model(), inner_lr=0.05, steps=3,
         optimizer=functools.partial(md.adam, b1=0.5), memory=m)),

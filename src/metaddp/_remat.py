@@ -107,13 +107,14 @@ class _Loop:
         g = grad(loss, fast, reduce=self.reduce, create_graph=create_graph)
         if check:  # once per step, where it first runs; a rebuilt step is the same
             self.check(g, k)
-        updates, state = self.optimizer.update(g, state, fast)
+        updates, after = self.optimizer.update(g, state, fast)
         new = apply_updates(fast, updates)
         if not self.looked:  # the first step inside the function: every later one is alike
             self.looked = True
             inside = [*fast.values(), *_unzip(state)[0], *self.extras]
-            _refuse_outside([loss, *new.values()], inside, stop=list(g.values()))
-        return new, state
+            roots = [loss, *new.values(), *_unzip(after)[0]]
+            _refuse_outside(roots, inside, stop=list(g.values()))
+        return new, after
 
     def walk(
         self,
