@@ -234,11 +234,9 @@ def settings(args: argparse.Namespace, world: int) -> tuple[TrainConfig, Path, b
         saved = _train.saved_config(out)
         # A run from before a setting existed resumes as it ran (no BatchNorm, SGD steps...).
         values.update({**_checkpoint.settings_before(saved), **saved})
-    asked = dict(flags)  # what this command sets, beside what a resumed run recorded
-    if args.config is not None:
-        asked = {**read_toml(args.config), **flags}
-        values.update(asked)
-    values.update(flags)
+    # What this command sets (its file, then its flags), beside what a resumed run recorded.
+    asked = {**(read_toml(args.config) if args.config is not None else {}), **flags}
+    values.update(asked)
     if "task" not in values:
         raise UsageError("name a task: metaddp train {" + ",".join(FAMILIES) + "} [options]")
     cfg = TrainConfig(**values).resolved()
