@@ -111,12 +111,7 @@ def test_torchrun_restarts_continue_the_run_with_resume_auto(tmp_path):
     ``--resume auto`` the new attempt continues from the checkpoint (and its process groups
     connect, though the launcher's store still holds the previous attempt's keys)."""
     run = tmp_path / "run"
-    torchrun = Path(sys.executable).with_name("torchrun")
-    proc = subprocess.Popen(
-        [str(torchrun), "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-         "-m", "metaddp", "train", *TINY, "--steps", "160", "--checkpoint-every", "40",
-         "--out", str(run), "--resume", "auto"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_torchrun(run, "--steps", "160", "--checkpoint-every", "40")
     wait_for(lambda: (run / "checkpoint.pt").exists() and len(rows(run)) >= 50)
     workers = [pid for pid in all_children(proc.pid)]
     assert len(workers) == 2
@@ -124,6 +119,15 @@ def test_torchrun_restarts_continue_the_run_with_resume_auto(tmp_path):
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     assert [int(r["step"]) for r in rows(run)] == list(range(1, 161))
+
+
+def start_torchrun(run: Path, *args: str) -> subprocess.Popen:
+    """``torchrun`` with 2 processes and one restart, continuing or starting ``run``."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    return subprocess.Popen(
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+         "-m", "metaddp", "train", *TINY, *args, "--out", str(run), "--resume", "auto"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def all_children(pid: int) -> list[int]:
@@ -162,12 +166,7 @@ def test_a_restart_before_the_first_checkpoint_starts_the_run_again(tmp_path):
     # torchrun runs the command again after a worker dies; with no checkpoint yet, the folder
     # holds only this run's own start, so --resume auto starts it again there.
     run = tmp_path / "run"
-    torchrun = Path(sys.executable).with_name("torchrun")
-    proc = subprocess.Popen(
-        [str(torchrun), "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-         "-m", "metaddp", "train", *TINY, "--steps", "120", "--checkpoint-every", "1000",
-         "--out", str(run), "--resume", "auto"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_torchrun(run, "--steps", "120", "--checkpoint-every", "1000")
     wait_for(lambda: len(rows(run)) >= 10)
     assert not (run / "checkpoint.pt").exists()
     os.kill(all_children(proc.pid)[1], signal.SIGKILL)
