@@ -200,3 +200,19 @@ def test_a_killed_process_without_restarts_ends_in_one_line_with_the_way_back(tm
     assert last.startswith("metaddp train: process 1 was killed by SIGKILL; the last checkpoint "
                            "holds step "), err
     assert last.endswith(f"Continue with: metaddp train --resume {run}"), err
+
+
+def test_a_stop_signal_to_one_process_stops_the_run_with_a_checkpoint(tmp_path):
+    # Every process ends the step it is in (they vote on stopping), checkpoints and leaves
+    # with the stop status: reported as a stop, not as a failed process.
+    run = tmp_path / "run"
+    proc = start("--nproc", "2", "--steps", "100000", "--checkpoint-every", "100000", "--out",
+                 str(run))
+    wait_for(lambda: len(rows(run)) >= 3)
+    os.kill(children(proc.pid)[1], signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("metaddp train: stopped by a signal to its processes after step "), err
+    step = int(last.split("after step ")[1].split(";")[0])
+    assert (run / "checkpoint.pt").exists() and len(rows(run)) == step
