@@ -65,6 +65,22 @@ def test_a_loss_averaged_over_the_batch_is_refused_on_every_path(path, onednn_ke
         md.share(torch.ones(1), _one_task().support)
 
 
+def test_deterministic_mode_refuses_gradients_it_would_not_sum(onednn_kept):
+    # Its meta-gradient is summed inside meta_loss's backward and sync_grads() sums nothing:
+    # a query loss through adapt() or clone() would leave every rank its own gradient.
+    net = nn.Sequential(nn.Linear(1, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+    learner = md.MetaDDP(md.MAML(net, inner_lr=0.1), deterministic=True)
+    support = _one_task().support
+    loss_fn = lambda p, y: (p - y) ** 2  # noqa: E731
+    for call in (lambda: learner.adapt(support, loss_fn),
+                 lambda: learner.module.adapt(support, loss_fn),
+                 lambda: learner.module.clone()):
+        with pytest.raises(TypeError, match="not available in deterministic mode"):
+            call()
+    with learner.local():  # on this process alone (evaluation, plots): allowed
+        assert set(learner.module.adapt(support, loss_fn)) == {k for k, _ in net.named_parameters()}
+
+
 def test_sharding_a_ranks_part_again_is_refused():
     tasks = md.MetaBatch.shard([_one_task(), _one_task()], task_index=0, task_parts=2)
     with pytest.raises(ValueError, match="already this rank's part"):

@@ -244,9 +244,25 @@ class Algorithm(nn.Module):
         reduce: Reduce | None = None,
     ) -> Params:
         """Fast weights after ``steps`` (default: the algorithm's) inner steps on ``support``."""
+        self._not_exact("adapt()")
         with self.autocasting():
             return self.inner_loop(
                 support, loss_fn, steps=steps, reduce=self.collectives(reduce).reduce
+            )
+
+    def _not_exact(self, what: str) -> None:
+        # Deterministic mode sums the meta-gradient inside meta_loss's backward; sync_grads()
+        # sums nothing, so a gradient through any other path would stay each rank's own.
+        try:
+            exact = collectives_for(self, self.model).exact
+        except RuntimeError:  # not wrapped, on several processes: meta_loss says so
+            return
+        if exact is not None:
+            raise TypeError(
+                f"{type(self).__name__}.{what} is not available in deterministic mode, whose "
+                "meta-gradient comes whole from learner.meta_loss(...): sync_grads() sums "
+                "nothing else, so every rank would keep its own gradient. Use meta_loss, or "
+                "build MetaDDP without deterministic=True"
             )
 
     def autocasting(self) -> contextlib.AbstractContextManager[object]:
@@ -330,6 +346,7 @@ class Algorithm(nn.Module):
         modified. Inner gradients are reduced like :meth:`meta_loss`'s, so on several ranks
         the loss given to ``adapt`` must be this rank's share (:func:`metaddp.share`).
         """
+        self._not_exact("clone()")
         return Learner(
             self._run,
             self.fast_weights(),

@@ -369,6 +369,7 @@ class MetaDDP(nn.Module):
 
     def adapt(self, support: Batch, loss_fn: LossFn, *, steps: int | None = None) -> Params:
         """The wrapped algorithm's fast weights after adapting to ``support``."""
+        self._not_exact("adapt()")
         return self._algorithm("adapt").adapt(support, loss_fn, steps=steps)
 
     def clone(self) -> Any:
