@@ -181,19 +181,23 @@ def hand_loop(check: bool | None, forget: bool) -> str:
     return error_of(step)
 
 
-def size_mistake() -> str:
-    """A batch cut by hand, with the shard's own length given as the global size."""
+def size_mistake(through: str) -> str:
+    """A batch cut by hand, with the shard's own length given as the global size, given to
+    meta_loss or to adapt (a hand-written query loss)."""
     learner = md.MetaDDP(MLP.build_algorithm(), md.Mesh.for_layout("sample"), check=True)
     m = learner.mesh
     t = MLP.task(0)
     x, y = md.shard(t.support.x, m.sample_index, m.samples), md.shard(t.support.y, m.sample_index, m.samples)
     wrong = md.Task(md.Batch(x, y, len(x)), md.Batch.split(t.query.x, t.query.y, m.sample_index, m.samples))
+    if through == "adapt":
+        return error_of(lambda: learner.adapt(wrong.support, MLP.loss_fn))
     return error_of(lambda: learner.meta_loss([wrong], MLP.loss_fn))
 
 
 def check_worker() -> dict:
     out = {"forgot": hand_loop(True, True), "reduced": hand_loop(True, False),
-           "off": hand_loop(False, True), "size": size_mistake()}
+           "off": hand_loop(False, True), "size": size_mistake("meta_loss"),
+           "size through adapt": size_mistake("adapt")}
     os.environ["METADDP_CHECK"] = "1"
     try:
         out["env"] = hand_loop(None, True)
@@ -222,5 +226,6 @@ def test_check_mode_names_the_tensor_of_a_forgotten_reduction(checks, world):
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_check_mode_catches_a_local_sample_count(checks, world):
     for r in checks[world]:
-        assert r["size"].startswith("OutOfSyncError"), r["size"]
-        assert "support batch says it has" in r["size"]
+        for key in ("size", "size through adapt"):
+            assert r[key].startswith("OutOfSyncError"), r[key]
+            assert "support batch says it has" in r[key]

@@ -370,6 +370,8 @@ class MetaDDP(nn.Module):
     def adapt(self, support: Batch, loss_fn: LossFn, *, steps: int | None = None) -> Params:
         """The wrapped algorithm's fast weights after adapting to ``support``."""
         self._not_exact("adapt()")
+        if self.checking:
+            self._check_batch_sizes({"the support": support})
         return self._algorithm("adapt").adapt(support, loss_fn, steps=steps)
 
     def clone(self) -> Any:
@@ -438,18 +440,28 @@ class MetaDDP(nn.Module):
                     "check mode: the ranks that split tasks' samples hold different numbers of "
                     "tasks; give every rank of a sample group the same tasks (MetaDDP.shard)"
                 )
-        batches = [b for t in tasks for b in (t.support, t.query)]
-        local = [b.x.shape[0] for b in batches]
-        total = all_reduce_counts(local + [b.n for b in batches], group)
-        for i, b in enumerate(batches):
+        named = {
+            f"task {i}'s {which}": b
+            for i, t in enumerate(tasks)
+            for which, b in (("support", t.support), ("query", t.query))
+        }
+        self._check_batch_sizes(named)
+
+    def _check_batch_sizes(self, batches: Mapping[str, Batch]) -> None:
+        """Raise :class:`metaddp.OutOfSyncError` unless every batch's shards, summed over the
+        sample axis, are its declared global size (one small collective)."""
+        group = self.mesh.sample_group
+        ranks = group_size(group)
+        local = [b.x.shape[0] for b in batches.values()]
+        total = all_reduce_counts(local + [b.n for b in batches.values()], group)
+        for i, (name, b) in enumerate(batches.items()):
             held, claimed = total[i], total[len(batches) + i]
             if held * ranks != claimed or claimed != b.n * ranks:
-                which = "support" if i % 2 == 0 else "query"
                 raise OutOfSyncError(
-                    f"check mode: task {i // 2}'s {which} batch says it has {b.n} samples, but "
-                    f"its shards on the {ranks} rank(s) that split it hold {held}. Cut tasks "
-                    "with Task.split / MetaDDP.shard, which record the global size, rather "
-                    "than giving a shard's own length as n"
+                    f"check mode: {name} batch says it has {b.n} samples, but its shards on "
+                    f"the {ranks} rank(s) that split it hold {held}. Cut tasks with "
+                    "Task.split / MetaDDP.shard, which record the global size, rather than "
+                    "giving a shard's own length as n"
                 )
 
     # --- gradients ----------------------------------------------------------------------
