@@ -118,6 +118,14 @@ def test_rates_learned_outside_the_algorithm_are_refused_by_the_wrapper(onednn_k
     md.MetaDDP(md.MAML(net, optimizer=md.sgd(0.1)), deterministic=True).release()
 
 
+def test_the_free_gradient_needs_its_reduction_on_several_processes():
+    # Unwrapped, it cannot know which ranks split the samples: a rank's own gradient, given
+    # silently, was the question's failure. Asked for explicitly, it is given.
+    for got in run_local(workers.free_grad_without_reduce, 2):
+        assert all("without reduce=: pass learner.reduce" in m for m in got[:2]), got
+        assert got[2] is True  # identity_reduce: exactly this rank's autograd gradient
+
+
 def test_shard_lengths_must_agree():
     with pytest.raises(ValueError, match="3 inputs, 2 targets"):
         md.Batch.local(torch.ones(3, 1), torch.ones(2), n=8)

@@ -325,3 +325,25 @@ def summed_gradients_twice(overlap: bool) -> dict:
         "not zeroed": step(zero=None),
         "after the refusals": step(),
     }
+
+
+def free_grad_without_reduce() -> list:
+    """metaddp.grad and inner_loop on several processes: refused without reduce=, a rank's own
+    gradient with identity_reduce given."""
+    net = nn.Linear(1, 1).double()
+    params = dict(net.named_parameters())
+    x = torch.ones(2, 1, dtype=torch.float64)
+    loss = md.share((net(x) - x) ** 2, 4)
+    out = []
+    for call in (lambda: md.grad(loss, params, retain_graph=True),
+                 lambda: md.inner_loop(net, params, md.Batch(x, x, 4), lambda p, y: (p - y) ** 2,
+                                       steps=1, optimizer=md.sgd(0.1))):
+        try:
+            call()
+            out.append("no error")
+        except ValueError as e:
+            out.append(str(e))
+    (own,) = torch.autograd.grad(loss, [params["weight"]], retain_graph=True)
+    g = md.grad(loss, params, reduce=md.identity_reduce)
+    out.append(bool(torch.equal(g["weight"], own)))
+    return out

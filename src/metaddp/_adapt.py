@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _host
+from ._binding import several_processes
 from ._data import Batch
 from ._functional import call
 from ._share import share
@@ -28,7 +29,7 @@ def grad(
     loss: Tensor,
     params: Mapping[str, Tensor],
     *,
-    reduce: Reduce = ...,
+    reduce: Reduce | None = ...,
     create_graph: bool = ...,
     retain_graph: bool | None = ...,
 ) -> Params: ...
@@ -37,18 +38,20 @@ def grad(
     loss: Tensor,
     params: Sequence[Tensor],
     *,
-    reduce: Reduce = ...,
+    reduce: Reduce | None = ...,
     create_graph: bool = ...,
     retain_graph: bool | None = ...,
 ) -> list[Tensor]: ...
-def grad(loss, params, *, reduce=identity_reduce, create_graph=True, retain_graph=None):
+def grad(loss, params, *, reduce=None, create_graph=True, retain_graph=None):
     """The gradient of the *global* loss: ``torch.autograd.grad`` of a share, then ``reduce``.
 
     Args:
         loss: this process's share of a global mean loss (:func:`metaddp.share`).
         params: the tensors to differentiate by, as a dict (returns a dict with the same keys)
             or a sequence (returns a list).
-        reduce: the SUM over the processes that split the batch (``MetaDDP.reduce``).
+        reduce: the SUM over the processes that split the batch (``MetaDDP.reduce``). It
+            must be given on several processes (``identity_reduce`` for this rank's own
+            gradient); on one process it defaults to the identity.
         create_graph: keep the graph of the gradient (second-order meta-gradients).
         retain_graph: keep ``loss``'s graph for a later backward. Defaults to
             ``create_graph``; a first-order step whose loss is used again (the question's
@@ -64,6 +67,8 @@ def grad(loss, params, *, reduce=identity_reduce, create_graph=True, retain_grap
             f"expected a scalar loss, got shape {tuple(loss.shape)}: on several processes "
             "pass metaddp.share(per_sample_losses, batch), this process's share of the mean"
         )
+    if reduce is None:
+        reduce = _local_only("metaddp.grad")
     with torch.enable_grad():
         grads = torch.autograd.grad(
             loss,
@@ -75,6 +80,18 @@ def grad(loss, params, *, reduce=identity_reduce, create_graph=True, retain_grap
         )
     reduced = reduce(list(grads))
     return dict(zip(params, reduced, strict=True)) if named else reduced
+
+
+def _local_only(what: str) -> Reduce:
+    """The identity, where no reduction was given: refused on several processes, where it
+    would give every rank the gradient of its own shard instead of the task's."""
+    if several_processes():
+        raise ValueError(
+            f"{what} runs on several processes without reduce=: pass learner.reduce (the SUM "
+            "over the ranks that split a task's samples; learner.grad(...) does it), or "
+            "metaddp.identity_reduce for this rank's own gradient"
+        )
+    return identity_reduce
 
 
 def finite_flags(tensors: Sequence[Tensor]) -> Tensor:
@@ -126,7 +143,7 @@ def inner_step(
     optimizer: InnerOptimizer,
     *,
     step: int,
-    reduce: Reduce = identity_reduce,
+    reduce: Reduce | None = None,
     first_order: bool = False,
     extra_grad: Callable[[Params], Params] | None = None,
 ) -> tuple[Params, State]:
@@ -138,7 +155,8 @@ def inner_step(
         state: the inner optimizer's state for ``fast``.
         optimizer: a differentiable inner optimizer (:func:`metaddp.sgd`, :func:`metaddp.adam`).
         step: the step's number, for error messages.
-        reduce: SUM of gradients over the processes that split the task's samples.
+        reduce: SUM of gradients over the processes that split the task's samples (as
+            :func:`grad`: required on several processes).
         first_order: treat the gradients as constants (no second-order terms).
         extra_grad: a term added after the reduction, a function of the fast weights that
             every process computes in full (iMAML's proximal term).
@@ -172,7 +190,7 @@ def inner_loop(
     steps: int,
     optimizer: InnerOptimizer,
     first_order: bool = False,
-    reduce: Reduce = identity_reduce,
+    reduce: Reduce | None = None,
     buffers: Mapping[str, Tensor] | None = None,
     extra_grad: Callable[[Params], Params] | None = None,
 ) -> Params:
