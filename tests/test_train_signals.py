@@ -121,6 +121,17 @@ def test_torchrun_restarts_continue_the_run_with_resume_auto(tmp_path):
     assert [int(r["step"]) for r in rows(run)] == list(range(1, 161))
 
 
+def stopped_with_a_checkpoint(proc: subprocess.Popen, run: Path, by: str) -> None:
+    """The run ends with the stop status, one line naming ``by`` and the step, and a
+    checkpoint of that step with every step's metrics up to it."""
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"metaddp train: stopped by {by} after step "), err
+    step = int(last.split("after step ")[1].split(";")[0])
+    assert (run / "checkpoint.pt").exists() and len(rows(run)) == step
+
+
 def start_torchrun(run: Path, *args: str) -> subprocess.Popen:
     """``torchrun`` with 2 processes and one restart, continuing or starting ``run``."""
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -154,12 +165,7 @@ def test_ctrl_c_on_a_terminal_checkpoints_under_the_launcher(tmp_path):
                             text=True, start_new_session=True)
     wait_for(lambda: len(rows(run)) >= 3)
     os.killpg(proc.pid, signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 75, err
-    last = err.strip().splitlines()[-1]
-    assert last.startswith("metaddp train: stopped by SIGINT after step "), err
-    step = int(last.split("after step ")[1].split(";")[0])
-    assert (run / "checkpoint.pt").exists() and len(rows(run)) == step
+    stopped_with_a_checkpoint(proc, run, "SIGINT")
 
 
 def test_a_restart_before_the_first_checkpoint_starts_the_run_again(tmp_path):
@@ -210,9 +216,4 @@ def test_a_stop_signal_to_one_process_stops_the_run_with_a_checkpoint(tmp_path):
                  str(run))
     wait_for(lambda: len(rows(run)) >= 3)
     os.kill(children(proc.pid)[1], signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 75, err
-    last = err.strip().splitlines()[-1]
-    assert last.startswith("metaddp train: stopped by a signal to its processes after step "), err
-    step = int(last.split("after step ")[1].split(";")[0])
-    assert (run / "checkpoint.pt").exists() and len(rows(run)) == step
+    stopped_with_a_checkpoint(proc, run, "a signal to its processes")
