@@ -121,7 +121,6 @@ class _Loop:
         kept: list[tuple[Params, State]],
         a_fast: list[Tensor],
         a_state: list[Tensor],
-        extras: list[Tensor],
         extra_grads: list[Tensor],
     ) -> list[Tensor]:
         """Pull the adjoint of the weights and optimizer state after ``kept[-1]``'s step back
@@ -134,7 +133,7 @@ class _Loop:
                 leaf, s_leaves, leaf_state = _leaves(fast, state)
                 new, new_state = self.step(leaf, leaf_state, k, create_graph=True, buffers=copies)
                 outs = list(new.values()) + _unzip(new_state)[0]
-                a_fast, a_state, grads = _vjp(outs, leaf, s_leaves, extras, a_fast + a_state)
+                a_fast, a_state, grads = _vjp(outs, leaf, s_leaves, self.extras, a_fast + a_state)
             for e, g in zip(extra_grads, grads, strict=True):
                 e.add_(g)
         return a_fast
@@ -229,7 +228,6 @@ class _Rematerialized(torch.autograd.Function):
     def forward(ctx: Any, loop: _Loop, n: int, *inputs: Tensor) -> tuple[Tensor, ...]:
         ctx.loop, ctx.n = loop, n
         fast = dict(zip(loop.names, (t.detach() for t in inputs[:n]), strict=True))
-        ctx.extras = inputs[n:]  # the very tensors the steps read (rates, features)
         ctx.kept, fast, state = _sweep(loop, fast, loop.steps)
         tensors, loop.put = _unzip(state)
         return (*fast.values(), *tensors)
@@ -238,8 +236,7 @@ class _Rematerialized(torch.autograd.Function):
     def backward(ctx: Any, *adjoint: Tensor | None) -> tuple[Tensor | None, ...]:
         _first_derivatives_only()
         loop, n = ctx.loop, ctx.n
-        extras = list(ctx.extras)
-        extra_grads = [torch.zeros_like(e) for e in extras]
+        extra_grads = [torch.zeros_like(e) for e in loop.extras]
         last = ctx.kept[-1][0]  # shapes for the adjoints autograd leaves out (None)
         a_fast = [
             torch.zeros_like(f) if a is None else a
@@ -249,7 +246,7 @@ class _Rematerialized(torch.autograd.Function):
             torch.zeros_like(t) if a is None else a
             for a, t in zip(adjoint[n:], _unzip(ctx.kept[-1][1])[0], strict=True)
         ]
-        a_fast = loop.walk(ctx.kept, a_fast, a_state, extras, extra_grads)
+        a_fast = loop.walk(ctx.kept, a_fast, a_state, extra_grads)
         return (None, None, *a_fast, *extra_grads)
 
 
@@ -271,7 +268,7 @@ class _RematerializedLoss(torch.autograd.Function):
     def forward(ctx: Any, loop: _Loop, n: int, *inputs: Tensor) -> Tensor:
         assert loop.then is not None
         start = dict(zip(loop.names, (t.detach() for t in inputs[:n]), strict=True))
-        extras = list(inputs[n:])
+        extras = loop.extras  # the very tensors inputs[n:] (rates, features)
         kept, fast, state = _sweep(loop, start, max(loop.steps - 1, 0))
         with torch.enable_grad():
             leaf, s_leaves, leaf_state = _leaves(fast, state)
@@ -281,7 +278,7 @@ class _RematerializedLoss(torch.autograd.Function):
             loss = loop.then(at, None)
             _refuse_outside([loss], [*at.values(), *extras])
             a_fast, a_state, extra_grads = _vjp(loss, leaf, s_leaves, extras, None)
-        a_fast = loop.walk(kept, a_fast, a_state, extras, extra_grads)
+        a_fast = loop.walk(kept, a_fast, a_state, extra_grads)
         ctx.grads = (*a_fast, *extra_grads)
         return loss.detach()
 

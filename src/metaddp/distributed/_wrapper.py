@@ -369,7 +369,6 @@ class MetaDDP(nn.Module):
 
     def adapt(self, support: Batch, loss_fn: LossFn, *, steps: int | None = None) -> Params:
         """The wrapped algorithm's fast weights after adapting to ``support``."""
-        self._not_exact("adapt()")
         if self.checking:
             self._check_batch_sizes({"the support": support})
         return self._algorithm("adapt").adapt(support, loss_fn, steps=steps)

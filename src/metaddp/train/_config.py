@@ -211,7 +211,7 @@ class TrainConfig:
         for k in ("inner_steps", "eval_every", "eval_steps"):
             if getattr(self, k) < 0:
                 raise ValueError(f"{k} must be >= 0, got {getattr(self, k)!r}")
-        unrolled = ("maml", "metasgd", "anil")  # the algorithms that take these settings
+        unrolled = UNROLLED_ALGORITHMS
         for k, plain in (("inner_optimizer", "sgd"), ("autocast", None)):
             if getattr(self, k) != plain and self.algorithm not in (*unrolled, "fomaml"):
                 raise ValueError(
@@ -291,6 +291,9 @@ class TrainConfig:
 
 
 DETERMINISTIC_ALGORITHMS = ("maml", "fomaml", "metasgd")
+# Whose second-order inner steps take an inner optimizer, autocast and memory="low" (fomaml
+# takes the first two as well).
+UNROLLED_ALGORITHMS = ("maml", "metasgd", "anil")
 # Whose meta-step reads nothing on the host, so a CUDA graph can record it (iMAML's conjugate
 # gradient reads its residual at every iteration: tests/test_graphs.py counts).
 GRAPHED_ALGORITHMS = ("maml", "fomaml", "metasgd", "anil", "reptile")
