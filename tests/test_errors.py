@@ -189,3 +189,37 @@ def test_half_precision_buckets_carry_a_tag_too(dtype):
     for ok, caught in run_local(workers.half_precision_tags, 2, dtype):
         assert ok == "sum [2.0, 2.0, 2.0]"  # 0.5 + 1.5: exact in either format
         assert "ranks are out of step" in caught, caught
+
+
+def test_a_loss_reading_a_trained_tensor_outside_the_module_is_refused():
+    # Its gradient would be each rank's own shard's: sync_grads() sums the module's
+    # parameters only. The float64 reference below is the meta-gradient by hand.
+    got = {n: run_local(workers.captured_leaf, n) for n in (1, 2)}
+    for n, outs in got.items():
+        for out in outs:
+            for case in ("captured", "captured again"):
+                assert "1 tensor(s) of shape ()" in out[case], (n, case, out[case])
+                assert "not parameters of the wrapped module" in out[case]
+    one, two = got[1][0], got[2]
+    # Registered, it trains like any parameter: the same at 1 and 2 processes (float64 sums
+    # of two halves against one whole: a few ulps).
+    for out in two:
+        assert out["scale grad"] == pytest.approx(one["scale grad"], rel=1e-13)
+        assert out["loss"] == pytest.approx(one["loss"], rel=1e-13)
+    # By hand, without metaddp: f(x) = w x + b from nn.Linear(1, 1) seeded 0, one inner
+    # step on s * mean (f - 2x)^2, the query loss s * mean (f' - 3x)^2, and its derivative
+    # by s through the step.
+    torch.manual_seed(0)
+    net = nn.Linear(1, 1).double()
+    s = torch.tensor(1.5, dtype=torch.float64, requires_grad=True)
+    x = torch.linspace(-1, 1, 8, dtype=torch.float64)
+    w, b = net.weight.detach().reshape(()), net.bias.detach().reshape(())
+    w, b = w.clone().requires_grad_(), b.clone().requires_grad_()
+    inner = s * ((w * x + b - 2 * x) ** 2).mean()
+    gw, gb = torch.autograd.grad(inner, (w, b), create_graph=True)
+    w2, b2 = w - 0.1 * gw, b - 0.1 * gb
+    query = s * ((w2 * x + b2 - 3 * x) ** 2).mean()
+    (ds,) = torch.autograd.grad(query, s)
+    # One process's float64 meta-step against the hand-written one: rounding only.
+    assert one["scale grad"] == pytest.approx(ds.item(), rel=1e-12)
+    assert one["loss"] == pytest.approx(query.item(), rel=1e-12)

@@ -347,3 +347,39 @@ def free_grad_without_reduce() -> list:
     g = md.grad(loss, params, reduce=md.identity_reduce)
     out.append(bool(torch.equal(g["weight"], own)))
     return out
+
+
+def captured_leaf() -> dict:
+    """A meta-loss that reads a tensor needing a gradient from outside the module: refused on
+    every rank (sync_grads() would leave each rank its own shard's gradient), the same search
+    again after a refusal; registered on the model, its gradient is the task's at any size.
+
+    Returns each case's error text, or the registered scale's gradient and the loss."""
+    torch.manual_seed(0)
+    net = nn.Linear(1, 1).double()
+    learner = md.MetaDDP(md.MAML(net, inner_lr=0.1), md.Mesh.create())
+    x = torch.linspace(-1, 1, 8, dtype=torch.float64)[:, None]
+    whole = [md.Task(md.Batch(x, 2 * x, 8), md.Batch(x, 3 * x, 8))]
+    scale = torch.tensor(1.5, dtype=torch.float64, requires_grad=True)
+    loss_fn = lambda p, y: scale * (p - y).squeeze(-1) ** 2  # noqa: E731
+
+    def refused(fn) -> str:
+        try:
+            learner.meta_loss(learner.shard(whole), fn)
+        except ValueError as e:
+            return str(e)
+        return "accepted"
+
+    out = {"captured": refused(loss_fn), "captured again": refused(loss_fn)}
+    # The same tensor as a parameter of the algorithm: summed like any other.
+    learner.release()
+    alg = md.MAML(net, inner_lr=0.1)
+    alg.register_parameter("scale", nn.Parameter(scale.detach().clone()))
+    learner = md.MetaDDP(alg, md.Mesh.create())
+    registered = lambda p, y: alg.scale * (p - y).squeeze(-1) ** 2  # noqa: E731
+    loss = learner.meta_loss(learner.shard(whole), registered)
+    loss.backward()
+    (total,) = learner.sync_grads(loss.detach().reshape(1))
+    out["scale grad"], out["loss"] = alg.scale.grad.item(), total
+    learner.release()
+    return out

@@ -34,6 +34,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._adapt import grad
+from ._reach import shapes, unknown_leaves
 from ._types import Params, Reduce
 from .inner import InnerOptimizer, SlotState, State, apply_updates
 
@@ -174,25 +175,11 @@ def _refuse_outside(
     graphs are known: the step's gradients). The function's backward gives gradients to its
     inputs alone: such a tensor (a weight the loss function captures, a rate a custom
     optimizer reads) would silently get none."""
-    leaves = {id(t) for t in inside if t.grad_fn is None}
-    known = {t.grad_fn for t in (*inside, *stop) if t.grad_fn is not None}
-    todo = [r.grad_fn for r in roots if r.grad_fn is not None]
-    seen, outside = set(), []
-    while todo:
-        node = todo.pop()
-        if node in seen or node in known:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)  # a leaf's AccumulateGrad
-        if variable is not None:
-            if id(variable) not in leaves:
-                outside.append(tuple(variable.shape))
-            continue
-        todo.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+    outside = unknown_leaves(roots, inside, stop)
     if outside:
         raise ValueError(
             f"memory='low' cannot give a gradient to {len(outside)} tensor(s) of shape "
-            f"{', '.join(map(str, outside[:5]))} that need one and that the inner steps or "
+            f"{shapes(outside)} that need one and that the inner steps or "
             "the query loss read from outside: captured by the loss function, the model or a "
             "custom inner optimizer. The low mode's steps run inside one autograd function "
             "whose inputs are the meta-parameters, the learned rates (learn_lr, or tensors "

@@ -24,6 +24,7 @@ from .. import _host
 from .._adapt import grad
 from .._binding import LOCAL, Collectives, bind, unbind
 from .._data import Batch, MetaBatch, Task
+from .._reach import shapes, unknown_leaves
 from .._types import LossFn, MetaAlgorithm, Params, identity_reduce
 from ..inner import InnerOptimizer
 from ..inner._optimizers import learned_rates
@@ -180,6 +181,8 @@ class MetaDDP(nn.Module):
         # Each trained parameter's .grad as sync_grads() left it, with its version: while a
         # .grad is that tensor, unchanged, it holds a SUM over the ranks already.
         self._summed: dict[int, tuple[weakref.ref[Tensor], int]] = {}
+        # Loss functions whose meta-loss was searched for tensors outside the module.
+        self._loss_fns: weakref.WeakSet[LossFn] = weakref.WeakSet()
         if deterministic:
             self.exact = ExactSums(self.mesh, chunks)
             _deterministic_kernels(module)
@@ -333,9 +336,41 @@ class MetaDDP(nn.Module):
         if self.checking:
             self.check_sizes(tasks)
         loss = algorithm.meta_loss(tasks, loss_fn)
+        if loss.requires_grad and not self._searched(loss_fn):
+            self._refuse_unknown_leaves(loss)
+            self._remember_searched(loss_fn)
         if self._summed and loss.requires_grad:
             loss.register_hook(self._before_backward)
         return loss
+
+    def _searched(self, loss_fn: LossFn) -> bool:
+        """Whether a meta-loss of ``loss_fn`` passed the search for unknown leaves already
+        (once per loss function: the model and the algorithm are this wrapper's own)."""
+        try:
+            return loss_fn in self._loss_fns
+        except TypeError:  # not weakly referable: searched every time
+            return False
+
+    def _remember_searched(self, loss_fn: LossFn) -> None:
+        with contextlib.suppress(TypeError):
+            self._loss_fns.add(loss_fn)
+
+    def _refuse_unknown_leaves(self, loss: Tensor) -> None:
+        """Raise if the meta-loss depends on a tensor that needs a gradient but is not a
+        parameter of the module: sync_grads() would not sum its gradient, so every rank would
+        keep its own shard's (a number that changes with the world size)."""
+        unknown = unknown_leaves([loss], list(self.module.parameters()))
+        if unknown:
+            _host.discard()  # the step ends here: its pending checks go with it
+            raise ValueError(
+                f"the meta-loss depends on {len(unknown)} tensor(s) of shape {shapes(unknown)} "
+                "that need a gradient but are not parameters of the wrapped module: captured "
+                "by the loss function or read by the model from outside. sync_grads() sums "
+                "the module's parameters' gradients only, so every rank would keep the "
+                "gradient of its own shard for them, a different number at every world size. "
+                "Register such a tensor as an nn.Parameter of the model (or of the algorithm), "
+                "or detach it if it is not meant to train"
+            )
 
     def _before_backward(self, grad: Tensor) -> None:
         # Runs as the backward of a meta-loss starts, before any .grad is added to.
