@@ -59,3 +59,39 @@ def test_task_split_is_the_global_task_cut_in_pieces():
     assert [p.query.n for p in parts] == [5] * 4 and sum(len(p.query.x) for p in parts) == 5
     with pytest.raises(ValueError, match="only a whole task"):
         parts[0].split(0, 2)
+
+
+@pytest.mark.parametrize("parts", [1, 3, 7])
+def test_sampler_loader_gives_empty_shards_as_zero_sample_batches(parts):
+    # 5 samples in batches of 2 and 1: with 3 or 7 parts some ranks hold nothing of a batch.
+    x = torch.arange(10.0, dtype=torch.float64).reshape(5, 2)
+    y = torch.arange(5.0, dtype=torch.float64)
+    ds = torch.utils.data.TensorDataset(x, y)
+    loaders = [md.ShardSampler(5, 2, i, parts, shuffle=False).loader(ds) for i in range(parts)]
+    sizes = md.ShardSampler(5, 2, shuffle=False).batch_sizes()
+    per_rank = [list(dl) for dl in loaders]
+    for b, n in enumerate(sizes):
+        shards = [per_rank[i][b] for i in range(parts)]
+        for xs, ys in shards:
+            assert xs.shape[1:] == (2,) and xs.dtype == torch.float64 and ys.shape == xs.shape[:1]
+        # The shards' shares of the batch's mean add up to it (float64 sums of at most 2
+        # numbers in another order: a few ulps).
+        total = sum(md.share(ys, n) for _, ys in shards)
+        assert total.item() == pytest.approx(y[b * 2 : b * 2 + n].mean().item(), rel=1e-15)
+        assert torch.equal(torch.cat([xs for xs, _ in shards]), x[b * 2 : b * 2 + n])
+    if parts > 2:
+        assert per_rank[0][0][0].shape == (0, 2)  # an empty shard, shaped like the items
+
+
+@pytest.mark.parametrize("call", [
+    lambda: md.generator_for(0, 0.5),
+    lambda: md.Batch.local(torch.zeros(3, 1), torch.zeros(3), 5.7),
+    lambda: md.share(torch.ones(3), 5.7),
+    lambda: md.shard_range(10.0, 0, 2),
+    lambda: md.ShardSampler(10, 2.5),
+    lambda: md.MetaBatch.shard(4.0, lambda i: None),
+])
+def test_counts_and_indices_must_be_whole_numbers(call):
+    # A float count used to be truncated (or divide a loss by a count no batch has).
+    with pytest.raises(TypeError, match="must be a whole number"):
+        call()

@@ -8,11 +8,24 @@ meta-batch sees is the same for any number of processes.
 from __future__ import annotations
 
 import hashlib
+import numbers
+import operator
 from collections.abc import Callable, Iterator, Sequence
-from typing import NamedTuple, overload
+from typing import Any, NamedTuple, overload
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_map
+from torch.utils.data import default_collate
+
+
+def whole(value: Any, what: str) -> int:
+    """``value`` as an ``int``; an error for anything that is not a whole number (a float
+    count would otherwise be truncated, or divide by a count no batch has)."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be a whole number (an int), got {value!r}") from None
 
 
 def shard_range(n: int, index: int, parts: int) -> range:
@@ -20,6 +33,7 @@ def shard_range(n: int, index: int, parts: int) -> range:
 
     Contiguous blocks whose sizes differ by at most one; empty when ``n < parts``.
     """
+    n, index, parts = whole(n, "a count"), whole(index, "a part"), whole(parts, "a part count")
     if parts < 1 or not 0 <= index < parts:
         raise ValueError(f"part {index} of {parts} does not exist")
     if n < 0:
@@ -50,6 +64,7 @@ class Chunks(NamedTuple):
     def of(cls, n: int, limit: int, index: int = 0, parts: int = 1) -> Chunks:
         """At most ``limit`` chunks of equal size (but the last); part ``index`` of ``parts``
         holds a contiguous run of whole chunks (:func:`shard_range` over chunks)."""
+        n, limit = whole(n, "a batch's size"), whole(limit, "a chunk count")
         if limit < 1:
             raise ValueError(f"a batch must be cut into at least one chunk, got {limit}")
         size = max(1, -(-n // limit))
@@ -79,9 +94,10 @@ class Batch(NamedTuple):
                 f"a shard's inputs and targets disagree in length: {x.shape[0]} inputs, "
                 f"{y.shape[0]} targets"
             )
+        n = whole(n, "a batch's global size")
         if x.shape[0] > n:
             raise ValueError(f"a shard of {x.shape[0]} samples cannot belong to a batch of {n}")
-        return cls(x, y, int(n))
+        return cls(x, y, n)
 
     @classmethod
     def split(cls, x: Tensor, y: Tensor, index: int, parts: int) -> Batch:
@@ -151,10 +167,10 @@ class MetaBatch(Sequence[Task]):
             task_index, task_parts: which of the groups that hold different tasks this is.
             sample_index, sample_parts: which shard of every task's samples this is.
         """
-        if isinstance(tasks, int):
+        if isinstance(tasks, (int, numbers.Real)):  # a count (a float one is refused below)
             if make_task is None:
                 raise TypeError("MetaBatch.shard(n, make_task): give make_task(i) to build task i")
-            n, build = tasks, make_task
+            n, build = whole(tasks, "a meta-batch's task count"), make_task
         else:
             if make_task is not None:
                 raise TypeError("give either the tasks or their number and make_task, not both")
@@ -166,8 +182,8 @@ class MetaBatch(Sequence[Task]):
                     "meta_loss as it is, or shard the whole meta-batch (every task, on every "
                     "rank) once"
                 )
-            whole = list(tasks)
-            n, build = len(whole), whole.__getitem__
+            every = list(tasks)
+            n, build = len(every), every.__getitem__
         if n < 1:
             raise ValueError(f"a meta-batch needs at least one task, got {n}")
         mine = shard_range(n, task_index, task_parts)
@@ -192,7 +208,8 @@ class MetaBatch(Sequence[Task]):
 
 def seed_for(seed: int, *index: int) -> int:
     """A 63-bit seed derived from ``seed`` and global indices (stable across runs and ranks)."""
-    h = hashlib.blake2b(repr((int(seed),) + tuple(int(i) for i in index)).encode(), digest_size=8)
+    key = (whole(seed, "a seed"), *(whole(i, "an index") for i in index))
+    h = hashlib.blake2b(repr(key).encode(), digest_size=8)
     return int.from_bytes(h.digest(), "little") & (2**63 - 1)
 
 
@@ -206,9 +223,10 @@ class ShardSampler(torch.utils.data.Sampler[list[int]]):
 
     The global order is a permutation seeded by ``(seed, epoch)`` (or the identity with
     ``shuffle=False``); every global batch of ``batch_size`` indices is then cut into
-    ``parts`` contiguous shards. Use with ``DataLoader(dataset, batch_sampler=...)``; the
-    global size of each batch is :meth:`batch_sizes` (the last one may be short unless
-    ``drop_last``).
+    ``parts`` contiguous shards, empty where a batch has fewer samples than ``parts``.
+    :meth:`loader` loads them (a plain ``DataLoader(dataset, batch_sampler=...)`` fails on an
+    empty shard: torch's default collate cannot make a batch of none); the global size of
+    each batch is :meth:`batch_sizes` (the last one may be short unless ``drop_last``).
     """
 
     def __init__(
@@ -222,10 +240,12 @@ class ShardSampler(torch.utils.data.Sampler[list[int]]):
         seed: int = 0,
         drop_last: bool = False,
     ) -> None:
+        length, batch_size = whole(length, "length"), whole(batch_size, "batch_size")
+        seed = whole(seed, "seed")
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         shard_range(0, index, parts)  # validates index/parts
-        self.length, self.batch_size = int(length), int(batch_size)
+        self.length, self.batch_size = length, batch_size
         self.index, self.parts = index, parts
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.epoch = 0
@@ -253,3 +273,35 @@ class ShardSampler(torch.utils.data.Sampler[list[int]]):
 
     def __len__(self) -> int:
         return len(self.batch_sizes())
+
+    def loader(
+        self,
+        dataset: torch.utils.data.Dataset,
+        *,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        **kwargs: Any,
+    ) -> torch.utils.data.DataLoader:
+        """A ``DataLoader`` of ``dataset`` over this rank's shards, one per global batch
+        (``kwargs`` go to it). An empty shard comes as a batch of zero samples shaped like
+        the dataset's items, which ``collate_fn`` (default: torch's ``default_collate``)
+        cannot make from none; every rank then takes part in every step."""
+        collate = _ShardCollate(dataset, collate_fn or default_collate)
+        return torch.utils.data.DataLoader(
+            dataset, batch_sampler=self, collate_fn=collate, **kwargs
+        )
+
+
+class _ShardCollate:
+    """A collate function that also makes a batch of zero items (a picklable object, for
+    loader worker processes)."""
+
+    def __init__(self, dataset: Any, collate: Callable[[list[Any]], Any]) -> None:
+        self.dataset, self.collate = dataset, collate
+
+    def __call__(self, items: list[Any]) -> Any:
+        if items:
+            return self.collate(items)
+        if len(self.dataset) == 0:
+            raise ValueError("an empty dataset has no shape to make an empty batch of")
+        like = self.collate([self.dataset[0]])
+        return tree_map(lambda t: t[:0] if isinstance(t, Tensor) else t, like)

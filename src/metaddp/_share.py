@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ._data import Batch
+from ._data import Batch, whole
 
 
 def share(per_sample: Tensor, n_global: int | Batch) -> Tensor:
@@ -25,6 +25,7 @@ def share(per_sample: Tensor, n_global: int | Batch) -> Tensor:
     if isinstance(n_global, Batch):
         check_per_sample(per_sample, n_global.x.shape[0])
         n_global = n_global.n
+    n_global = whole(n_global, "the global sample count")
     if per_sample.dim() == 0:
         raise ValueError(
             "expected one loss per sample (shape [n, ...]), got a scalar: compute the loss "
