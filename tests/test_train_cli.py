@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import tomllib
+import warnings
 from pathlib import Path
 
 import pytest
@@ -87,18 +88,36 @@ def test_corrupt_checkpoint_and_empty_resume(tmp_path, run_dir, capsys):
     for name in ("config.json", "config.toml", "metrics.csv"):
         (out / name).write_bytes((run_dir / name).read_bytes())
     (out / "checkpoint.pt").write_bytes((run_dir / "checkpoint.pt").read_bytes()[:200])
-    # No older checkpoint to fall back to: a warning about the newest, then the error.
-    with pytest.warns(RuntimeWarning, match="trying the checkpoint before it"):
-        assert main(["train", "--resume", str(out)]) == 2
-    assert "corrupt or unreadable" in capsys.readouterr().err
-    (out / "checkpoint.pt").write_bytes(b"not a checkpoint")
-    with pytest.warns(RuntimeWarning, match="trying the checkpoint before it"):
-        assert main(["train", "--resume", str(out)]) == 2
-    assert "corrupt or unreadable" in capsys.readouterr().err
+    # No older checkpoint to fall back to: the error says it, without a warning before it.
+    for damaged in ((run_dir / "checkpoint.pt").read_bytes()[:200], b"not a checkpoint"):
+        (out / "checkpoint.pt").write_bytes(damaged)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            assert main(["train", "--resume", str(out)]) == 2
+        assert "corrupt or unreadable" in capsys.readouterr().err
+        assert not [w for w in seen if "checkpoint" in str(w.message)]
     empty = tmp_path / "empty"
     empty.mkdir()
     assert main(["train", "--resume", str(empty)]) == 2
     assert "nothing to resume" in capsys.readouterr().err
+
+
+def test_a_damaged_newest_checkpoint_is_warned_about_once_and_falls_back(tmp_path, run_dir):
+    out = tmp_path / "damaged"
+    out.mkdir()
+    for name, data in snapshot(run_dir).items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_bytes(data)
+    (out / "checkpoint.pt").write_bytes(b"torn")  # step 3's; step 2's is checkpoint.1.pt
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert main(["train", "--resume", str(out), "--steps", "4", "--no-progress"]) == 0
+    said = [str(w.message) for w in seen if "checkpoint" in str(w.message)]
+    assert len(said) == 1 and "trying the checkpoint before it" in said[0], said
+    # Resumed from step 2: step 3 runs again, with the same loss as the first time.
+    got = rows(out)
+    assert [int(r["step"]) for r in got] == [1, 2, 3, 4]
+    assert got[2]["meta_loss"] == rows(run_dir)[2]["meta_loss"]
 
 
 def test_unknown_task_option_and_setting(tmp_path, capsys):

@@ -265,7 +265,7 @@ def settings(args: argparse.Namespace, world: int) -> tuple[TrainConfig, Path, b
         # A run still going in the folder rotates its checkpoints under us: say that the
         # folder is busy before reading them (begin() takes the lock for good).
         RunLock.acquire(out).release()
-        step = _checkpoint.load_latest(out / _train.CHECKPOINT, cfg.identity())["step"]
+        step = _quiet_latest(out, cfg.identity())["step"]
         if step > cfg.steps:
             raise UsageError(
                 f"the checkpoint in {out} is at step {step}, beyond --steps "
@@ -545,6 +545,14 @@ def signal_name(signum: int) -> str:
 def _checkpoint_step(out: Path) -> int | None:
     """The step the folder's latest checkpoint holds; ``None`` without one."""
     try:
-        return int(_checkpoint.load_latest(out / _train.CHECKPOINT, {})["step"])
+        return int(_quiet_latest(out, {})["step"])
     except _checkpoint.CheckpointError:
         return None
+
+
+def _quiet_latest(out: Path, identity: dict[str, Any]) -> dict[str, Any]:
+    """The folder's latest readable checkpoint, read for a number: a damaged newest one is
+    warned about once, where the run itself loads it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return _checkpoint.load_latest(out / _train.CHECKPOINT, identity)
