@@ -99,6 +99,13 @@ def _refuse_rates_outside(module: nn.Module, deterministic: bool) -> None:
         )
 
 
+def _loss_key(loss_fn: LossFn) -> tuple[Any, Any]:
+    """``(object, function)`` of a bound method, which is made anew at each attribute access;
+    ``(loss_fn, None)`` otherwise."""
+    owner, func = getattr(loss_fn, "__self__", None), getattr(loss_fn, "__func__", None)
+    return (owner, func) if owner is not None and func is not None else (loss_fn, None)
+
+
 class MetaDDP(nn.Module):
     """Keep a module's meta-parameters identical on every rank and sum their gradients.
 
@@ -181,8 +188,9 @@ class MetaDDP(nn.Module):
         # Each trained parameter's .grad as sync_grads() left it, with its version: while a
         # .grad is that tensor, unchanged, it holds a SUM over the ranks already.
         self._summed: dict[int, tuple[weakref.ref[Tensor], int]] = {}
-        # Loss functions whose meta-loss was searched for tensors outside the module.
-        self._loss_fns: weakref.WeakSet[LossFn] = weakref.WeakSet()
+        # Loss functions whose meta-loss was searched for tensors outside the module: a
+        # function, or a bound method's object and function (a new method object each time).
+        self._loss_fns: weakref.WeakKeyDictionary[Any, set[Any]] = weakref.WeakKeyDictionary()
         if deterministic:
             self.exact = ExactSums(self.mesh, chunks)
             _deterministic_kernels(module)
@@ -346,14 +354,16 @@ class MetaDDP(nn.Module):
     def _searched(self, loss_fn: LossFn) -> bool:
         """Whether a meta-loss of ``loss_fn`` passed the search for unknown leaves already
         (once per loss function: the model and the algorithm are this wrapper's own)."""
+        owner, func = _loss_key(loss_fn)
         try:
-            return loss_fn in self._loss_fns
+            return func in self._loss_fns.get(owner, ())
         except TypeError:  # not weakly referable: searched every time
             return False
 
     def _remember_searched(self, loss_fn: LossFn) -> None:
+        owner, func = _loss_key(loss_fn)
         with contextlib.suppress(TypeError):
-            self._loss_fns.add(loss_fn)
+            self._loss_fns.setdefault(owner, set()).add(func)
 
     def _refuse_unknown_leaves(self, loss: Tensor) -> None:
         """Raise if the meta-loss depends on a tensor that needs a gradient but is not a
