@@ -28,6 +28,14 @@ def snapshot(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+def copy_of(folder: Path, out: Path) -> Path:
+    out.mkdir()
+    for name, data in snapshot(folder).items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_bytes(data)
+    return out
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("cli") / "run"
@@ -69,11 +77,7 @@ def test_resume_refuses_another_configuration(run_dir, capsys):
 
 
 def test_resume_continues_and_force_replaces(tmp_path, run_dir):
-    out = tmp_path / "copy"
-    out.mkdir()
-    for name, data in snapshot(run_dir).items():
-        (out / name).parent.mkdir(parents=True, exist_ok=True)
-        (out / name).write_bytes(data)
+    out = copy_of(run_dir, tmp_path / "copy")
     assert main(["train", "--resume", str(out), "--steps", "5", "--no-progress"]) == 0
     got = rows(out)
     assert [int(r["step"]) for r in got] == [1, 2, 3, 4, 5]
@@ -103,11 +107,7 @@ def test_corrupt_checkpoint_and_empty_resume(tmp_path, run_dir, capsys):
 
 
 def test_a_damaged_newest_checkpoint_is_warned_about_once_and_falls_back(tmp_path, run_dir):
-    out = tmp_path / "damaged"
-    out.mkdir()
-    for name, data in snapshot(run_dir).items():
-        (out / name).parent.mkdir(parents=True, exist_ok=True)
-        (out / name).write_bytes(data)
+    out = copy_of(run_dir, tmp_path / "damaged")
     (out / "checkpoint.pt").write_bytes(b"torn")  # step 3's; step 2's is checkpoint.1.pt
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
