@@ -107,7 +107,10 @@ def split_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
         body, head = own()
         return body, head
     if isinstance(model, nn.Sequential) and len(model) >= 2:
-        return model[:-1], model[-1]
+        # A plain Sequential of the same layers: slicing rebuilds the model's own class,
+        # whose constructor may take other arguments (the image families' ConvNet).
+        layers = list(model)
+        return nn.Sequential(*layers[:-1]), layers[-1]
     raise ValueError(
         f"ANIL needs a body/head split: {type(model).__name__} is not a sequential "
         "network with at least two layers and has no split_head() method"
