@@ -225,3 +225,13 @@ def test_every_algorithm_trains_the_image_network(tmp_path, algorithm):
     (row,) = rows(out)
     assert float(row["meta_loss"]) > 0
 
+
+
+def test_an_indefinite_imaml_system_names_lam(tmp_path, capsys):
+    pytest.importorskip("sklearn")
+    small = ["--steps", "1", "--ways", "3", "--shots", "1", "--query", "2", "--hidden", "4",
+             "--meta-batch", "2", "--eval-tasks", "2", "--no-progress", "--lam", "1"]
+    out = tmp_path / "imaml"
+    assert main(["train", "digits", "--algorithm", "imaml", *small, "--out", str(out)]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not positive definite" in err[0] and "Raise --lam (now 1)" in err[0]

@@ -2,7 +2,7 @@
 
 from ._anil import ANIL, BodyHead
 from ._base import Algorithm
-from ._imaml import IMAML, ConvergenceWarning, conjugate_gradient
+from ._imaml import IMAML, ConvergenceWarning, NotPositiveDefinite, conjugate_gradient
 from ._learner import Learner
 from ._maml import MAML
 from ._metasgd import MetaSGD
@@ -15,6 +15,7 @@ __all__ = [
     "Algorithm",
     "BodyHead",
     "ConvergenceWarning",
+    "NotPositiveDefinite",
     "IMAML",
     "Learner",
     "MAML",

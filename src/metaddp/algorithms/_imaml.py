@@ -39,6 +39,16 @@ class ConvergenceWarning(RuntimeWarning):
     """An iterative solver stopped at its budget before reaching its tolerance."""
 
 
+class NotPositiveDefinite(FloatingPointError):
+    """Conjugate gradient met a direction of zero, negative or non-finite curvature: the
+    system is not positive definite (for iMAML, the support loss curves down more steeply
+    than the proximal term ``lam`` holds it up, or it is not finite)."""
+
+    def __init__(self, message: str, curvature: float) -> None:
+        super().__init__(message)
+        self.curvature = curvature
+
+
 def _dot(a: Vectors, b: Vectors) -> Tensor:
     # A tensor for the non-empty vectors the solver works on (an empty right-hand side sums
     # to 0, which conjugate_gradient only passes to float() before returning).
@@ -78,10 +88,11 @@ def conjugate_gradient(
         ap = matvec(p)
         pap = _dot(p, ap)
         if not torch.isfinite(pap) or float(pap) <= 0:
-            raise FloatingPointError(
+            raise NotPositiveDefinite(
                 f"{what}: the system matrix is not positive definite along a search direction "
                 f"(p^T A p = {float(pap):.3g}); increase the proximal strength lam or lower the "
-                "inner learning rate so that the inner solution is near a minimum"
+                "inner learning rate so that the inner solution is near a minimum",
+                float(pap),
             )
         alpha = rr / pap
         x = [xi + alpha * pi for xi, pi in zip(x, p, strict=True)]

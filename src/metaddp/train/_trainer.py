@@ -26,7 +26,7 @@ from .._adapt import finite_flags
 from .._data import Task
 from .._graphs import CapturedStep
 from .._share import share
-from ..algorithms import build
+from ..algorithms import NotPositiveDefinite, build
 from ..distributed import Mesh, MetaDDP, rank
 from . import _checkpoint
 from ._config import TrainConfig
@@ -125,6 +125,15 @@ class Trainer:
             # The step's one host read; a non-finite inner gradient found on this rank is
             # raised here.
             value, stops, nonfinite = self.learner.sync_grads(values)
+        except NotPositiveDefinite as e:
+            # iMAML's implicit system: the proximal strength, not a learning rate, decides it.
+            raise NonFiniteError(
+                f"training stopped at step {step + 1}: iMAML's implicit system is not positive "
+                f"definite (curvature {e.curvature:.3g} along a search direction): the support "
+                "loss curves down more steeply than the proximal term holds it up. Raise --lam "
+                f"(now {self.cfg.lam:g}) or lower the inner learning rate (--inner-lr "
+                f"{self.cfg.inner_lr:g}). The weights were not updated; {self._kept()}."
+            ) from None
         except FloatingPointError as e:
             raise NonFiniteError(self._diagnose(step + 1, tasks, str(e))) from None
         if not math.isfinite(value) or nonfinite:
@@ -132,16 +141,20 @@ class Trainer:
         self.optimizer.step()
         return value, stops > 0
 
-    def _diagnose(self, step: int, tasks: Sequence[Task], what: str) -> str:
-        """Why step ``step`` went non-finite: the meta-parameters (the outer learning rate) or
-        the adaptation from them (the inner one). Computed on this rank alone."""
-        cfg = self.cfg
-        kept = (
+    def _kept(self) -> str:
+        """What a stopped run keeps, and how to go on."""
+        return (
             f"the last checkpoint holds step {self.saved}: resume from it with --resume "
             f"{self.out} after changing the setting"
             if self.saved
             else "no checkpoint was written yet: start again with the setting changed"
         )
+
+    def _diagnose(self, step: int, tasks: Sequence[Task], what: str) -> str:
+        """Why step ``step`` went non-finite: the meta-parameters (the outer learning rate) or
+        the adaptation from them (the inner one). Computed on this rank alone."""
+        cfg = self.cfg
+        kept = self._kept()
         if not all(bool(torch.isfinite(p).all()) for p in self.algorithm.parameters()):
             cause = (
                 f"the meta-parameters themselves are no longer finite: lower the outer "
