@@ -44,6 +44,8 @@ class Learner:
         self.first_order = first_order
         self.reduce = reduce
         self.steps = 0
+        # What the algorithm adds to every step's gradient (iMAML's proximal term).
+        self.extra_grad: Callable[[Params], Params] | None = None
 
     def adapt(self, loss: Tensor) -> None:
         """One inner step on ``loss`` (this rank's share of a loss computed with ``self(x)``)."""
@@ -55,6 +57,7 @@ class Learner:
             step=self.steps,
             reduce=self.reduce,
             first_order=self.first_order,
+            extra_grad=self.extra_grad,
         )
         self.steps += 1
 
