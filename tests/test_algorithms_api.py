@@ -3,6 +3,7 @@ layer, ANIL's one body pass, learned rates with other optimizers, CG budgets and
 
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 
@@ -155,6 +156,45 @@ def test_imaml_adapt_and_clone_step_on_the_proximal_objective():
     # Without the proximal term the weights move elsewhere: the test can tell them apart.
     plain = MAML(fresh(), inner_lr=lr, steps=steps, first_order=True).adapt(t.support, mse)
     assert max(float((plain[k].detach() - phi[k]).abs().max()) for k in phi) > 1e-3
+
+
+class _Fixed(nn.Module):
+    """A linear layer whose weights are constants (buffers): what a frozen layer must be."""
+
+    def __init__(self, layer: nn.Linear) -> None:
+        super().__init__()
+        self.register_buffer("weight", layer.weight.detach().clone())
+        self.register_buffer("bias", layer.bias.detach().clone())
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+@pytest.mark.parametrize("make", [
+    lambda m: MAML(m, inner_lr=0.1, steps=2),
+    lambda m: MAML(m, inner_lr=0.1, steps=2, memory="low"),
+    lambda m: MetaSGD(m, inner_lr=0.1, steps=2),
+    lambda m: Reptile(m, inner_lr=0.1, steps=3),
+    lambda m: IMAML(m, lam=20.0, inner_lr=0.1, steps=2),
+], ids=["maml", "maml-low", "metasgd", "reptile", "imaml"])
+def test_a_frozen_layer_stays_fixed_in_the_inner_loop(make):
+    # requires_grad=False: neither trained nor adapted, exactly as a layer of constants.
+    tasks = problem_tasks(2)
+    torch.manual_seed(0)
+    first, last = nn.Linear(1, 8).double(), nn.Linear(8, 1).double()
+    frozen = nn.Sequential(first, nn.Tanh(), last)
+    first.requires_grad_(False)
+    constant = nn.Sequential(_Fixed(first), nn.Tanh(), copy.deepcopy(last))
+    a, b = make(frozen), make(constant)
+    a.meta_loss(tasks, mse).backward()
+    b.meta_loss(tasks, mse).backward()
+    assert first.weight.grad is None and first.bias.grad is None
+    got = {k: p.grad for k, p in a.named_parameters() if p.requires_grad}
+    want = {k: p.grad for k, p in b.named_parameters()}
+    assert set(got) == set(want) and got
+    for k in want:
+        # The same operations on the same float64 numbers: equal to rounding, or exactly.
+        torch.testing.assert_close(got[k], want[k], rtol=1e-14, atol=1e-16)
 
 
 def test_bad_algorithm_arguments():

@@ -16,8 +16,10 @@ Params = dict[str, Tensor]
 
 
 def params_of(module: nn.Module) -> Params:
-    """The module's parameters by qualified name (the leaves the outer optimizer trains)."""
-    return dict(module.named_parameters())
+    """The module's trained parameters by qualified name (the leaves the outer optimizer
+    trains). Frozen ones (``requires_grad=False``) are left out: :func:`call` reads them from
+    the module, so inner loops hold them fixed too."""
+    return {k: p for k, p in module.named_parameters() if p.requires_grad}
 
 
 def buffers_of(module: nn.Module) -> Params:
