@@ -223,3 +223,49 @@ def test_a_loss_reading_a_trained_tensor_outside_the_module_is_refused():
     # One process's float64 meta-step against the hand-written one: rounding only.
     assert one["scale grad"] == pytest.approx(ds.item(), rel=1e-12)
     assert one["loss"] == pytest.approx(query.item(), rel=1e-12)
+
+
+def test_dropout_in_training_mode_is_refused_under_the_wrapper():
+    # Each rank would draw its own masks: a meta-gradient that changes with the split.
+    got = {n: run_local(workers.dropout_refused, n) for n in (1, 2)}
+    for n, outs in got.items():
+        for out in outs:
+            for case in ("meta_loss", "module.meta_loss", "adapt", "clone"):
+                if case == "adapt" and out[case] == "accepted":
+                    continue  # a rank without tasks has nothing to adapt
+                assert "layers 2 (Dropout) draw random numbers" in out[case], (n, case, out[case])
+            assert out["local"] > 0
+    # In eval mode dropout is the identity: the same meta-step at 1 and 2 processes (float64
+    # sums of halves against the whole: a few ulps).
+    one = got[1][0]
+    for out in got[2]:
+        assert out["loss"] == pytest.approx(one["loss"], rel=1e-13)
+        assert out["grad"] == pytest.approx(one["grad"], rel=1e-12, abs=1e-15)
+
+
+def test_dropout_keeps_a_single_process_to_the_task_loop():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Dropout(0.3), nn.Linear(8, 1)).double()
+    x = torch.linspace(-1, 1, 6, dtype=torch.float64)[:, None]
+    tasks = [md.Task(md.Batch(x, 2 * x, 6), md.Batch(x, 3 * x, 6)) for _ in range(3)]
+    mse = lambda p, y: (p - y) ** 2  # noqa: E731
+    # Stacking would draw no masks (vmap refuses random operations): the loop runs instead,
+    # with the masks of torch's generator, the same ones as a hand-written loop.
+    torch.manual_seed(5)
+    auto = md.MAML(net, inner_lr=0.1, steps=1).meta_loss(tasks, mse)
+    torch.manual_seed(5)
+    loop = md.MAML(net, inner_lr=0.1, steps=1, batched=False).meta_loss(tasks, mse)
+    assert auto.item() == loop.item()
+    with pytest.raises(ValueError, match="draw random numbers in training mode"):
+        md.MAML(net, inner_lr=0.1, steps=1, batched=True).meta_loss(tasks, mse)
+
+    class Drops(nn.Module):  # dropout called in the forward, not as a layer
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(1, 1).double()
+
+        def forward(self, x):
+            return torch.nn.functional.dropout(self.layer(x), 0.5, training=True)
+
+    with pytest.raises(RuntimeError, match="draws random numbers in its forward"):
+        md.MAML(Drops(), inner_lr=0.1, steps=1).meta_loss(tasks, mse)

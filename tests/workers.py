@@ -383,3 +383,40 @@ def captured_leaf() -> dict:
     out["scale grad"], out["loss"] = alg.scale.grad.item(), total
     learner.release()
     return out
+
+
+def dropout_refused() -> dict:
+    """A model with dropout in training mode under MetaDDP: every entry point refuses it on
+    every rank; in eval mode it trains; learner.local() runs it on this rank alone.
+
+    Returns each case's error text, or the loss and first-layer gradient."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Dropout(0.3), nn.Linear(8, 1)).double()
+    learner = md.MetaDDP(md.MAML(net, inner_lr=0.1), md.Mesh.create())
+    x = torch.linspace(-1, 1, 8, dtype=torch.float64)[:, None]
+    whole = [md.Task(md.Batch(x, 2 * x, 8), md.Batch(x, 3 * x, 8)) for _ in range(2)]
+    mse = lambda p, y: (p - y).squeeze(-1) ** 2  # noqa: E731
+    mine = learner.shard(whole)
+
+    def refused(call) -> str:
+        try:
+            call()
+        except ValueError as e:
+            return str(e)
+        return "accepted"
+
+    out = {
+        "meta_loss": refused(lambda: learner.meta_loss(mine, mse)),
+        "module.meta_loss": refused(lambda: learner.module.meta_loss(mine, mse)),
+        "adapt": refused(lambda: learner.adapt(mine[0].support, mse) if mine else None),
+        "clone": refused(lambda: learner.module.clone()),
+    }
+    with learner.local() as alg:
+        out["local"] = float(alg.meta_loss(whole, mse))  # this rank's own masks
+    net.eval()
+    loss = learner.meta_loss(mine, mse)
+    loss.backward()
+    (out["loss"],) = learner.sync_grads(loss.detach().reshape(1))
+    out["grad"] = net[0].weight.grad.reshape(-1).tolist()
+    learner.release()
+    return out

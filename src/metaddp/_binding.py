@@ -34,6 +34,8 @@ class Collectives:
             (:mod:`metaddp._host`).
         exact: in deterministic mode, the order-free copies and sums the meta-loss must go
             through (``metaddp.distributed.ExactSums``); ``None`` otherwise.
+        split: the work is split over processes by whoever bound these, so that a random
+            draw inside the model (dropout) would differ with the number of processes.
     """
 
     reduce: Reduce
@@ -41,6 +43,7 @@ class Collectives:
     where: str
     step_ends_in_sync: bool = False
     exact: Any = None
+    split: bool = False
 
 
 LOCAL = Collectives(identity_reduce, int, "one process")

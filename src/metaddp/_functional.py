@@ -43,3 +43,14 @@ def call(
     if buffers is not None:
         weights.update(buffers)
     return torch.func.functional_call(module, weights, args, kwargs, strict=False)
+
+
+def random_layers(module: nn.Module) -> list[str]:
+    """The layers that draw random numbers when called now: dropout with ``p > 0`` and
+    RReLU, in training mode. (A random call inside a ``forward`` is not seen.)"""
+    return [
+        f"{name or 'the model'} ({type(m).__name__})"
+        for name, m in module.named_modules()
+        if m.training
+        and ((isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0) or isinstance(m, nn.RReLU))
+    ]

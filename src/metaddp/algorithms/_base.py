@@ -20,7 +20,7 @@ from .. import _host
 from .._adapt import batch_share, check_finite, inner_loop
 from .._binding import Collectives, collectives_for
 from .._data import Batch, MetaBatch, Task
-from .._functional import call, params_of
+from .._functional import call, params_of, random_layers
 from .._remat import rematerialized_loop, rematerialized_loss
 from .._types import LossFn, Params, Reduce
 from ..inner import InnerOptimizer, LearnedLR, LearningRate, sgd
@@ -147,14 +147,30 @@ class Algorithm(nn.Module):
 
     def collectives(self, reduce: Reduce | None = None) -> Collectives:
         """The reductions to use: those of the wrapping :class:`metaddp.MetaDDP`, with
-        ``reduce`` in place of its sample-axis SUM when given."""
+        ``reduce`` in place of its sample-axis SUM when given. Under a wrapper that splits the
+        work, a model that draws random numbers (dropout) is refused."""
         if reduce is None:
-            return collectives_for(self, self.model)
+            found = collectives_for(self, self.model)
+            if found.split and (drawn := random_layers(self.model)):
+                raise ValueError(
+                    f"layers {', '.join(drawn[:3])} draw random numbers in training mode, "
+                    "from each process's own generator: under MetaDDP the masks, and so the "
+                    "meta-gradient, would change with the number of processes and the split of "
+                    "the samples. Set their p to 0 or call .eval() on them (model.eval() for "
+                    "all) before meta-training; learner.local() runs them on one process"
+                )
+            return found
         try:
             bound = collectives_for(self, self.model)
         except RuntimeError:
             return Collectives(reduce, _unknown_count, "an explicit reduce")
-        return Collectives(reduce, bound.count_tasks, "an explicit reduce", bound.step_ends_in_sync)
+        return Collectives(
+            reduce,
+            bound.count_tasks,
+            "an explicit reduce",
+            bound.step_ends_in_sync,
+            split=bound.split,
+        )
 
     def inner_loop(
         self,

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .._adapt import check_finite, inner_step
 from .._conv import has_convolutions, stacked_convolutions
 from .._data import Batch, Task
-from .._functional import call
+from .._functional import call, random_layers
 from .._remat import rematerialized_loss
 from .._share import check_per_sample, share
 from .._types import LossFn, Params, Reduce
@@ -86,7 +86,16 @@ def stacked_shares(
         return share(losses, n)
 
     with stacked_convolutions(model):
-        return torch.vmap(one)(dict(params), x, y)
+        try:
+            return torch.vmap(one)(dict(params), x, y)
+        except RuntimeError as e:
+            if "random operation" not in str(e):
+                raise
+            raise RuntimeError(
+                "the model draws random numbers in its forward (a dropout call): stacked tasks "
+                "cannot draw them. Build the algorithm with batched=False to adapt the tasks "
+                "one by one"
+            ) from e
 
 
 _TENSOR = object()  # marks where a state's tensor leaves go back
@@ -240,13 +249,22 @@ def use_batched(batched: bool | None, tasks: Sequence[Task], model: nn.Module) -
             and on CPU for models without convolutions (a sinusoid MLP meta-step measured
             tens of times faster stacked); the loop on CPU for convolutional models, whose
             vmapped convolutions measured slower there; the loop for models with buffers
-            (BatchNorm's in-place running statistics cannot be updated under ``vmap``) and
+            (BatchNorm's in-place running statistics cannot be updated under ``vmap``), for
+            models with dropout layers in training mode (``vmap`` draws no random numbers) and
             for tasks of different sizes. BatchNorm with batch statistics only (MAML's) is
             stacked like any layer, synchronized or not.
         tasks: this rank's tasks.
         model: the network.
     """
     if batched is False or not tasks:
+        return False
+    if drawn := random_layers(model):
+        if batched:
+            raise ValueError(
+                f"batched=True, but layers {', '.join(drawn[:3])} draw random numbers in "
+                "training mode, which stacked tasks cannot: use batched=None or False to adapt "
+                "the tasks one by one, or call .eval() on those layers"
+            )
         return False
     why = batchable(tasks)
     if batched:

@@ -208,6 +208,7 @@ class MetaDDP(nn.Module):
             repr(self.mesh),
             step_ends_in_sync=True,
             exact=self.exact,
+            split=True,
         )
         bind(module, self._collectives)
         self._batchnorm: BatchNormSync | None = (
