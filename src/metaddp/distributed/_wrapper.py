@@ -409,8 +409,8 @@ class MetaDDP(nn.Module):
             + f" still hold the SUM over ranks that the last sync_grads() wrote, and {what}: "
             "sync_grads() would sum them again, multiplying them by the number of ranks. Zero "
             "the gradients once the optimizer has used them (optimizer.zero_grad()); to "
-            "accumulate several meta-batches, run backward() on each and sync_grads() once, "
-            "after the last."
+            "accumulate several meta-batches, run backward() on each (all but the last inside "
+            "`with learner.no_sync():`) and sync_grads() once, after the last."
         )
 
     def adapt(self, support: Batch, loss_fn: LossFn, *, steps: int | None = None) -> Params:
