@@ -155,3 +155,24 @@ def test_digits_class_split():
 def test_unknown_task_is_named():
     with pytest.raises(ValueError, match="unknown task 'mnist'; choose from sinusoid, digits, glyphs, omniglot, miniimagenet"):
         tasks.family_class("mnist")
+
+
+def test_the_adaptation_figure_says_which_adaptation_diverged(tmp_path):
+    pytest.importorskip("matplotlib")
+    import metaddp
+    from metaddp.tasks.sinusoid import adaptation_figure
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(1, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    # inner_lr * lam = 500: gradient descent on the proximal objective grows ~500x a step,
+    # so 10 steps leave float32's range, and 1 step (the proximal term still zero) does not.
+    alg = metaddp.IMAML(net, lam=1e4, inner_lr=0.05)
+    family = Sinusoid(shots=6, query=5)
+    support = family.task(0, 0, "test").support
+    alg.adapt(support, family.loss, steps=1)
+    with pytest.raises(FloatingPointError):
+        alg.adapt(support, family.loss, steps=10)
+    path = tmp_path / "adaptation.png"
+    adaptation_figure(alg, family, seed=0, index=0, steps=(1, 10), path=path,
+                      dtype=torch.float32, device=torch.device("cpu"))
+    assert path.stat().st_size > 1000

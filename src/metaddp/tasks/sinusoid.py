@@ -156,15 +156,15 @@ def adaptation_figure(
         label=f"{support.n} support points",
     )
     for k in (0, *steps):
-        fast = {n: p.detach() for n, p in algorithm.adapt(support, family.loss, steps=k).items()}
+        label = "meta-learned init." if k == 0 else f"after {k} grad step{'s' if k > 1 else ''}"
+        try:
+            fast = algorithm.adapt(support, family.loss, steps=k)
+        except FloatingPointError:  # a diverging adaptation: said in the legend, not drawn
+            ax.plot([], [], " ", label=f"{label}: diverged")
+            continue
         with torch.no_grad():
-            pred = algorithm(grid, fast)
-        ax.plot(
-            grid_cpu,
-            pred.squeeze(1).cpu(),
-            "--" if k == 0 else "-",
-            label="meta-learned init." if k == 0 else f"after {k} grad step{'s' if k > 1 else ''}",
-        )
+            pred = algorithm(grid, {n: p.detach() for n, p in fast.items()})
+        ax.plot(grid_cpu, pred.squeeze(1).cpu(), "--" if k == 0 else "-", label=label)
     ax.set(xlabel="x", ylabel="y", title="sinusoid: adaptation to a held-out task")
     ax.legend(fontsize=8)
     fig.tight_layout()
