@@ -46,3 +46,18 @@ def test_data_errors_are_one_line(tmp_path, capsys):
     root = official_omniglot(tmp_path / "omniglot")
     assert main(["data", "omniglot", "--data", str(root), "--ways", "9", "--tasks", "1"]) == 2
     assert "has 8 classes, fewer than ways=9" in capsys.readouterr().err
+
+
+def test_data_out_names_the_file_it_writes(tmp_path, capsys):
+    root = official_omniglot(tmp_path / "omniglot")
+    small = ["data", "omniglot", "--data", str(root), "--ways", "2", "--shots", "1", "--query",
+             "1", "--tasks", "1"]
+    folder = tmp_path / "pictures"
+    folder.mkdir()
+    assert main([*small, "--out", str(folder)]) == 0  # a folder: its grid.png
+    assert capsys.readouterr().out.splitlines()[-1] == f"  tasks drawn: {folder / 'grid.png'}"
+    assert (folder / "grid.png").stat().st_size > 1000
+    for bad in ("noext", "grid.txt"):
+        assert main([*small, "--out", str(tmp_path / bad)]) == 2
+        assert "--out must name a .png file" in capsys.readouterr().err
+        assert not list(tmp_path.glob(bad.split(".")[0] + "*"))

@@ -132,6 +132,23 @@ def test_unknown_task_option_and_setting(tmp_path, capsys):
     assert main(["train", "sinusoid", "--steps", "0", "--out", str(tmp_path / "y")]) == 2
     assert "steps must be a positive integer" in capsys.readouterr().err
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    # Values no run can use: refused before the folder exists.
+    for flags, said in ((["--timeout", "inf"], "--timeout must be between 0.1 and"),
+                        (["--timeout", "1e-9"], "--timeout must be between 0.1 and"),
+                        (["--seed", str(2**64)], "seed must be a 64-bit integer")):
+        assert main(["train", "sinusoid", *flags, "--out", str(tmp_path / "z")]) == 2
+        assert said in capsys.readouterr().err
+        assert not (tmp_path / "z").exists()
+
+
+def test_a_cut_metrics_row_is_left_out_on_resume(tmp_path, run_dir):
+    # A full disk or a kill can cut the last row of metrics.csv short.
+    out = copy_of(run_dir, tmp_path / "cut")
+    with open(out / "metrics.csv", "a") as f:
+        f.write("4,5.1e")
+    with pytest.warns(UserWarning, match=r"metrics.csv, line 5, is damaged \(cut short\?\)"):
+        assert main(["train", "--resume", str(out), "--steps", "4", "--no-progress"]) == 0
+    assert [int(r["step"]) for r in rows(out)] == [1, 2, 3, 4]
 
 
 def test_config_file_and_flags_override(tmp_path, capsys):
@@ -235,3 +252,21 @@ def test_an_indefinite_imaml_system_names_lam(tmp_path, capsys):
     assert main(["train", "digits", "--algorithm", "imaml", *small, "--out", str(out)]) == 3
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not positive definite" in err[0] and "Raise --lam (now 1)" in err[0]
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_failure_to_write_the_folder_is_one_line_with_the_way_back(tmp_path, run_dir, nproc):
+    # A checkpoint rotation that cannot rename (a directory where an old copy goes) fails as a
+    # full disk or an unwritable folder does: with an OSError, on rank 0.
+    out = copy_of(run_dir, tmp_path / "blocked")
+    (out / "checkpoint.2.pt").mkdir()
+    (out / "checkpoint.2.pt" / "x").write_text("in the way")
+    cmd = [sys.executable, "-m", "metaddp", "train", "--resume", str(out), "--steps", "5",
+           "--no-progress", "--nproc", str(nproc), "--timeout", "30"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    who = "process 0 failed" if nproc > 1 else "failed"
+    assert last.startswith(f"metaddp train: {who}: ") and "Error: [Errno" in last, r.stderr
+    assert "the last checkpoint holds step 3. Continue with: metaddp train --resume" in last
+    assert "Traceback" not in r.stderr

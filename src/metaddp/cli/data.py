@@ -39,7 +39,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tasks", type=int, default=3, help="tasks to draw (default 3)")
     p.add_argument("--split", choices=("train", "test"), default="test", help="default test")
     p.add_argument("--seed", type=int, default=0, help="which tasks (default 0)")
-    p.add_argument("--out", default="grid.png", help="PNG file to write (default grid.png)")
+    p.add_argument(
+        "--out",
+        default="grid.png",
+        help="PNG file to write, or a folder for its grid.png (default grid.png)",
+    )
     p.set_defaults(func=main)
 
 
@@ -124,9 +128,14 @@ def grid(family: FewShotImages, *, seed: int, tasks: int, split: str, path: Path
 
 
 def main(args: argparse.Namespace) -> int:
+    out = Path(args.out)
     try:
         if args.tasks < 1:
             raise ValueError(f"--tasks must be at least 1, got {args.tasks}")
+        if out.is_dir():
+            out = out / "grid.png"
+        if out.suffix.lower() != ".png":
+            raise ValueError(f"--out must name a .png file, got {args.out}")
         family = make(
             args.task,
             shots=args.shots,
@@ -141,12 +150,12 @@ def main(args: argparse.Namespace) -> int:
     assert isinstance(family, FewShotImages)
     print("\n".join(report(args.task, family)))
     try:
-        grid(family, seed=args.seed, tasks=args.tasks, split=args.split, path=Path(args.out))
+        grid(family, seed=args.seed, tasks=args.tasks, split=args.split, path=out)
     except ImportError as e:
         print(f"metaddp data: no picture: {e}", file=sys.stderr)
         return 0
     except OSError as e:
-        print(f"metaddp data: error: cannot write {args.out}: {e}", file=sys.stderr)
+        print(f"metaddp data: error: cannot write {out}: {e}", file=sys.stderr)
         return 2
-    print(f"  tasks drawn: {args.out}")
+    print(f"  tasks drawn: {out}")
     return 0

@@ -184,6 +184,9 @@ EXIT_DIVERGED = 3
 EXIT_STOPPED = 75
 
 
+MOST_TIMEOUT_S = 1e7  # about 16 weeks
+
+
 def user_error(e: BaseException) -> int:
     print(f"metaddp train: error: {e}", file=sys.stderr)
     return 2
@@ -199,8 +202,12 @@ def check_processes(args: argparse.Namespace) -> None:
         raise UsageError(f"--nproc must be at least 1, got {args.nproc}")
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
-    if not args.timeout > 0:
-        raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if not 0.1 <= args.timeout <= MOST_TIMEOUT_S:
+        # Below it no collective completes; above it (or infinite) the store's millisecond
+        # count overflows.
+        raise UsageError(
+            f"--timeout must be between 0.1 and {MOST_TIMEOUT_S:g} seconds, got {args.timeout}"
+        )
     if args.backend == "nccl" and not torch.cuda.is_available():
         raise UsageError(
             "--backend nccl needs CUDA GPUs, and torch finds none on this machine: use "
@@ -478,7 +485,12 @@ def main(args: argparse.Namespace) -> int:
     )
     with lock:  # held by this process while it, or the processes it starts, write the run
         if args.nproc == 1:
-            outcome = worker(*common)
+            try:
+                outcome = worker(*common)
+            except Exception as e:  # a full disk, an unwritable folder, a bug: one line
+                if args.debug:
+                    raise
+                return failed_here(e, out)
         else:
             from torch.distributed.elastic.multiprocessing.api import SignalException
             from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -522,18 +534,50 @@ def failed(failures: Mapping[int, Any], first: int, out: Path) -> int:
         # A stop signal sent to the processes alone: they ended their step and checkpointed.
         return stopped("a signal to its processes", step, out)
     failure = failures[first]
-    how = (
-        f"was killed by {failure.signal_name()}"
-        if failure.exitcode < 0
-        else f"exited with status {failure.exitcode} (its error is above)"
+    error = _recorded_error(failure)
+    if failure.exitcode < 0:
+        how = f"was killed by {failure.signal_name()}"
+    elif error is not None:
+        how = f"failed: {error}"
+    else:
+        how = f"exited with status {failure.exitcode}"
+    print(f"metaddp train: process {first} {how}; {_kept(step, out)}", file=sys.stderr)
+    return 1
+
+
+def failed_here(e: Exception, out: Path) -> int:
+    """One line for an error that ended a run on this process (``--debug`` shows its
+    traceback); returns the exit status."""
+    print(
+        f"metaddp train: failed: {_first_line(e)}; {_kept(_checkpoint_step(out), out)}",
+        file=sys.stderr,
     )
-    kept = (
+    return 1
+
+
+def _kept(step: int | None, out: Path) -> str:
+    return (
         f"the last checkpoint holds step {step}. Continue with: metaddp train --resume {out}"
         if step is not None
         else "no checkpoint was written: start it again with the same command"
     )
-    print(f"metaddp train: process {first} {how}; {kept}", file=sys.stderr)
-    return 1
+
+
+def _first_line(e: BaseException | str) -> str:
+    """An error's first line (a collective's error carries a C++ stack after it), shortened."""
+    text = e if isinstance(e, str) else f"{type(e).__name__}: {e}"
+    line = text.strip().splitlines()[0] if text.strip() else text
+    return line if len(line) <= 400 else line[:397] + "..."
+
+
+def _recorded_error(failure: Any) -> str | None:
+    """The exception a process ended with, as the launcher recorded it (its error file)."""
+    message = getattr(failure, "message", None)
+    if isinstance(message, dict):
+        message = message.get("message")
+    if not isinstance(message, str) or not message or "To enable traceback" in message:
+        return None
+    return _first_line(message)
 
 
 def signal_name(signum: int) -> str:

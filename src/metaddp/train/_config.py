@@ -211,6 +211,8 @@ class TrainConfig:
         for k in ("inner_steps", "eval_every", "eval_steps"):
             if getattr(self, k) < 0:
                 raise ValueError(f"{k} must be >= 0, got {getattr(self, k)!r}")
+        if not -(2**63) <= self.seed < 2**64:  # what torch.manual_seed takes
+            raise ValueError(f"seed must be a 64-bit integer, got {self.seed}")
         unrolled = UNROLLED_ALGORITHMS
         for k, plain in (("inner_optimizer", "sgd"), ("autocast", None)):
             if getattr(self, k) != plain and self.algorithm not in (*unrolled, "fomaml"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -40,12 +41,19 @@ def mean_ci95(values: Sequence[float]) -> tuple[float, float]:
 
 
 def read(path: Path) -> list[dict[str, float]]:
-    """The rows of a metrics file as floats (``nan`` where a column is empty)."""
+    """The rows of a metrics file as floats (``nan`` where a column is empty). A row that
+    does not read as numbers (the last one, cut short by a full disk or a kill) is left out,
+    with a warning."""
+    rows = []
     with open(path, newline="") as f:
-        return [
-            {k: float(v) if v not in ("", None) else math.nan for k, v in row.items()}
-            for row in csv.DictReader(f)
-        ]
+        for i, row in enumerate(csv.DictReader(f), 2):
+            try:
+                rows.append(
+                    {k: float(v) if v not in ("", None) else math.nan for k, v in row.items()}
+                )
+            except (TypeError, ValueError):
+                warnings.warn(f"{path}, line {i}, is damaged (cut short?): left out", stacklevel=2)
+    return rows
 
 
 class MetricsLog:

@@ -348,7 +348,7 @@ class Trainer:
         return last_eval
 
     def _finish(self, last_eval: dict[str, float]) -> dict[str, Any]:
-        """The summary (written and plotted by rank 0), after every rank finished."""
+        """The summary (written and plotted by rank 0, once every rank finished)."""
         cfg = self.cfg
         summary: dict[str, Any] = {
             "step": cfg.steps,
@@ -358,13 +358,15 @@ class Trainer:
             **last_eval,
             **baseline(self.family, seed=cfg.seed, n_tasks=cfg.eval_tasks),
         }
+        if dist.is_initialized():
+            # Every rank has finished its steps. The summary and the plots are rank 0's alone:
+            # no rank waits in a collective (bounded by --timeout) while they are drawn.
+            dist.barrier()
         if rank() == 0:
             _checkpoint.atomic_write(
                 self.out / "summary.json", lambda f: f.write(json.dumps(summary, indent=2).encode())
             )
             summary["plots"] = self.plots(summary)
-        if dist.is_initialized():
-            dist.barrier()
         return summary
 
 
