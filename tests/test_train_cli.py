@@ -141,6 +141,23 @@ def test_unknown_task_option_and_setting(tmp_path, capsys):
         assert not (tmp_path / "z").exists()
 
 
+def test_options_a_run_would_ignore_are_refused(tmp_path, run_dir, capsys):
+    out = copy_of(run_dir, tmp_path / "run")
+    assert main(["train", "--resume", str(out), "--force"]) == 2
+    assert "--force replaces the run in --out and --resume continues it" in capsys.readouterr().err
+    assert main(["train", "sinusoid", "--max-restarts", "1", "--out", str(tmp_path / "m")]) == 2
+    assert "give --nproc 2 or more" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
+
+
+def test_a_resume_removes_what_killed_writes_left(tmp_path, run_dir):
+    # A kill during a checkpoint write leaves its temporary file beside the checkpoints.
+    out = copy_of(run_dir, tmp_path / "run")
+    (out / ".checkpoint.pt.k2j4x.tmp").write_bytes(b"half a checkpoint")
+    assert main(["train", "--resume", str(out), "--steps", "4", "--no-progress"]) == 0
+    assert not list(out.glob(".*.tmp"))
+
+
 def test_a_cut_metrics_row_is_left_out_on_resume(tmp_path, run_dir):
     # A full disk or a kill can cut the last row of metrics.csv short.
     out = copy_of(run_dir, tmp_path / "cut")

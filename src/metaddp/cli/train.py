@@ -202,6 +202,11 @@ def check_processes(args: argparse.Namespace) -> None:
         raise UsageError(f"--nproc must be at least 1, got {args.nproc}")
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if args.max_restarts and args.nproc == 1 and not under_torchrun():
+        raise UsageError(
+            "--max-restarts restarts the processes that --nproc starts: give --nproc 2 or more "
+            "(one process runs without a launcher)"
+        )
     if not 0.1 <= args.timeout <= MOST_TIMEOUT_S:
         # Below it no collective completes; above it (or infinite) the store's millisecond
         # count overflows.
@@ -230,6 +235,10 @@ def settings(args: argparse.Namespace, world: int) -> tuple[TrainConfig, Path, b
         where = args.out if _checkpoint.exists(Path(args.out) / _train.CHECKPOINT) else None
     resume = where is not None
     values: dict[str, Any] = {}
+    if resume and args.force:
+        raise UsageError(
+            "--force replaces the run in --out and --resume continues it: give one of them"
+        )
     if resume:
         out = Path(where)
         if args.out is not None and Path(args.out).resolve() != out.resolve():
@@ -289,6 +298,9 @@ def begin(out: Path, cfg: TrainConfig, resume: bool, force: bool) -> RunLock:
     """Take the folder's writer lock, then write the run's settings there (rank 0 alone)."""
     lock = RunLock.acquire(out)
     try:
+        # Temporary files of writes a kill cut short: no other run writes here now.
+        for tmp in out.glob(".*.tmp") if out.is_dir() else ():
+            tmp.unlink(missing_ok=True)
         # Again, now that no other run can write here: one may have ended since settings().
         _train.check_folder(out, resume=resume, force=force)
         _train.prepare_folder(out, cfg, resume, force)
