@@ -61,3 +61,9 @@ def test_data_out_names_the_file_it_writes(tmp_path, capsys):
         assert main([*small, "--out", str(tmp_path / bad)]) == 2
         assert "--out must name a .png file" in capsys.readouterr().err
         assert not list(tmp_path.glob(bad.split(".")[0] + "*"))
+
+
+def test_data_refuses_a_folder_for_a_task_that_reads_none(tmp_path, capsys):
+    pytest.importorskip("sklearn")
+    assert main(["data", "digits", "--data", str(tmp_path)]) == 2
+    assert "the digits task reads no dataset: drop --data" in capsys.readouterr().err

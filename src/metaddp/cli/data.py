@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..tasks import FAMILIES, FewShotImages, make
+from ..tasks import FAMILIES, FewShotImages, family_class, make
 
 IMAGE_FAMILIES = tuple(f for f in FAMILIES if f != "sinusoid")
 
@@ -136,6 +136,9 @@ def main(args: argparse.Namespace) -> int:
             out = out / "grid.png"
         if out.suffix.lower() != ".png":
             raise ValueError(f"--out must name a .png file, got {args.out}")
+        cls = family_class(args.task)
+        if args.data is not None and not (cls.needs_data or cls.data_option):
+            raise ValueError(f"the {args.task} task reads no dataset: drop --data ({args.data})")
         family = make(
             args.task,
             shots=args.shots,
