@@ -150,6 +150,19 @@ def test_options_a_run_would_ignore_are_refused(tmp_path, run_dir, capsys):
     assert not (tmp_path / "m").exists()
 
 
+def test_a_cuda_graph_run_resumes_without_them_on_a_machine_without_cuda(tmp_path, run_dir, capsys):
+    if __import__("torch").cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    out = copy_of(run_dir, tmp_path / "run")
+    saved = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(dict(saved, cuda_graphs=True)))
+    assert main(["train", "--resume", str(out), "--steps", "4", "--no-progress"]) == 2
+    assert "resume such a run with --no-cuda-graphs" in capsys.readouterr().err
+    assert main(["train", "--resume", str(out), "--steps", "4", "--no-progress",
+                 "--no-cuda-graphs"]) == 0
+    assert [int(r["step"]) for r in rows(out)] == [1, 2, 3, 4]
+
+
 def test_a_resume_removes_what_killed_writes_left(tmp_path, run_dir):
     # A kill during a checkpoint write leaves its temporary file beside the checkpoints.
     out = copy_of(run_dir, tmp_path / "run")

@@ -115,10 +115,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument(
         "--cuda-graphs",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         default=S,
         help="record the meta-step once in a CUDA graph and replay it: the same arithmetic, "
-        "less launch cost (every algorithm but iMAML; CUDA, one process or NCCL)",
+        "less launch cost (every algorithm but iMAML; CUDA, one process or NCCL); "
+        "--no-cuda-graphs resumes such a run without it",
     )
     g = p.add_argument_group("evaluation and output")
     g.add_argument("--eval-every", type=int, default=S, help="steps between meta-test runs (100)")

@@ -248,7 +248,10 @@ class TrainConfig:
             import torch
 
             if not torch.cuda.is_available():
-                raise ValueError("cuda_graphs records CUDA graphs: no CUDA device is available")
+                raise ValueError(
+                    "cuda_graphs records CUDA graphs: no CUDA device is available (leave it "
+                    "out, or resume such a run with --no-cuda-graphs)"
+                )
         for k in ("inner_lr", "outer_lr", "lam"):
             if not (getattr(self, k) > 0 and math.isfinite(getattr(self, k))):
                 raise ValueError(f"{k} must be a positive finite number, got {getattr(self, k)!r}")
