@@ -163,6 +163,14 @@ def test_a_cuda_graph_run_resumes_without_them_on_a_machine_without_cuda(tmp_pat
     assert [int(r["step"]) for r in rows(out)] == [1, 2, 3, 4]
 
 
+def test_a_damaged_config_json_is_one_line(tmp_path, run_dir, capsys):
+    out = copy_of(run_dir, tmp_path / "run")
+    (out / "config.json").write_text("[1, 2]")
+    assert main(["train", "--resume", str(out), "--steps", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "expected settings by name (a table), got a list" in err
+
+
 def test_a_resume_removes_what_killed_writes_left(tmp_path, run_dir):
     # A kill during a checkpoint write leaves its temporary file beside the checkpoints.
     out = copy_of(run_dir, tmp_path / "run")

@@ -133,6 +133,10 @@ class TrainConfig:
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], source: str) -> dict[str, Any]:
         """Check the keys and value types of a config file (or dict); return them as a dict."""
+        if not isinstance(values, Mapping):
+            raise ValueError(
+                f"{source}: expected settings by name (a table), got a {type(values).__name__}"
+            )
         unknown = sorted(set(values) - set(cls.names()))
         if unknown:
             raise ValueError(
