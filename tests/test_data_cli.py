@@ -67,3 +67,8 @@ def test_data_refuses_a_folder_for_a_task_that_reads_none(tmp_path, capsys):
     pytest.importorskip("sklearn")
     assert main(["data", "digits", "--data", str(tmp_path)]) == 2
     assert "the digits task reads no dataset: drop --data" in capsys.readouterr().err
+
+
+def test_data_draws_at_most_a_picture_of_tasks(capsys):
+    assert main(["data", "digits", "--tasks", "100000"]) == 2
+    assert "--tasks must be between 1 and 20" in capsys.readouterr().err
