@@ -292,19 +292,31 @@ def test_an_indefinite_imaml_system_names_lam(tmp_path, capsys):
     assert len(err) == 1 and "not positive definite" in err[0] and "Raise --lam (now 1)" in err[0]
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_a_failure_to_write_the_folder_is_one_line_with_the_way_back(tmp_path, run_dir, nproc):
-    # A checkpoint rotation that cannot rename (a directory where an old copy goes) fails as a
-    # full disk or an unwritable folder does: with an OSError, on rank 0.
-    out = copy_of(run_dir, tmp_path / "blocked")
+def blocked_copy(run_dir: Path, out: Path) -> Path:
+    """A copy of the run whose checkpoint rotation cannot rename (a directory where an old
+    copy goes): it fails as a full disk or an unwritable folder does, with an OSError."""
+    copy_of(run_dir, out)
     (out / "checkpoint.2.pt").mkdir()
     (out / "checkpoint.2.pt" / "x").write_text("in the way")
+    return out
+
+
+def test_a_failure_to_write_the_folder_is_one_line_with_the_way_back(tmp_path, run_dir, capsys):
+    out = blocked_copy(run_dir, tmp_path / "blocked")
+    assert main(["train", "--resume", str(out), "--steps", "5", "--no-progress"]) == 1
+    (last,) = capsys.readouterr().err.strip().splitlines()
+    assert last.startswith("metaddp train: failed: IsADirectoryError: [Errno 21]"), last
+    assert last.endswith(f"the last checkpoint holds step 3. Continue with: metaddp train --resume {out}")
+
+
+def test_a_process_that_fails_under_the_launcher_is_named_with_its_error(tmp_path, run_dir):
+    out = blocked_copy(run_dir, tmp_path / "blocked")
     cmd = [sys.executable, "-m", "metaddp", "train", "--resume", str(out), "--steps", "5",
-           "--no-progress", "--nproc", str(nproc), "--timeout", "30"]
+           "--no-progress", "--nproc", "2", "--timeout", "30"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1, r.stderr
     last = r.stderr.strip().splitlines()[-1]
-    who = "process 0 failed" if nproc > 1 else "failed"
-    assert last.startswith(f"metaddp train: {who}: ") and "Error: [Errno" in last, r.stderr
+    # It used to say "(its error is above)" over nothing: the launcher keeps the error.
+    assert last.startswith("metaddp train: process 0 failed: IsADirectoryError: [Errno 21]"), r.stderr
     assert "the last checkpoint holds step 3. Continue with: metaddp train --resume" in last
     assert "Traceback" not in r.stderr
