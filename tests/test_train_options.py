@@ -91,7 +91,8 @@ def test_cuda_graphs_without_cuda_is_one_line_and_creates_nothing(tmp_path, caps
     assert main(["train", "sinusoid", "--steps", "2", "--cuda-graphs", "--no-progress",
                  "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["metaddp train: error: cuda_graphs records CUDA graphs: no CUDA device is available"]
+    assert err == ["metaddp train: error: cuda_graphs records CUDA graphs: no CUDA device is "
+                   "available (leave it out, or resume such a run with --no-cuda-graphs)"]
     assert not out.exists()
 
 
