@@ -56,7 +56,8 @@ def _chunked(batches: Sequence[Batch], chunks: Chunks) -> tuple[Tensor, Tensor, 
         if b.n != chunks.n or b.x.shape[0] != held:
             raise ValueError(
                 f"deterministic mode: task {i}'s shard holds {b.x.shape[0]} of {b.n} samples, "
-                f"but this rank's chunks of a batch of {chunks.n} hold {held}. Cut meta-batches "
+                f"but the chunks cut for the first task's batch of {chunks.n} hold {held} here: "
+                "every task's batch is cut alike. Cut meta-batches "
                 "with learner.shard(...), which cuts every batch into whole chunks, and give "
                 "every task the same support and query sizes"
             )
