@@ -378,6 +378,8 @@ def launch(nproc: int, max_restarts: int, *args: Any) -> dict | None:
     # Its own warnings and error reports on a stop, restart or failure repeat what this
     # command reports in one line (--debug prints the failure report).
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # ... and so does its "Terminating process ... via signal SIGTERM" as it ends the others.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
