@@ -263,8 +263,17 @@ class Algorithm(nn.Module):
         self._not_exact("adapt()")
         with self.autocasting():
             return self.inner_loop(
-                support, loss_fn, steps=steps, reduce=self.collectives(reduce).reduce
+                support,
+                loss_fn,
+                steps=steps,
+                reduce=self.collectives(reduce).reduce,
+                extra_grad=self.extra_grad(),
             )
+
+    def extra_grad(self) -> Callable[[Params], Params] | None:
+        """What every inner step of :meth:`adapt` and ``clone()`` adds to the loss's gradient
+        (iMAML: its proximal term); nothing here."""
+        return None
 
     def _not_exact(self, what: str) -> None:
         # Deterministic mode sums the meta-gradient inside meta_loss's backward; sync_grads()
@@ -369,6 +378,7 @@ class Algorithm(nn.Module):
             self.inner_optimizer(),
             first_order=self.first_order,
             reduce=self.collectives(reduce).reduce,
+            extra_grad=self.extra_grad(),
         )
 
     def _run(self, fast: Params, *args: Any, **kwargs: Any) -> Any:

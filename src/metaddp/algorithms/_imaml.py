@@ -27,11 +27,10 @@ import torch
 from torch import Tensor, nn
 
 from .._adapt import batch_share
-from .._data import Batch, Task
+from .._data import Task
 from .._types import LossFn, Params, Reduce
 from ..inner import InnerOptimizer
 from ._base import Algorithm, OptimizerFactory, local_fraction
-from ._learner import Learner
 
 Vectors = list[Tensor]
 
@@ -154,39 +153,13 @@ class IMAML(Algorithm):
     def settings(self) -> dict[str, object]:
         return dict(super().settings(), lam=self.lam, cg_steps=self.cg_steps, cg_tol=self.cg_tol)
 
-    def _proximal(self, theta: Params) -> Callable[[Params], Params]:
+    def extra_grad(self) -> Callable[[Params], Params]:
         """The gradient of the proximal term ``lam/2 ||phi - theta||^2`` at ``phi``, added to
-        every inner step's (a constant: iMAML's inner steps are first order)."""
+        every inner step's (a constant: iMAML's inner steps are first order), so that
+        :meth:`adapt` and ``clone()`` step on the objective :meth:`meta_loss` does."""
         lam = self.lam
-        return lambda fast: {k: lam * (fast[k].detach() - theta[k]) for k in theta}
-
-    def adapt(
-        self,
-        support: Batch,
-        loss_fn: LossFn,
-        *,
-        steps: int | None = None,
-        reduce: Reduce | None = None,
-    ) -> Params:
-        """Fast weights after ``steps`` (default: the algorithm's) inner steps on the proximal
-        objective ``L_s + lam/2 ||phi - theta||^2``: the weights :meth:`meta_loss` scores."""
-        self._not_exact("adapt()")
         theta = {k: p.detach() for k, p in self.fast_weights().items()}
-        with self.autocasting():
-            return self.inner_loop(
-                support,
-                loss_fn,
-                steps=steps,
-                reduce=self.collectives(reduce).reduce,
-                extra_grad=self._proximal(theta),
-            )
-
-    def clone(self, *, reduce: Reduce | None = None) -> Learner:
-        """A learner whose :meth:`Learner.adapt` steps on the proximal objective (the given
-        loss plus ``lam/2 ||phi - theta||^2``), as :meth:`adapt` does."""
-        learner = super().clone(reduce=reduce)
-        learner.extra_grad = self._proximal({k: p.detach() for k, p in learner.params.items()})
-        return learner
+        return lambda fast: {k: lam * (fast[k].detach() - theta[k]) for k in theta}
 
     def solve(
         self, task: Task, loss_fn: LossFn, *, reduce: Reduce | None = None
@@ -199,7 +172,7 @@ class IMAML(Algorithm):
         lam = self.lam
         start = {k: p.clone().requires_grad_() for k, p in theta.items()}
         phi = self.inner_loop(
-            task.support, loss_fn, reduce=reduce, start=start, extra_grad=self._proximal(theta)
+            task.support, loss_fn, reduce=reduce, start=start, extra_grad=self.extra_grad()
         )
         phi = {k: p.detach().requires_grad_() for k, p in phi.items()}
         phis = [phi[k] for k in names]

@@ -26,6 +26,7 @@ class Learner:
         optimizer: the differentiable inner optimizer.
         first_order: treat inner gradients as constants.
         reduce: SUM of gradients over the ranks that split the task's samples.
+        extra_grad: what the algorithm adds to every step's gradient (iMAML's proximal term).
     """
 
     def __init__(
@@ -36,6 +37,7 @@ class Learner:
         *,
         first_order: bool = False,
         reduce: Reduce = identity_reduce,
+        extra_grad: Callable[[Params], Params] | None = None,
     ) -> None:
         self._run = run
         self.params: Params = dict(params)
@@ -44,8 +46,7 @@ class Learner:
         self.first_order = first_order
         self.reduce = reduce
         self.steps = 0
-        # What the algorithm adds to every step's gradient (iMAML's proximal term).
-        self.extra_grad: Callable[[Params], Params] | None = None
+        self.extra_grad = extra_grad
 
     def adapt(self, loss: Tensor) -> None:
         """One inner step on ``loss`` (this rank's share of a loss computed with ``self(x)``)."""
