@@ -171,6 +171,16 @@ def test_a_damaged_config_json_is_one_line(tmp_path, run_dir, capsys):
     assert err.count("\n") == 1 and "expected settings by name (a table), got a list" in err
 
 
+def test_a_resume_without_config_json_takes_the_settings_from_the_checkpoint(tmp_path, run_dir):
+    out = copy_of(run_dir, tmp_path / "run")
+    (out / "config.json").unlink()
+    with pytest.warns(UserWarning, match="config.json is missing: the settings come from the latest"):
+        assert main(["train", "--resume", str(out), "--steps", "4", "--no-progress"]) == 0
+    assert [int(r["step"]) for r in rows(out)] == [1, 2, 3, 4]
+    assert json.loads((out / "config.json").read_text()) == dict(
+        json.loads((run_dir / "config.json").read_text()), steps=4)
+
+
 def test_a_resume_removes_what_killed_writes_left(tmp_path, run_dir):
     # A kill during a checkpoint write leaves its temporary file beside the checkpoints.
     out = copy_of(run_dir, tmp_path / "run")

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import socket
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +142,16 @@ def prepare_folder(out: Path, cfg: TrainConfig, resume: bool, force: bool) -> No
 def saved_config(out: Path) -> dict[str, Any]:
     """The settings a run recorded in its folder (for ``--resume``)."""
     path = Path(out) / CONFIG_JSON
+    if not path.exists() and _checkpoint.exists(Path(out) / CHECKPOINT):
+        # Every checkpoint holds the settings too: the resume writes config.json again.
+        warnings.warn(
+            f"{path} is missing: the settings come from the latest checkpoint", stacklevel=2
+        )
+        try:
+            state = _checkpoint.load_latest(Path(out) / CHECKPOINT, {})
+        except _checkpoint.CheckpointError as e:
+            raise RunFolderError(f"cannot read the settings of the run in {out} ({e})") from None
+        return TrainConfig.from_mapping(state["config"], str(Path(out) / CHECKPOINT))
     try:
         return TrainConfig.from_mapping(json.loads(path.read_text()), str(path))
     except (OSError, json.JSONDecodeError) as e:
