@@ -141,9 +141,7 @@ def main(args: argparse.Namespace) -> int:
             out = out / "grid.png"
         if out.suffix.lower() != ".png":
             raise ValueError(f"--out must name a .png file, got {args.out}")
-        cls = family_class(args.task)
-        if args.data is not None and not (cls.needs_data or cls.data_option):
-            raise ValueError(f"the {args.task} task reads no dataset: drop --data ({args.data})")
+        family_class(args.task).refuse_unread_data(args.data)
         family = make(
             args.task,
             shots=args.shots,

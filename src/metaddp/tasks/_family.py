@@ -39,6 +39,12 @@ class TaskFamily(abc.ABC):
     """What :meth:`loss` measures, as the run's metrics and plots name it ("MSE", "loss")."""
 
     @classmethod
+    def refuse_unread_data(cls, data: str | None) -> None:
+        """Raise ``ValueError`` if a dataset folder is given to a family that reads none."""
+        if data is not None and not (cls.needs_data or cls.data_option):
+            raise ValueError(f"the {cls.name} task reads no dataset: drop --data ({data})")
+
+    @classmethod
     def check_data(cls, data: str | None) -> None:
         """Raise ``ValueError`` naming the fix if ``data`` cannot serve this family (checked
         before a run creates anything); a family without a dataset accepts anything."""

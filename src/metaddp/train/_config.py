@@ -161,8 +161,7 @@ class TrainConfig:
             if self.ways is not None:
                 raise ValueError(f"ways is a setting of classification tasks, not of {self.task}")
             filled["ways"] = None
-        if self.data is not None and not (cls.needs_data or cls.data_option):
-            raise ValueError(f"the {self.task} task reads no dataset: drop data ({self.data})")
+        cls.refuse_unread_data(self.data)
         if "norm" not in cls.defaults and self.norm is not None:
             raise ValueError(f"norm is a setting of the image tasks, not of {self.task}")
         # The fonts' identity replaces "all" or "matplotlib"; a recorded one must be found here.
