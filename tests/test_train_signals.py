@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -67,9 +68,8 @@ def test_a_stop_signal_checkpoints_and_the_run_resumes(tmp_path, nproc, sig):
     assert proc.returncode == 75, err
     assert "Traceback" not in err, err
     last = err.strip().splitlines()[-1]
-    assert last.startswith(f"metaddp train: stopped by {sig.name} after step "), err
+    step = stop_step(last, sig.name)
     assert last.endswith(f"Continue with: metaddp train --resume {run}")
-    step = int(last.split("after step ")[1].split(";")[0])
     assert [int(r["step"]) for r in rows(run)] == list(range(1, step + 1))
     resumed = subprocess.run([sys.executable, "-m", "metaddp", "train", "--resume", str(run),
                               "--steps", str(step + 2), "--nproc", str(nproc), "--no-progress"],
@@ -126,10 +126,21 @@ def stopped_with_a_checkpoint(proc: subprocess.Popen, run: Path, by: str) -> Non
     checkpoint of that step with every step's metrics up to it."""
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 75, err
-    last = err.strip().splitlines()[-1]
-    assert last.startswith(f"metaddp train: stopped by {by} after step "), err
-    step = int(last.split("after step ")[1].split(";")[0])
+    step = stop_step(err.strip().splitlines()[-1], by)
     assert (run / "checkpoint.pt").exists() and len(rows(run)) == step
+
+
+def stop_step(line: str, by: str) -> int:
+    """The checkpoint step a stop's line names. One process knows that its stop wrote the
+    checkpoint; a launcher, whose processes may be killed after its grace period, names the
+    checkpoint the folder holds."""
+    found = re.fullmatch(
+        rf"metaddp train: stopped by {by}(?: after step (\d+); checkpoint written|; the last "
+        r"checkpoint holds step (\d+))\. Continue with: metaddp train --resume \S+",
+        line,
+    )
+    assert found, line
+    return int(found.group(1) or found.group(2))
 
 
 def start_torchrun(run: Path, *args: str) -> subprocess.Popen:
@@ -217,3 +228,32 @@ def test_a_stop_signal_to_one_process_stops_the_run_with_a_checkpoint(tmp_path):
     wait_for(lambda: len(rows(run)) >= 3)
     os.kill(children(proc.pid)[1], signal.SIGTERM)
     stopped_with_a_checkpoint(proc, run, "a signal to its processes")
+
+
+def test_a_stop_at_an_evaluation_step_is_evaluated_on_resume(tmp_path):
+    # Every step is due for an evaluation; the stop skips its step's, and the checkpoint says
+    # so: the resume evaluates the same weights first and completes the step's row.
+    run = tmp_path / "run"
+    proc = start("--eval-every", "1", "--steps", "100000", "--checkpoint-every", "100000",
+                 "--out", str(run))
+    wait_for(lambda: len(rows(run)) >= 2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err
+    step = stop_step(err.strip().splitlines()[-1], "SIGINT")
+    assert rows(run)[-1]["test_after"] == ""  # the stopping step's evaluation was skipped
+    resumed = subprocess.run([sys.executable, "-m", "metaddp", "train", "--resume", str(run),
+                              "--steps", str(step + 1), "--no-progress"],
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    whole = tmp_path / "whole"
+    straight = subprocess.run([sys.executable, "-m", "metaddp", "train", *TINY, "--eval-every",
+                               "1", "--steps", str(step + 1), "--out", str(whole)],
+                              capture_output=True, text=True, timeout=300)
+    assert straight.returncode == 0, straight.stderr
+    # One process, the same seed: the run that stopped and the one that did not hold the
+    # same bits, every evaluation included.
+    cells = ("step", "meta_loss", "test_before", "test_after")
+    assert [[r[c] for c in cells] for r in rows(run)] == [
+        [r[c] for c in cells] for r in rows(whole)
+    ]

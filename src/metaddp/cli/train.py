@@ -377,7 +377,10 @@ def launch(nproc: int, max_restarts: int, *args: Any) -> dict | None:
 
     # Its own warnings and error reports on a stop, restart or failure repeat what this
     # command reports in one line (--debug prints the failure report).
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # torch gives each of its modules' loggers a level of its own, so each is quieted.
+    for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     # ... and so does its "Terminating process ... via signal SIGTERM" as it ends the others.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     config = LaunchConfig(
@@ -429,7 +432,8 @@ def finish(outcome: dict | None, cfg: TrainConfig, out: Path) -> int:
         print(f"metaddp train: {outcome['error']}", file=sys.stderr)
         return int(outcome["code"])
     if "stopped" in outcome:
-        return stopped(outcome["stopped"]["signal"], outcome["stopped"]["step"], out)
+        halt = outcome["stopped"]
+        return stopped(halt["signal"], halt["step"], out, held=halt.get("held", False))
     report(outcome["summary"], cfg, out)
     return 0
 
@@ -506,6 +510,15 @@ def main(args: argparse.Namespace) -> int:
                 if args.debug:
                     raise
                 return failed_here(e, out)
+            except KeyboardInterrupt:  # a second Ctrl-C: the step was left unfinished
+                if args.debug:
+                    raise
+                print(
+                    "metaddp train: interrupted by a second Ctrl-C before the step ended; "
+                    f"{_kept(_checkpoint_step(out), out)}",
+                    file=sys.stderr,
+                )
+                return 130
         else:
             from torch.distributed.elastic.multiprocessing.api import SignalException
             from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -515,8 +528,11 @@ def main(args: argparse.Namespace) -> int:
             except SignalException as e:
                 # The launcher was told to stop; it passed the signal on, and the processes
                 # ended their step and wrote a checkpoint before leaving.
+                # Processes still in their step after the launcher's grace period (30 s) were
+                # killed: the checkpoint may be an earlier step's, so the line names its step
+                # without saying that this stop wrote it.
                 step = _checkpoint_step(out)
-                outcome = {"stopped": {"signal": signal_name(e.sigval), "step": step}}
+                outcome = {"stopped": {"signal": signal_name(e.sigval), "step": step, "held": True}}
             except ChildFailedError as e:
                 if args.debug:
                     print(e, file=sys.stderr)
@@ -524,9 +540,16 @@ def main(args: argparse.Namespace) -> int:
     return finish(outcome, cfg, out)
 
 
-def stopped(by: str, step: int | None, out: Path) -> int:
-    """Say that a stop request ended the run, and what the folder keeps."""
-    if step is None:
+def stopped(by: str, step: int | None, out: Path, held: bool = False) -> int:
+    """Say that a stop request ended the run, and what the folder keeps (``held``: the
+    checkpoint there, which the stop may not have written)."""
+    if held and step is not None:
+        print(
+            f"metaddp train: stopped by {by}; the last checkpoint holds step {step}. "
+            f"Continue with: metaddp train --resume {out}",
+            file=sys.stderr,
+        )
+    elif step is None:
         print(
             f"metaddp train: stopped by {by} before its first checkpoint: nothing was saved. "
             "Start it again with the same command",

@@ -79,6 +79,7 @@ def save(
     config: Mapping[str, Any],
     model: Mapping[str, Any],
     optimizer: Mapping[str, Any],
+    evaluation_due: bool = False,
 ) -> None:
     """Write a checkpoint atomically, keeping the :data:`KEEP` - 1 before it.
 
@@ -92,6 +93,8 @@ def save(
         config: the run's resolved configuration (a plain dict).
         model: the algorithm's ``state_dict()``.
         optimizer: the outer optimizer's ``state_dict()``.
+        evaluation_due: the run stopped at this step before its due evaluation, which the
+            resume runs first.
     """
     state = {
         "format": FORMAT,
@@ -99,6 +102,7 @@ def save(
         "config": dict(config),
         "model": dict(model),
         "optimizer": optimizer,
+        "evaluation_due": bool(evaluation_due),
     }
     older = history(Path(path))
     for new, old in zip(older[:0:-1], older[-2::-1], strict=True):

@@ -70,16 +70,8 @@ class MetricsLog:
         kept: list[dict[str, float]] = []
         if start_step > 0 and self.path.exists():
             kept = [r for r in read(self.path) if r["step"] <= start_step]
-        buf = io.StringIO()
-        w = csv.DictWriter(buf, COLUMNS)
-        w.writeheader()
-        for r in kept:
-            w.writerow(
-                dict(
-                    {k: self.format(r.get(k, math.nan)) for k in COLUMNS}, step=str(int(r["step"]))
-                )
-            )
-        atomic_write(self.path, lambda f: f.write(buf.getvalue().encode()))
+        self.kept = kept
+        self._rewrite()
         # Seconds elapsed by the end of the kept rows: a resumed run's clock continues there.
         self.seconds = kept[-1]["seconds"] if kept and not math.isnan(kept[-1]["seconds"]) else 0.0
         self.file = open(self.path, "a", newline="")
@@ -94,6 +86,33 @@ class MetricsLog:
                 )
             except Exception:  # tensorboard is optional; without it the CSV is the record
                 self.tb = None
+
+    def _rewrite(self) -> None:
+        """The header and the kept rows, written atomically."""
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, COLUMNS)
+        w.writeheader()
+        for r in self.kept:
+            w.writerow(
+                dict(
+                    {k: self.format(r.get(k, math.nan)) for k in COLUMNS}, step=str(int(r["step"]))
+                )
+            )
+        atomic_write(self.path, lambda f: f.write(buf.getvalue().encode()))
+
+    def complete(self, step: int, values: Mapping[str, float]) -> None:
+        """Add ``values`` to the kept row of ``step`` (the last one, written by a run that
+        stopped before evaluating it), before any new row."""
+        if not self.kept or int(self.kept[-1]["step"]) != step:
+            return  # the row was lost with the file: the evaluation still reaches the summary
+        self.kept[-1] = {**self.kept[-1], **values}
+        self.file.close()
+        self._rewrite()
+        self.file = open(self.path, "a", newline="")
+        self.writer = csv.DictWriter(self.file, COLUMNS)
+        if self.tb is not None:
+            for k, v in values.items():
+                self.tb.add_scalar(k, float(v), step)
 
     @staticmethod
     def format(v: float) -> str:

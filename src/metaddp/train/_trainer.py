@@ -71,6 +71,7 @@ class Trainer:
         self.algorithm = algorithm.to(device=self.device, dtype=self.dtype)
         self.optimizer = torch.optim.Adam(self.algorithm.parameters(), lr=cfg.outer_lr)
         self.start = 0
+        self.evaluation_due = False
         if resume:
             state = _checkpoint.load_latest(
                 self.out / CHECKPOINT, cfg.identity(), map_location=self.device
@@ -78,6 +79,8 @@ class Trainer:
             self.algorithm.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
             self.start = state["step"]
+            # A stop at a step whose evaluation was due skipped it: the resume runs it first.
+            self.evaluation_due = bool(state.get("evaluation_due", False))
             if self.start > cfg.steps:
                 raise _checkpoint.CheckpointError(
                     f"the checkpoint is at step {self.start}, beyond --steps {cfg.steps}: "
@@ -204,8 +207,9 @@ class Trainer:
         with self.learner.local():
             return run(True)
 
-    def save(self, step: int) -> None:
-        """Write the checkpoint (rank 0), atomically."""
+    def save(self, step: int, evaluation_due: bool = False) -> None:
+        """Write the checkpoint (rank 0), atomically; ``evaluation_due``: a stop skipped
+        this step's evaluation."""
         self.saved = step
         if rank() == 0:
             _checkpoint.save(
@@ -214,7 +218,12 @@ class Trainer:
                 config=self.cfg.to_dict(),
                 model=self.algorithm.state_dict(),
                 optimizer=self.optimizer.state_dict(),
+                evaluation_due=evaluation_due,
             )
+
+    def _evaluation_due(self, done: int) -> bool:
+        cfg = self.cfg
+        return done == cfg.steps or bool(cfg.eval_every and done % cfg.eval_every == 0)
 
     def plots(self, summary: dict[str, Any]) -> list[str]:
         """The run's PNG figures (rank 0; none without matplotlib): training curves (with the
@@ -270,12 +279,18 @@ class Trainer:
             # Under a launcher (torchrun's, or --nproc's), a second Ctrl-C is its to act on: it
             # kills the processes that have not stopped in its own time.
             with StopSignals(escalate="TORCHELASTIC_RUN_ID" not in os.environ) as signals:
+                if self.evaluation_due:
+                    # The stop that wrote the checkpoint skipped this step's evaluation: run
+                    # it on the same weights, and complete the step's metrics row.
+                    last_eval = self.evaluate()
+                    if log is not None:
+                        log.complete(self.start, last_eval)
                 for step in range(self.start, cfg.steps):
                     value, stop = self.step(step, signals.received is not None)
                     losses.append(value)
                     last_eval = self._record(step + 1, value, t0, log, bar, metric, last_eval, stop)
                     if stop:
-                        self.save(step + 1)
+                        self.save(step + 1, evaluation_due=self._evaluation_due(step + 1))
                         stopped = {
                             "signal": signals.received or "a signal to another rank",
                             "step": step + 1,
@@ -298,7 +313,11 @@ class Trainer:
         }
         if stopped is not None:
             return dict(result, stopped=stopped, summary=None)
-        return dict(result, summary=self._finish(last_eval))
+        # Every step is checkpointed: a stop request now lets the summary and plots be
+        # written (a few seconds) rather than cut them off.
+        with StopSignals(escalate="TORCHELASTIC_RUN_ID" not in os.environ):
+            summary = self._finish(last_eval)
+        return dict(result, summary=summary)
 
     def _record(
         self,
@@ -319,7 +338,7 @@ class Trainer:
             "meta_loss": value,
             "seconds": time.perf_counter() - t0,
         }
-        if not stopping and (done == cfg.steps or (cfg.eval_every and done % cfg.eval_every == 0)):
+        if not stopping and self._evaluation_due(done):
             try:
                 last_eval = self.evaluate()
             except FloatingPointError as e:
