@@ -197,7 +197,8 @@ def test_a_loss_reading_a_trained_tensor_outside_the_module_is_refused():
     got = {n: run_local(workers.captured_leaf, n) for n in (1, 2)}
     for n, outs in got.items():
         for out in outs:
-            for case in ("captured", "captured again"):
+            # Through the wrapper, or the algorithm it binds (learner.module.meta_loss).
+            for case in ("captured", "captured again", "captured module"):
                 assert "1 tensor(s) of shape ()" in out[case], (n, case, out[case])
                 assert "not parameters of the wrapped module" in out[case]
     one, two = got[1][0], got[2]
@@ -269,3 +270,81 @@ def test_dropout_keeps_a_single_process_to_the_task_loop():
 
     with pytest.raises(RuntimeError, match="draws random numbers in its forward"):
         md.MAML(Drops(), inner_lr=0.1, steps=1).meta_loss(tasks, mse)
+
+
+def test_mistakes_that_would_change_the_numbers_with_the_world_size_are_errors():
+    got = {n: run_local(workers.user_mistakes, n) for n in (1, 2)}
+    (one,) = got[1]
+    # On one process there is nothing to split: each of these gives the right number.
+    for case in ("whole", "whole adapt", "clip at once", "clip later", "replaced later"):
+        assert one[case] == "accepted", (case, one[case])
+    assert one["unsummed"] == ["accepted"] * 2
+    # Random draws are refused under MetaDDP at any size, as dropout layers are: the model
+    # that debugs on one process is the one that trains on many.
+    for case in ("F.dropout", "F.dropout module", "F.dropout adapt"):
+        assert "drew random numbers" in one[case], (case, one[case])
+    for out in got[2]:
+        # Whole tasks where the samples are split: each rank would add the whole batch.
+        assert "holds all 8 of its samples on this rank" in out["whole"], out["whole"]
+        assert "holds all 8 of its samples" in out["whole adapt"], out["whole adapt"]
+        # A gradient edited between backward() and sync_grads(): before sums start during
+        # the backward (each rank would clip its own part) and after (the edit was lost).
+        for case in ("clip at once", "clip later", "replaced later"):
+            assert "was changed between backward() and sync_grads()" in out[case], (case, out)
+        for text in out["unsummed"]:
+            assert "but sync_grads() never summed" in text, text
+        # The sample layout gives every rank a part of every task: each adapts and draws.
+        for case in ("F.dropout", "F.dropout module", "F.dropout adapt"):
+            assert "drew random numbers" in out[case], (case, out[case])
+        assert out["F.dropout eval"] == "accepted"
+
+
+def test_a_clone_loop_whose_task_count_grows_gives_the_one_process_weights():
+    # One backward per task, 1 task per rank for three steps and then 3: the sums start in
+    # sync_grads() once clone() has run, so the longer loop is not refused.
+    got = {n: run_local(workers.clone_loop_growing, n) for n in (1, 2)}
+    # By hand, float64, without metaddp: MAML, one inner step of 0.1, the meta-step of SGD 0.05.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    params = [p.detach().clone().requires_grad_() for p in net.parameters()]
+    names = [n for n, _ in net.named_parameters()]
+    x = torch.linspace(-1, 1, 6, dtype=torch.float64)[:, None]
+
+    def f(ws, xs):
+        return torch.func.functional_call(net, dict(zip(names, ws)), (xs,))
+
+    want = []
+    for t, count in enumerate([2, 2, 2, 6, 6]):
+        total = 0
+        for i in range(count):
+            sy, qy = (1 + i + t) * x.sin(), (2 + i) * x
+            inner = ((f(params, x) - sy) ** 2).mean()
+            grads = torch.autograd.grad(inner, params, create_graph=True)
+            fast = [p - 0.1 * g for p, g in zip(params, grads)]
+            total = total + ((f(fast, x) - qy) ** 2).mean() / count
+        grads = torch.autograd.grad(total, params)
+        params = [(p - 0.05 * g).detach().requires_grad_() for p, g in zip(params, grads)]
+        want.append(torch.cat([p.reshape(-1) for p in params]))
+    for outs in got.values():
+        for out in outs:
+            for step, (w, ref) in enumerate(zip(out["weights"], want)):
+                # float64 sums of per-task gradients in another order: a few ulps per step.
+                assert torch.allclose(torch.tensor(w, dtype=torch.float64), ref,
+                                      rtol=1e-12, atol=1e-14), step
+
+
+def test_stacking_a_batchnorm_that_tracks_running_statistics_is_a_clear_error():
+    # vmap cannot update the running statistics in place: a refusal that names the layer,
+    # not autograd's "Cannot access data pointer" from inside the step.
+    net = nn.Sequential(nn.Linear(1, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)).double()
+    x = torch.linspace(-1, 1, 6, dtype=torch.float64)[:, None]
+    tasks = [md.Task(md.Batch(x, 2 * x, 6), md.Batch(x, 3 * x, 6)) for _ in range(2)]
+    mse = lambda p, y: (p - y).squeeze(-1) ** 2  # noqa: E731
+    with pytest.raises(ValueError, match="BatchNorm layers 1 update running statistics"):
+        md.MAML(net, inner_lr=0.1, batched=True).meta_loss(tasks, mse)
+    # In eval mode the statistics are read, not written: stacking runs, and gives the loop's
+    # meta-loss (float64, the same operations per task: equal to a few ulps).
+    net.eval()
+    stacked = md.MAML(net, inner_lr=0.1, batched=True).meta_loss(tasks, mse)
+    loop = md.MAML(net, inner_lr=0.1, batched=False).meta_loss(tasks, mse)
+    assert stacked.item() == pytest.approx(loop.item(), rel=1e-13)

@@ -181,14 +181,16 @@ def hand_loop(check: bool | None, forget: bool) -> str:
     return error_of(step)
 
 
-def size_mistake(through: str) -> str:
-    """A batch cut by hand, with the shard's own length given as the global size, given to
-    meta_loss or to adapt (a hand-written query loss)."""
-    learner = md.MetaDDP(MLP.build_algorithm(), md.Mesh.for_layout("sample"), check=True)
+def size_mistake(through: str, local: bool = False) -> str:
+    """A batch cut by hand with a wrong global size, given to meta_loss or to adapt (a
+    hand-written query loss): one more than the task's (``Batch.local``, check mode finds it),
+    or the shard's own length (``Batch``, refused without check mode)."""
+    learner = md.MetaDDP(MLP.build_algorithm(), md.Mesh.for_layout("sample"), check=not local)
     m = learner.mesh
     t = MLP.task(0)
     x, y = md.shard(t.support.x, m.sample_index, m.samples), md.shard(t.support.y, m.sample_index, m.samples)
-    wrong = md.Task(md.Batch(x, y, len(x)), md.Batch.split(t.query.x, t.query.y, m.sample_index, m.samples))
+    support = md.Batch(x, y, len(x)) if local else md.Batch.local(x, y, t.support.n + 1)
+    wrong = md.Task(support, md.Batch.split(t.query.x, t.query.y, m.sample_index, m.samples))
     if through == "adapt":
         return error_of(lambda: learner.adapt(wrong.support, MLP.loss_fn))
     return error_of(lambda: learner.meta_loss([wrong], MLP.loss_fn))
@@ -197,7 +199,9 @@ def size_mistake(through: str) -> str:
 def check_worker() -> dict:
     out = {"forgot": hand_loop(True, True), "reduced": hand_loop(True, False),
            "off": hand_loop(False, True), "size": size_mistake("meta_loss"),
-           "size through adapt": size_mistake("adapt")}
+           "size through adapt": size_mistake("adapt"),
+           "local size": size_mistake("meta_loss", local=True),
+           "local size through adapt": size_mistake("adapt", local=True)}
     os.environ["METADDP_CHECK"] = "1"
     try:
         out["env"] = hand_loop(None, True)
@@ -229,3 +233,8 @@ def test_check_mode_catches_a_local_sample_count(checks, world):
         for key in ("size", "size through adapt"):
             assert r[key].startswith("OutOfSyncError"), r[key]
             assert "support batch says it has" in r[key]
+        # The shard's own length as n: every rank holds "all" of its batch, refused without
+        # check mode and without a collective.
+        for key in ("local size", "local size through adapt"):
+            assert r[key].startswith("ValueError"), r[key]
+            assert "holds all" in r[key] and "Batch.local(x, y, n)" in r[key], r[key]

@@ -363,14 +363,15 @@ def captured_leaf() -> dict:
     scale = torch.tensor(1.5, dtype=torch.float64, requires_grad=True)
     loss_fn = lambda p, y: scale * (p - y).squeeze(-1) ** 2  # noqa: E731
 
-    def refused(fn) -> str:
+    def refused(fn, through=learner) -> str:
         try:
-            learner.meta_loss(learner.shard(whole), fn)
+            through.meta_loss(learner.shard(whole), fn)
         except ValueError as e:
             return str(e)
         return "accepted"
 
-    out = {"captured": refused(loss_fn), "captured again": refused(loss_fn)}
+    out = {"captured": refused(loss_fn), "captured again": refused(loss_fn),
+           "captured module": refused(loss_fn, learner.module)}
     # The same tensor as a parameter of the algorithm: summed like any other.
     learner.release()
     alg = md.MAML(net, inner_lr=0.1)
@@ -420,3 +421,102 @@ def dropout_refused() -> dict:
     out["grad"] = net[0].weight.grad.reshape(-1).tolist()
     learner.release()
     return out
+
+
+def user_mistakes() -> dict:
+    """Mistakes a user makes through the public API, each an error on several processes:
+    whole tasks where samples are split, a gradient edited before sync_grads(), an optimizer
+    step without sync_grads(), dropout called inside a forward. Returns each case's error text (or
+    "accepted"), and a correct step's loss and gradient for comparison."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    learner = md.MetaDDP(md.MAML(net, inner_lr=0.1), md.Mesh.create())
+    x = torch.linspace(-1, 1, 8, dtype=torch.float64)[:, None]
+    whole = [md.Task(md.Batch(x, (2 + i) * x, 8), md.Batch(x, (3 + i) * x, 8)) for i in range(2)]
+    mse = lambda p, y: (p - y).squeeze(-1) ** 2  # noqa: E731
+    opt = torch.optim.SGD(learner.parameters(), lr=0.01)
+
+    def outcome(call) -> str:
+        try:
+            call()
+        except (ValueError, RuntimeError) as e:
+            return str(e)
+        return "accepted"
+
+    def step(edit=None) -> None:
+        opt.zero_grad()
+        learner.meta_loss(learner.shard(whole), mse).backward()
+        if edit is not None:
+            edit()
+        learner.sync_grads()
+        opt.step()
+
+    def unsummed() -> None:  # sync_grads() forgotten before the step, then called
+        opt.zero_grad()
+        learner.meta_loss(learner.shard(whole), mse).backward()
+        out.setdefault("unsummed", []).append(outcome(opt.step))
+        learner.sync_grads()
+        opt.step()
+
+    clip = lambda: torch.nn.utils.clip_grad_norm_(learner.parameters(), 0.01)  # noqa: E731
+    out: dict = {}
+    unsummed()  # before sums start during the backward (and later, after they do)
+    out |= {
+        "whole": outcome(lambda: learner.meta_loss(whole, mse)),
+        "whole adapt": outcome(lambda: learner.adapt(whole[0].support, mse)),
+        "clip at once": outcome(lambda: step(clip)),
+    }
+    for _ in range(3):  # sums now start during the backward
+        step()
+    out["clip later"] = outcome(lambda: step(clip))
+    out["replaced later"] = outcome(
+        lambda: step(lambda: setattr(net[0].weight, "grad", net[0].weight.grad * 2))
+    )
+    unsummed()
+
+    class Drops(nn.Module):  # dropout called in the forward, not as a layer
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(1, 8), nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.b(torch.nn.functional.dropout(self.a(x).tanh(), 0.3, self.training))
+
+    drops = md.MetaDDP(md.MAML(Drops().double(), inner_lr=0.1, batched=False), md.Mesh.create())
+    mine = drops.shard(whole)
+    out["F.dropout"] = outcome(lambda: drops.meta_loss(mine, mse))
+    out["F.dropout module"] = outcome(lambda: drops.module.meta_loss(mine, mse))
+    out["F.dropout adapt"] = outcome(lambda: drops.adapt(mine[0].support, mse) if mine else None)
+    drops.module.eval()
+    out["F.dropout eval"] = outcome(lambda: drops.meta_loss(mine, mse))
+    drops.release()
+    learner.release()
+    return out
+
+
+def clone_loop_growing() -> dict:
+    """learn2learn's loop through MetaDDP.clone(): one backward per task, one task per rank
+    for three steps, then three; plain SGD. Returns the weights after each step."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    alg = md.MetaDDP(md.MAML(net, inner_lr=0.1), md.Mesh.create(tasks=md.world_size()))
+    opt = torch.optim.SGD(alg.parameters(), lr=0.05)
+    x = torch.linspace(-1, 1, 6, dtype=torch.float64)[:, None]
+    out = []
+    for t, count in enumerate([2, 2, 2, 6, 6]):
+        def task(i: int, t: int = t) -> md.Task:
+            return md.Task(md.Batch(x, (1 + i + t) * x.sin(), 6), md.Batch(x, (2 + i) * x, 6))
+
+        batch = alg.shard(count, task)
+        opt.zero_grad()
+        for tk in batch:
+            learner = alg.clone()
+            learner.adapt(md.share((learner(tk.support.x) - tk.support.y).squeeze(-1) ** 2,
+                                   tk.support))
+            q = md.share((learner(tk.query.x) - tk.query.y).squeeze(-1) ** 2, tk.query)
+            (q / batch.n).backward()
+        alg.sync_grads()
+        opt.step()
+        out.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]).tolist())
+    alg.release()
+    return {"weights": out}

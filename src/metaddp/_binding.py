@@ -36,6 +36,9 @@ class Collectives:
             through (``metaddp.distributed.ExactSums``); ``None`` otherwise.
         split: the work is split over processes by whoever bound these, so that a random
             draw inside the model (dropout) would differ with the number of processes.
+        check_loss: called with every meta-loss and its loss function; raises if the
+            meta-loss depends on what the binder cannot sum (a trained tensor outside the
+            module).
     """
 
     reduce: Reduce
@@ -44,6 +47,7 @@ class Collectives:
     step_ends_in_sync: bool = False
     exact: Any = None
     split: bool = False
+    check_loss: Callable[[Any, Any], None] = lambda loss, loss_fn: None
 
 
 LOCAL = Collectives(identity_reduce, int, "one process")

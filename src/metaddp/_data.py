@@ -97,7 +97,7 @@ class Batch(NamedTuple):
         n = whole(n, "a batch's global size")
         if x.shape[0] > n:
             raise ValueError(f"a shard of {x.shape[0]} samples cannot belong to a batch of {n}")
-        return cls(x, y, n)
+        return Shard(x, y, n)
 
     @classmethod
     def split(cls, x: Tensor, y: Tensor, index: int, parts: int) -> Batch:
@@ -107,7 +107,21 @@ class Batch(NamedTuple):
                 f"a batch's inputs and targets disagree in length: {x.shape[0]} inputs, "
                 f"{y.shape[0]} targets"
             )
-        return cls(shard(x, index, parts), shard(y, index, parts), x.shape[0])
+        return Shard(shard(x, index, parts), shard(y, index, parts), x.shape[0])
+
+    def whole_where_split(self) -> bool:
+        """Whether this batch holds all of its samples without being known as a rank's part
+        (a whole batch, or a shard given its own length as ``n``): wrong where several ranks
+        split its samples, each of which would add the whole batch."""
+        return self.n > 0 and self.x.shape[0] == self.n and not isinstance(self, Shard)
+
+
+class Shard(Batch):
+    """A :class:`Batch` known to be one rank's part of its batch (from :meth:`Batch.split`,
+    :meth:`Batch.local` or ``MetaDDP.shard``): it may hold all ``n`` samples, where the other
+    ranks hold none."""
+
+    __slots__ = ()
 
 
 class Task(NamedTuple):

@@ -6,7 +6,8 @@ swaps the tensors in for the duration of one call and restores the originals.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -54,3 +55,36 @@ def random_layers(module: nn.Module) -> list[str]:
         if m.training
         and ((isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0) or isinstance(m, nn.RReLU))
     ]
+
+
+def _generator_states() -> list[bytes]:
+    """The states of the default generators a forward draws from: the CPU's and, once CUDA
+    is in use, the current device's. Host copies of a few kilobytes, compared as bytes: no
+    device wait, no dispatched operation."""
+    states = [torch.random.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states.append(torch.cuda.get_rng_state())
+    return [state.numpy().tobytes() for state in states]
+
+
+@contextlib.contextmanager
+def refusing_draws(split: bool) -> Iterator[None]:
+    """Where the work is ``split`` over processes, raise if the block drew random numbers
+    from the default generators (``F.dropout`` in a forward, ``nn.MultiheadAttention``'s
+    dropout, a loss that samples): each process draws from its own, so the numbers, and the
+    meta-gradient, would change with the number of processes and the split. Layers that draw
+    are refused before they run (:func:`random_layers`); this sees the rest."""
+    if not split:
+        yield
+        return
+    before = _generator_states()
+    yield
+    if before != _generator_states():
+        raise ValueError(
+            "the model or the loss function drew random numbers (F.dropout in a forward, "
+            "nn.MultiheadAttention(dropout=...), a sampling loss) from each process's own "
+            "generator: under MetaDDP the numbers, and so the meta-gradient, would change "
+            "with the number of processes and the split of the samples. Set the dropout to 0 "
+            "or call model.eval() before meta-training; learner.local() runs such a model on "
+            "one process"
+        )

@@ -20,7 +20,7 @@ from .. import _host
 from .._adapt import batch_share, check_finite, inner_loop
 from .._binding import Collectives, collectives_for
 from .._data import Batch, MetaBatch, Task
-from .._functional import call, params_of, random_layers
+from .._functional import call, params_of, random_layers, refusing_draws
 from .._remat import rematerialized_loop, rematerialized_loss
 from .._types import LossFn, Params, Reduce
 from ..inner import InnerOptimizer, LearnedLR, LearningRate, sgd
@@ -170,6 +170,7 @@ class Algorithm(nn.Module):
             "an explicit reduce",
             bound.step_ends_in_sync,
             split=bound.split,
+            check_loss=bound.check_loss,
         )
 
     def inner_loop(
@@ -261,12 +262,13 @@ class Algorithm(nn.Module):
     ) -> Params:
         """Fast weights after ``steps`` (default: the algorithm's) inner steps on ``support``."""
         self._not_exact("adapt()")
-        with self.autocasting():
+        c = self.collectives(reduce)
+        with self.autocasting(), refusing_draws(c.split):
             return self.inner_loop(
                 support,
                 loss_fn,
                 steps=steps,
-                reduce=self.collectives(reduce).reduce,
+                reduce=c.reduce,
                 extra_grad=self.extra_grad(),
             )
 
@@ -326,11 +328,14 @@ class Algorithm(nn.Module):
         # in sync_grads under a MetaDDP, else at the end of this call.
         _host.begin_step()
         if c.step_ends_in_sync:
-            with self.autocasting():
-                return self._meta_loss(tasks, loss_fn, c)
-        try:
-            with self.autocasting():
+            with self.autocasting(), refusing_draws(c.split):
                 loss = self._meta_loss(tasks, loss_fn, c)
+            c.check_loss(loss, loss_fn)
+            return loss
+        try:
+            with self.autocasting(), refusing_draws(c.split):
+                loss = self._meta_loss(tasks, loss_fn, c)
+            c.check_loss(loss, loss_fn)
         except BaseException:
             _host.discard()
             raise

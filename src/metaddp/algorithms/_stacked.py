@@ -93,8 +93,9 @@ def stacked_shares(
                 raise
             raise RuntimeError(
                 "the model draws random numbers in its forward (a dropout call): stacked tasks "
-                "cannot draw them. Build the algorithm with batched=False to adapt the tasks "
-                "one by one"
+                "cannot draw them. On one process, build the algorithm with batched=False to "
+                "adapt the tasks one by one; under MetaDDP on several processes, which would "
+                "each draw their own, set the dropout to 0 or call model.eval()"
             ) from e
 
 
@@ -239,6 +240,17 @@ def stacked_task_losses(
         return stacked_shares(model, fast, qx, qy, qn, loss_fn).sum()
 
 
+def _tracking_batchnorm(model: nn.Module) -> list[str]:
+    """The BatchNorm layers that update running statistics when called (training mode)."""
+    return [
+        name or type(m).__name__
+        for name, m in model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        and m.training
+        and m.running_mean is not None
+    ]
+
+
 def use_batched(batched: bool | None, tasks: Sequence[Task], model: nn.Module) -> bool:
     """Whether to run ``tasks`` stacked (:func:`stacked_task_losses`) or one by one.
 
@@ -268,6 +280,14 @@ def use_batched(batched: bool | None, tasks: Sequence[Task], model: nn.Module) -
         return False
     why = batchable(tasks)
     if batched:
+        if tracked := _tracking_batchnorm(model):
+            raise ValueError(
+                f"batched=True, but BatchNorm layers {', '.join(tracked[:3])} update running "
+                "statistics in place in training mode, which stacked tasks cannot: use "
+                "batched=None or False to adapt the tasks one by one, build them with "
+                "track_running_stats=False (batch statistics, as MAML does), or call .eval() "
+                "on them"
+            )
         if why is not None:
             raise ValueError(
                 f"batched=True, but these tasks cannot be stacked along a task dimension: {why}. "

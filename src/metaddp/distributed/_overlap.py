@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import _host
 from ._collectives import (
@@ -79,9 +80,16 @@ class GradReducer:
         # votes carry no evidence (there was no previous step).
         self._agreed_single = -1
         self._my_vote = 1.0  # this rank's vote about its last step
+        # Set for good by code that runs one backward per task (MetaDDP.clone): it votes
+        # against launching early, which a later, longer loop would break.
+        self.accumulates = False
         self._handles = [
             p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)
         ]
+        self._ids = {id(p) for p in self.params}
+        # Every optimizer's step in the process passes here first: one that would step on
+        # gradients a backward made but no finish() summed is refused.
+        self._handles.append(register_optimizer_step_pre_hook(self._before_step))
         self._reset()
 
     def _reset(self) -> None:
@@ -91,6 +99,8 @@ class GradReducer:
         self._stale: list[str] = []
         self._fired: set[int] = set()
         self._repeated = False
+        # Each gradient as the backward left it: the tensor and its version counter.
+        self._final: dict[int, tuple[Tensor, int]] = {}
 
     def remove(self) -> None:
         """Detach the hooks (the reducer does nothing afterwards)."""
@@ -114,6 +124,8 @@ class GradReducer:
             if i in self._fired:
                 self._repeated = True
             self._fired.add(i)
+            if p.grad is not None:
+                self._final[i] = (p.grad, p.grad._version)
             if not self.early:
                 return
             b = self.bucket_of[i]
@@ -125,6 +137,26 @@ class GradReducer:
             self._launch_ready()
 
         return hook
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, *args: object) -> None:
+        if not self._fired or not any(
+            id(p) in self._ids for group in optimizer.param_groups for p in group["params"]
+        ):
+            return
+        raise RuntimeError(
+            "optimizer.step() on gradients that a backward made but sync_grads() never summed "
+            "over the ranks: each rank would step on its own shard's gradient, and the ranks "
+            "would drift apart. Call learner.sync_grads() after loss.backward() and before "
+            "optimizer.step()"
+        )
+
+    def _edited(self) -> list[str]:
+        """The parameters whose ``.grad`` changed since the backward made it final."""
+        return [
+            self.names[i]
+            for i, (g, version) in self._final.items()
+            if self.params[i].grad is not g or g._version != version
+        ]
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and len(self._ready[self._next]) == len(
@@ -159,6 +191,7 @@ class GradReducer:
                 passes before one :meth:`finish` without :meth:`paused`).
         """
         try:
+            edited = self._edited()
             while self._next < len(self.buckets):
                 self._launch(self._next)
             missing: list[str] = []
@@ -195,9 +228,18 @@ class GradReducer:
             everyone_single = bool(votes) and votes[0] == world
             self._agreed_single = self._agreed_single + 1 if everyone_single else -(2**30)
             self.early = self._agreed_single >= 2
-            self._my_vote = 0.0 if (self._repeated or stale) else 1.0
+            self._my_vote = 0.0 if (self._repeated or stale or self.accumulates) else 1.0
         finally:
             self._reset()
+        if edited:
+            raise RuntimeError(
+                f"the gradient of {edited[0]!r} was changed between backward() and "
+                "sync_grads() (an in-place edit such as clip_grad_norm_ or weight decay, or a "
+                "new .grad): each rank would change its own part of the SUM, a different "
+                "number at every world size, and a sum already started would lose the edit. "
+                "Change gradients after sync_grads(), which leaves the global gradient on "
+                "every rank"
+            )
         if stale:
             raise RuntimeError(
                 f"the gradient of {stale[0]!r} changed after its all-reduce had started: "

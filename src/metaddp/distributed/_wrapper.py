@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import _host
 from .._adapt import grad
 from .._binding import LOCAL, Collectives, bind, unbind
-from .._data import Batch, MetaBatch, Task
+from .._data import Batch, MetaBatch, Shard, Task
 from .._reach import shapes, unknown_leaves
 from .._types import LossFn, MetaAlgorithm, Params, identity_reduce
 from ..inner import InnerOptimizer
@@ -49,7 +49,7 @@ from ._overlap import GradReducer
 
 
 def _take(batch: Batch, samples: range) -> Batch:
-    return Batch(
+    return Shard(
         batch.x[samples.start : samples.stop], batch.y[samples.start : samples.stop], batch.n
     )
 
@@ -209,6 +209,7 @@ class MetaDDP(nn.Module):
             step_ends_in_sync=True,
             exact=self.exact,
             split=True,
+            check_loss=self._check_loss,
         )
         bind(module, self._collectives)
         self._batchnorm: BatchNormSync | None = (
@@ -342,15 +343,46 @@ class MetaDDP(nn.Module):
         Then ``loss.backward()``, :meth:`sync_grads` and ``optimizer.step()``.
         """
         algorithm = self._algorithm("meta_loss")
+        self._refuse_whole(
+            {
+                f"task {i}'s {which}": b
+                for i, t in enumerate(tasks)
+                for which, b in (("support", t.support), ("query", t.query))
+            }
+        )
         if self.checking:
             self.check_sizes(tasks)
         loss = algorithm.meta_loss(tasks, loss_fn)
-        if loss.requires_grad and not self._searched(loss_fn):
-            self._refuse_unknown_leaves(loss)
-            self._remember_searched(loss_fn)
+        self._check_loss(loss, loss_fn)  # the algorithm's own meta_loss may have, once
         if self._summed and loss.requires_grad:
             loss.register_hook(self._before_backward)
         return loss
+
+    def _refuse_whole(self, batches: Mapping[str, Batch]) -> None:
+        """Refuse a batch that holds all its samples on this rank while its samples are split
+        over several ranks (a meta-batch not cut with :meth:`shard`): every rank would add the
+        whole batch, the task's gradient times the number of ranks. No collective: a rank's
+        part that holds every sample (the others' empty) is a :class:`metaddp.Shard`."""
+        ranks = self.mesh.samples
+        if ranks == 1:
+            return
+        for name, b in batches.items():
+            if b.whole_where_split():
+                raise ValueError(
+                    f"{name} holds all {b.n} of its samples on this rank, but its samples are "
+                    f"split over the {ranks} ranks of a sample group: every rank would add the "
+                    f"whole batch's gradient, {ranks} times the task's. Cut this rank's part "
+                    "with learner.shard(...) (or Task.split(learner.mesh.sample_index, "
+                    f"{ranks})); a part cut by hand is Batch.local(x, y, n), with n the "
+                    "whole batch's size"
+                )
+
+    def _check_loss(self, loss: Tensor, loss_fn: LossFn) -> None:
+        """Refuse a meta-loss that depends on a trained tensor outside the module, searched
+        once per loss function (also through ``learner.module.meta_loss``, which calls it)."""
+        if loss.requires_grad and not self._searched(loss_fn):
+            self._refuse_unknown_leaves(loss)
+            self._remember_searched(loss_fn)
 
     def _searched(self, loss_fn: LossFn) -> bool:
         """Whether a meta-loss of ``loss_fn`` passed the search for unknown leaves already
@@ -415,6 +447,7 @@ class MetaDDP(nn.Module):
 
     def adapt(self, support: Batch, loss_fn: LossFn, *, steps: int | None = None) -> Params:
         """The wrapped algorithm's fast weights after adapting to ``support``."""
+        self._refuse_whole({"the support": support})
         if self.checking:
             self._check_batch_sizes({"the support": support})
         return self._algorithm("adapt").adapt(support, loss_fn, steps=steps)
@@ -427,6 +460,9 @@ class MetaDDP(nn.Module):
         clone = getattr(algorithm, "clone", None)
         if clone is None:
             raise TypeError(f"{type(algorithm).__name__} has no clone()")
+        if self._reducer is not None:
+            # Clone loops run one backward per task: sums cannot start during a backward.
+            self._reducer.accumulates = True
         return clone()
 
     @overload
