@@ -526,11 +526,10 @@ def main(args: argparse.Namespace) -> int:
             try:
                 outcome = launch(args.nproc, args.max_restarts, *common)
             except SignalException as e:
-                # The launcher was told to stop; it passed the signal on, and the processes
-                # ended their step and wrote a checkpoint before leaving.
-                # Processes still in their step after the launcher's grace period (30 s) were
-                # killed: the checkpoint may be an earlier step's, so the line names its step
-                # without saying that this stop wrote it.
+                # The launcher was told to stop and passed the signal on: the processes end
+                # their step and write a checkpoint, unless a step outlasts the launcher's
+                # grace period (30 s) and they are killed. So the line names the step of the
+                # checkpoint the folder holds, without saying that this stop wrote it.
                 step = _checkpoint_step(out)
                 outcome = {"stopped": {"signal": signal_name(e.sigval), "step": step, "held": True}}
             except ChildFailedError as e:

@@ -47,6 +47,13 @@ def device_for(backend: str | None) -> torch.device:
     return torch.device("cpu")
 
 
+def _stop_signals() -> StopSignals:
+    """Stop requests noted rather than obeyed at once. Under a launcher (torchrun's, or
+    --nproc's), a second Ctrl-C is its to act on: it kills the processes that have not
+    stopped in its own time."""
+    return StopSignals(escalate="TORCHELASTIC_RUN_ID" not in os.environ)
+
+
 class Trainer:
     """One training run on every process of the (already initialised) process group.
 
@@ -276,9 +283,7 @@ class Trainer:
         t0 = time.perf_counter() - (log.seconds if log is not None else 0.0)
         stopped: dict[str, Any] | None = None
         try:
-            # Under a launcher (torchrun's, or --nproc's), a second Ctrl-C is its to act on: it
-            # kills the processes that have not stopped in its own time.
-            with StopSignals(escalate="TORCHELASTIC_RUN_ID" not in os.environ) as signals:
+            with _stop_signals() as signals:
                 if self.evaluation_due:
                     # The stop that wrote the checkpoint skipped this step's evaluation: run
                     # it on the same weights, and complete the step's metrics row.
@@ -315,7 +320,7 @@ class Trainer:
             return dict(result, stopped=stopped, summary=None)
         # Every step is checkpointed: a stop request now lets the summary and plots be
         # written (a few seconds) rather than cut them off.
-        with StopSignals(escalate="TORCHELASTIC_RUN_ID" not in os.environ):
+        with _stop_signals():
             summary = self._finish(last_eval)
         return dict(result, summary=summary)
 
