@@ -22,7 +22,14 @@ per task (the learn2learn style) accumulates instead. So every bucket also carri
 was accumulated twice. Buckets launch early only after two consecutive steps in which every
 rank voted 1 (an agreement all ranks see alike, from the same sums); until then, and for
 good once any rank accumulates, everything launches in :meth:`finish`. A rank that
-accumulates after early launching has begun gets a clear error instead of stale sums.
+accumulates after early launching has begun gets a clear error instead of stale sums; code
+that announces one backward per task (``MetaDDP.clone``) votes against early launching from
+the start.
+
+Each gradient's tensor and version counter are recorded as its backward makes it final:
+:meth:`finish` refuses a gradient changed since (clipping or weight decay before the SUM
+would change each rank's part, or be lost once its sum has started), and an optimizer step
+on gradients no :meth:`finish` summed is refused before it runs.
 """
 
 from __future__ import annotations
