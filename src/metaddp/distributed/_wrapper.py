@@ -99,6 +99,15 @@ def _refuse_rates_outside(module: nn.Module, deterministic: bool) -> None:
         )
 
 
+def _named_batches(tasks: Sequence[Task]) -> dict[str, Batch]:
+    """Every task's support and query batch, by the name an error gives it."""
+    return {
+        f"task {i}'s {which}": b
+        for i, t in enumerate(tasks)
+        for which, b in (("support", t.support), ("query", t.query))
+    }
+
+
 def _loss_key(loss_fn: LossFn) -> tuple[Any, Any]:
     """``(object, function)`` of a bound method, which is made anew at each attribute access;
     ``(loss_fn, None)`` otherwise."""
@@ -191,6 +200,7 @@ class MetaDDP(nn.Module):
         # Loss functions whose meta-loss was searched for tensors outside the module: a
         # function, or a bound method's object and function (a new method object each time).
         self._loss_fns: weakref.WeakKeyDictionary[Any, set[Any]] = weakref.WeakKeyDictionary()
+        self._loss_checks = 0  # calls of _check_loss, to run it once per meta-loss
         if deterministic:
             self.exact = ExactSums(self.mesh, chunks)
             _deterministic_kernels(module)
@@ -343,17 +353,13 @@ class MetaDDP(nn.Module):
         Then ``loss.backward()``, :meth:`sync_grads` and ``optimizer.step()``.
         """
         algorithm = self._algorithm("meta_loss")
-        self._refuse_whole(
-            {
-                f"task {i}'s {which}": b
-                for i, t in enumerate(tasks)
-                for which, b in (("support", t.support), ("query", t.query))
-            }
-        )
+        self._refuse_whole(_named_batches(tasks))
         if self.checking:
             self.check_sizes(tasks)
+        searches = self._loss_checks
         loss = algorithm.meta_loss(tasks, loss_fn)
-        self._check_loss(loss, loss_fn)  # the algorithm's own meta_loss may have, once
+        if self._loss_checks == searches:  # an algorithm that does not call check_loss itself
+            self._check_loss(loss, loss_fn)
         if self._summed and loss.requires_grad:
             loss.register_hook(self._before_backward)
         return loss
@@ -380,6 +386,7 @@ class MetaDDP(nn.Module):
     def _check_loss(self, loss: Tensor, loss_fn: LossFn) -> None:
         """Refuse a meta-loss that depends on a trained tensor outside the module, searched
         once per loss function (also through ``learner.module.meta_loss``, which calls it)."""
+        self._loss_checks += 1
         if loss.requires_grad and not self._searched(loss_fn):
             self._refuse_unknown_leaves(loss)
             self._remember_searched(loss_fn)
@@ -521,12 +528,7 @@ class MetaDDP(nn.Module):
                     "check mode: the ranks that split tasks' samples hold different numbers of "
                     "tasks; give every rank of a sample group the same tasks (MetaDDP.shard)"
                 )
-        named = {
-            f"task {i}'s {which}": b
-            for i, t in enumerate(tasks)
-            for which, b in (("support", t.support), ("query", t.query))
-        }
-        self._check_batch_sizes(named)
+        self._check_batch_sizes(_named_batches(tasks))
 
     def _check_batch_sizes(self, batches: Mapping[str, Batch]) -> None:
         """Raise :class:`metaddp.OutOfSyncError` unless every batch's shards, summed over the

@@ -78,7 +78,7 @@ class Trainer:
         self.algorithm = algorithm.to(device=self.device, dtype=self.dtype)
         self.optimizer = torch.optim.Adam(self.algorithm.parameters(), lr=cfg.outer_lr)
         self.start = 0
-        self.evaluation_due = False
+        self.evaluate_first = False
         if resume:
             state = _checkpoint.load_latest(
                 self.out / CHECKPOINT, cfg.identity(), map_location=self.device
@@ -87,7 +87,7 @@ class Trainer:
             self.optimizer.load_state_dict(state["optimizer"])
             self.start = state["step"]
             # A stop at a step whose evaluation was due skipped it: the resume runs it first.
-            self.evaluation_due = bool(state.get("evaluation_due", False))
+            self.evaluate_first = bool(state.get("evaluation_due", False))
             if self.start > cfg.steps:
                 raise _checkpoint.CheckpointError(
                     f"the checkpoint is at step {self.start}, beyond --steps {cfg.steps}: "
@@ -284,7 +284,7 @@ class Trainer:
         stopped: dict[str, Any] | None = None
         try:
             with _stop_signals() as signals:
-                if self.evaluation_due:
+                if self.evaluate_first:
                     # The stop that wrote the checkpoint skipped this step's evaluation: run
                     # it on the same weights, and complete the step's metrics row.
                     last_eval = self.evaluate()
