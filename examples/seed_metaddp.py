@@ -40,15 +40,17 @@ def train(second_order: bool, iterations: int) -> list[float]:
     grad2 = []
     for i in range(iterations):
         batch = data[8 * i : 8 * (i + 1)]  # the global batch of 8 ...
-        x = md.shard(batch, mesh.sample_index, mesh.samples)    # ... this rank's part
+        # ... this rank's part (the outputs are the losses: the inputs stand in for targets)
+        part = md.Batch.split(batch, batch, mesh.sample_index, mesh.samples)
+        x = part.x
         opt.zero_grad()
         w = md.params_of(net.module)
-        l1 = md.share(net(x), n_global=8)  # this rank's share of the mean over the global batch
+        l1 = md.share(net(x), part)        # this rank's share of the mean over the global batch
         # The gradient of the global l1 (autograd.grad, then a differentiable SUM over ranks).
         # First order must keep l1's graph: it is backpropagated again below.
         g = net.grad(l1, w, create_graph=second_order, retain_graph=True)
         fast = {k: p - 1.0 * g[k] for k, p in w.items()}           # functional fast weights
-        l2 = md.share(md.call(net.module, fast, x), n_global=8)
+        l2 = md.share(md.call(net.module, fast, x), part)
         (l1 + l2).backward()
         net.sync_grads()                   # SUM of shares = the gradient of the global loss
         grad2.append(float(net.module.conv[0].weight.grad[0, 0]))

@@ -31,3 +31,30 @@ def test_readme_api_is_the_tested_quickstart():
             assert any(s.startswith("mesh = md.Mesh.create(") for s in script)
             continue
         assert line in script, f"README line not in examples/quickstart.py: {line}"
+
+
+def readme_commands() -> list[str]:
+    """The README's shell commands that run from the repository after `make demo` (those
+    written with `.venv/bin/`), in the order the README gives them."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = readme.split("```")[1::2]
+    lines = [l.split("  #")[0].strip() for b in blocks if not b.startswith("python") for l in b.splitlines()]
+    return [l for l in lines if l.startswith(".venv/bin/")]
+
+
+def test_every_readme_command_runs_as_written():
+    import shutil
+    import subprocess
+    import sys
+
+    commands = readme_commands()
+    assert len(commands) >= 5
+    bin_dir = str(Path(sys.executable).parent) + "/"
+    for command in commands:
+        if " -m pytest " in command:
+            assert (ROOT / command.split()[-1]).exists(), command  # the suite runs it itself
+            continue
+        run = subprocess.run(command.replace(".venv/bin/", bin_dir), shell=True, cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, f"{command}\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}"
+    shutil.rmtree(ROOT / "runs" / "first", ignore_errors=True)

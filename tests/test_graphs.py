@@ -29,9 +29,10 @@ def test_a_recorded_step_reads_nothing_and_keeps_its_checks_for_the_replay():
             ends_in_sync = _host.in_step()
             checks = _host.take()
         assert reads.reads == 0
-        # One finite check per inner step; a MetaDDP step ends in sync_grads, an
-        # algorithm's at the end of meta_loss.
-        assert len(checks) == P.steps and ends_in_sync == wrapped
+        # One finite check per inner step, and for an algorithm alone one of its meta-loss
+        # (under MetaDDP that value rides in the gradient SUM instead); a MetaDDP step ends
+        # in sync_grads, an algorithm's at the end of meta_loss.
+        assert len(checks) == P.steps + (not wrapped) and ends_in_sync == wrapped
         _host.judge(checks)  # finite: passes
         if wrapped:
             _host.resume(checks)

@@ -136,6 +136,28 @@ def check_finite(grads: Mapping[str, Tensor], step: int) -> None:
     _host.check(finite, verdict)
 
 
+def check_finite_loss(loss: Tensor) -> None:
+    """Raise :class:`FloatingPointError` if the meta-loss is not finite, as an inner gradient
+    would (read with the step's other checks)."""
+    if loss.numel() != 1:
+        return
+    with torch.no_grad():
+        finite = torch.isfinite(loss.detach()).reshape(1)
+
+    def verdict(ok: list[float]) -> Exception | None:
+        if ok[0]:
+            return None
+        return FloatingPointError(NON_FINITE_LOSS)
+
+    _host.check(finite, verdict)
+
+
+NON_FINITE_LOSS = (
+    "the meta-loss is not finite (NaN or Inf): check the query data (a NaN target?), lower "
+    "the inner learning rate, or look for a loss that divides by zero"
+)
+
+
 def inner_step(
     loss: Tensor,
     fast: Params,

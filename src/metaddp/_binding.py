@@ -39,6 +39,11 @@ class Collectives:
         check_loss: called with every meta-loss and its loss function; raises if the
             meta-loss depends on what the binder cannot sum (a trained tensor outside the
             module).
+        samples_split: processes may split a task's samples, so a batch may hold part of its
+            ``n`` samples; without it every batch must hold all of them.
+        check_share: called with every loss a caller hands to an inner step (``clone()``'s
+            ``adapt``, ``MetaDDP.grad``) and where it was given; raises unless the loss is a
+            share of a batch the processes that split it agree on (:func:`metaddp.share`).
     """
 
     reduce: Reduce
@@ -48,6 +53,8 @@ class Collectives:
     exact: Any = None
     split: bool = False
     check_loss: Callable[[Any, Any], None] = lambda loss, loss_fn: None
+    samples_split: bool = False
+    check_share: Callable[[Any, str], None] = lambda loss, where: None
 
 
 LOCAL = Collectives(identity_reduce, int, "one process")

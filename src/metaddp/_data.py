@@ -8,9 +8,10 @@ meta-batch sees is the same for any number of processes.
 from __future__ import annotations
 
 import hashlib
+import math
 import numbers
 import operator
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, overload
 
 import torch
@@ -22,10 +23,24 @@ from torch.utils.data import default_collate
 def whole(value: Any, what: str) -> int:
     """``value`` as an ``int``; an error for anything that is not a whole number (a float
     count would otherwise be truncated, or divide by a count no batch has)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be a whole number (an int), got {value!r}")
     try:
         return operator.index(value)
     except TypeError:
         raise TypeError(f"{what} must be a whole number (an int), got {value!r}") from None
+
+
+def positive(value: Any, what: str, *, integer: bool = False) -> Any:
+    """``value`` if it is a positive finite number (a whole one with ``integer``); an error
+    naming ``what`` otherwise (a negative rate or zero steps would train silently wrong)."""
+    if integer:
+        value = whole(value, what)
+    elif isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be a number, got {value!r}")
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{what} must be positive and finite, got {value!r}")
+    return value
 
 
 def shard_range(n: int, index: int, parts: int) -> range:
@@ -138,6 +153,71 @@ class Task(NamedTuple):
         return Task(Batch.split(s.x, s.y, index, parts), Batch.split(q.x, q.y, index, parts))
 
 
+def _task(value: Any, what: str) -> Task:
+    """``value`` if it is a :class:`Task` of two :class:`Batch` es; else an error naming it."""
+    if isinstance(value, Task) and all(isinstance(b, Batch) for b in value):
+        return value
+    raise TypeError(
+        f"{what} is a {type(value).__name__}, not a metaddp.Task of two metaddp.Batches: "
+        "build it as md.Task(md.Batch(x_support, y_support, n_support), "
+        "md.Batch(x_query, y_query, n_query))"
+    )
+
+
+def named_batches(tasks: Sequence[Task]) -> dict[str, Batch]:
+    """Every task's support and query batch, by the name an error gives them."""
+    return {
+        f"task {i}'s {which}": b
+        for i, t in enumerate(tasks)
+        for which, b in (("support", t.support), ("query", t.query))
+    }
+
+
+def check_batches(
+    batches: Mapping[str, Batch], like: Tensor | None, *, whole: bool, dtypes: bool = True
+) -> None:
+    """Refuse batches that cannot be what they say, before any work (no collective).
+
+    Args:
+        batches: the batches by the name an error gives them.
+        like: a parameter of the model the batches go to: a floating-point input of another
+            dtype, or an input on another device, is named here rather than deep in a layer.
+        whole: every batch must hold all of its ``n`` samples (one process, or ranks that hold
+            whole tasks); a batch of 5 samples that says 7 would weigh each sample 5/7.
+        dtypes: compare the inputs' dtype with ``like``'s (not under autocast).
+    """
+    for name, b in batches.items():
+        held, targets = b.x.shape[0] if b.x.dim() else 0, b.y.shape[0] if b.y.dim() else 0
+        if held != targets:
+            raise ValueError(f"{name} batch has {held} inputs but {targets} targets")
+        if held > b.n:
+            raise ValueError(f"{name} batch holds {held} samples but says it has {b.n}")
+        if whole and held != b.n:
+            raise ValueError(
+                f"{name} batch holds {held} samples but says it has n={b.n}: on one process "
+                "(or where each rank holds whole tasks) a batch holds all of its samples, and "
+                "its losses are divided by n. Build it as Batch(x, y, len(x)); "
+                "learner.shard(...) cuts a meta-batch for the layout it runs on"
+            )
+        if like is None:
+            continue
+        if b.x.device != like.device:
+            raise ValueError(
+                f"{name} batch is on {b.x.device}, the model on {like.device}: move the "
+                "task's tensors to the model's device (or the model to theirs)"
+            )
+        if (
+            dtypes
+            and b.x.is_floating_point()
+            and like.is_floating_point()
+            and b.x.dtype != like.dtype
+        ):
+            raise TypeError(
+                f"{name} batch's inputs are {b.x.dtype}, the model's parameters "
+                f"{like.dtype}: convert one to the other (model.to(dtype) or x.to(dtype))"
+            )
+
+
 class MetaBatch(Sequence[Task]):
     """This process's tasks of a global meta-batch of :attr:`n` tasks.
 
@@ -148,7 +228,12 @@ class MetaBatch(Sequence[Task]):
     Attributes:
         n: tasks in the global meta-batch.
         indices: the global positions (``0 .. n-1``) of this process's tasks.
+        source: what :meth:`shard` built it from: the whole meta-batch (a tuple of every
+            task) or ``make_task``; ``None`` for one made by hand. The wrapper's first-step
+            check compares it across the ranks.
     """
+
+    source: tuple[Task, ...] | Callable[[int], Task] | None = None
 
     def __init__(self, tasks: Sequence[Task], n: int, indices: range) -> None:
         if (
@@ -196,12 +281,18 @@ class MetaBatch(Sequence[Task]):
                     "meta_loss as it is, or shard the whole meta-batch (every task, on every "
                     "rank) once"
                 )
-            every = list(tasks)
+            every = tuple(_task(t, f"task {i} of the meta-batch") for i, t in enumerate(tasks))
             n, build = len(every), every.__getitem__
         if n < 1:
             raise ValueError(f"a meta-batch needs at least one task, got {n}")
         mine = shard_range(n, task_index, task_parts)
-        return cls([build(i).split(sample_index, sample_parts) for i in mine], n, mine)
+        out = cls(
+            [_task(build(i), f"make_task({i})").split(sample_index, sample_parts) for i in mine],
+            n,
+            mine,
+        )
+        out.source = make_task if make_task is not None else every
+        return out
 
     @overload
     def __getitem__(self, i: int) -> Task: ...

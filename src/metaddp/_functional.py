@@ -88,3 +88,27 @@ def refusing_draws(split: bool) -> Iterator[None]:
             "or call model.eval() before meta-training; learner.local() runs such a model on "
             "one process"
         )
+
+
+def refuse_data_parallel(model: nn.Module) -> None:
+    """Refuse a model with ``DistributedDataParallel`` (or ``DataParallel``) inside: its hooks
+    reduce gradients on their own, by a mean over ranks that autograd cannot see."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    for name, m in model.named_modules():
+        if isinstance(m, (DistributedDataParallel, nn.DataParallel)):
+            where = f"at {name!r}" if name else "as the model itself"
+            raise TypeError(
+                f"the model holds a {type(m).__name__} {where}: metaddp takes its place. Pass "
+                "the bare module (ddp.module) and wrap the algorithm in metaddp.MetaDDP, "
+                "whose sums autograd can differentiate through"
+            )
+
+
+def require_trained(module: nn.Module) -> None:
+    """Refuse a module none of whose parameters is trained (every one frozen)."""
+    if not any(p.requires_grad for p in module.parameters()):
+        raise ValueError(
+            f"no parameter of the {type(module).__name__} requires a gradient (all frozen): "
+            "there is nothing to meta-train. Leave requires_grad=True on the ones to learn"
+        )

@@ -8,9 +8,39 @@ empty shards included, so every cross-rank reduction is a plain SUM, never a mea
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, cast
+
 from torch import Tensor
 
-from ._data import Batch, whole
+from ._data import Batch, Shard, whole
+
+_TAG = "metaddp.share"
+"""The key of a share's record in its autograd node's ``metadata``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ShareOf:
+    """What a share was made from: ``held`` of ``n`` samples, and ``source``: ``"shard"`` (a
+    batch known to be a rank's part), ``"batch"`` (a batch not known as one: whole, or built
+    by hand) or ``"count"`` (an integer the caller counted)."""
+
+    held: int
+    n: int
+    source: str
+
+
+def _metadata(node: Any) -> dict[str, Any]:
+    # An autograd node's dict for its users' records (``torch.autograd.graph.Node.metadata``,
+    # a property that torch's stubs type as a method).
+    return cast(dict[str, Any], node.metadata)
+
+
+def share_of(loss: Tensor) -> ShareOf | None:
+    """How ``loss`` was made, if :func:`share` made it; ``None`` for any other tensor (a plain
+    mean, a sum of shares, a share scaled again)."""
+    node = loss.grad_fn
+    return None if node is None else _metadata(node).get(_TAG)
 
 
 def share(per_sample: Tensor, n_global: int | Batch) -> Tensor:
@@ -24,7 +54,10 @@ def share(per_sample: Tensor, n_global: int | Batch) -> Tensor:
     """
     if isinstance(n_global, Batch):
         check_per_sample(per_sample, n_global.x.shape[0])
+        source = "shard" if isinstance(n_global, Shard) else "batch"
         n_global = n_global.n
+    else:
+        source = "count"
     n_global = whole(n_global, "the global sample count")
     if per_sample.dim() == 0:
         raise ValueError(
@@ -36,7 +69,11 @@ def share(per_sample: Tensor, n_global: int | Batch) -> Tensor:
     n_local = per_sample.shape[0]
     if n_local > n_global:
         raise ValueError(f"{n_local} local samples cannot be a share of {n_global} global ones")
-    return one_per_sample(per_sample).sum() / n_global
+    out = one_per_sample(per_sample).sum() / n_global
+    if out.grad_fn is not None:
+        # Where ranks split a batch, what adapts on this share checks what it was made from.
+        _metadata(out.grad_fn)[_TAG] = ShareOf(n_local, n_global, source)
+    return out
 
 
 def check_per_sample(losses: Tensor, n_local: int) -> None:

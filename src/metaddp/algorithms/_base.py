@@ -10,6 +10,7 @@ algorithm (the identity on one process); ``reduce=`` overrides it. The losses ar
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -17,10 +18,17 @@ import torch
 from torch import Tensor, nn
 
 from .. import _host
-from .._adapt import batch_share, check_finite, inner_loop
+from .._adapt import batch_share, check_finite, check_finite_loss, inner_loop
 from .._binding import Collectives, collectives_for
-from .._data import Batch, MetaBatch, Task
-from .._functional import call, params_of, random_layers, refusing_draws
+from .._data import Batch, MetaBatch, Task, check_batches, named_batches, positive
+from .._functional import (
+    call,
+    params_of,
+    random_layers,
+    refuse_data_parallel,
+    refusing_draws,
+    require_trained,
+)
 from .._remat import rematerialized_loop, rematerialized_loss
 from .._types import LossFn, Params, Reduce
 from ..inner import InnerOptimizer, LearnedLR, LearningRate, sgd
@@ -73,8 +81,11 @@ class Algorithm(nn.Module):
         autocast: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        if steps < 0:
-            raise ValueError(f"steps must be >= 0, got {steps}")
+        inner_lr = positive(inner_lr, "inner_lr")
+        steps = positive(steps, "steps (inner steps per task)", integer=True)
+        if not isinstance(first_order, bool):
+            raise TypeError(f"first_order must be True or False, got {first_order!r}")
+        refuse_data_parallel(model)
         if memory not in MEMORY_MODES:
             raise ValueError(f"memory must be one of {', '.join(MEMORY_MODES)}, got {memory!r}")
         self.memory = memory
@@ -163,14 +174,9 @@ class Algorithm(nn.Module):
         try:
             bound = collectives_for(self, self.model)
         except RuntimeError:
-            return Collectives(reduce, _unknown_count, "an explicit reduce")
-        return Collectives(
-            reduce,
-            bound.count_tasks,
-            "an explicit reduce",
-            bound.step_ends_in_sync,
-            split=bound.split,
-            check_loss=bound.check_loss,
+            return Collectives(reduce, _unknown_count, "an explicit reduce", samples_split=True)
+        return dataclasses.replace(
+            bound, reduce=reduce, where="an explicit reduce", exact=None, samples_split=True
         )
 
     def inner_loop(
@@ -263,6 +269,7 @@ class Algorithm(nn.Module):
         """Fast weights after ``steps`` (default: the algorithm's) inner steps on ``support``."""
         self._not_exact("adapt()")
         c = self.collectives(reduce)
+        self.check_batches({"the support": support}, c)
         with self.autocasting(), refusing_draws(c.split):
             return self.inner_loop(
                 support,
@@ -271,6 +278,13 @@ class Algorithm(nn.Module):
                 reduce=c.reduce,
                 extra_grad=self.extra_grad(),
             )
+
+    def check_batches(self, batches: Mapping[str, Batch], c: Collectives) -> None:
+        """Refuse batches that cannot be what they say (:func:`metaddp._data.check_batches`),
+        and a module with nothing to train, before any work."""
+        require_trained(self)
+        like = next((p for p in self.parameters() if p.requires_grad), None)
+        check_batches(batches, like, whole=not c.samples_split, dtypes=self.autocast is None)
 
     def extra_grad(self) -> Callable[[Params], Params] | None:
         """What every inner step of :meth:`adapt` and ``clone()`` adds to the loss's gradient
@@ -324,6 +338,7 @@ class Algorithm(nn.Module):
             reduce: the sample-axis SUM, when not the wrapping MetaDDP's.
         """
         c = self.collectives(reduce)
+        self.check_batches(named_batches(tasks), c)
         # The checks inside the step wait on the device and are read once (metaddp._host):
         # in sync_grads under a MetaDDP, else at the end of this call.
         _host.begin_step()
@@ -336,6 +351,7 @@ class Algorithm(nn.Module):
             with self.autocasting(), refusing_draws(c.split):
                 loss = self._meta_loss(tasks, loss_fn, c)
             c.check_loss(loss, loss_fn)
+            check_finite_loss(loss)
         except BaseException:
             _host.discard()
             raise
@@ -377,13 +393,16 @@ class Algorithm(nn.Module):
         the loss given to ``adapt`` must be this rank's share (:func:`metaddp.share`).
         """
         self._not_exact("clone()")
+        require_trained(self)
+        c = self.collectives(reduce)
         return Learner(
             self._run,
             self.fast_weights(),
             self.inner_optimizer(),
             first_order=self.first_order,
-            reduce=self.collectives(reduce).reduce,
+            reduce=c.reduce,
             extra_grad=self.extra_grad(),
+            check_share=c.check_share,
         )
 
     def _run(self, fast: Params, *args: Any, **kwargs: Any) -> Any:

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from .._adapt import batch_share
-from .._data import Task
+from .._data import Task, positive
 from .._types import LossFn, Params, Reduce
 from ..inner import InnerOptimizer
 from ._base import Algorithm, OptimizerFactory, local_fraction
@@ -140,10 +140,9 @@ class IMAML(Algorithm):
         cg_steps: int = 10,
         cg_tol: float = 1e-10,
     ) -> None:
-        if lam <= 0:
-            raise ValueError(f"the proximal strength lam must be positive, got {lam}")
-        if cg_steps < 1:
-            raise ValueError(f"cg_steps must be >= 1, got {cg_steps}")
+        lam = positive(lam, "the proximal strength lam")
+        cg_steps = positive(cg_steps, "cg_steps", integer=True)
+        cg_tol = positive(cg_tol, "cg_tol")
         super().__init__(
             model, inner_lr=inner_lr, steps=steps, first_order=True, optimizer=optimizer
         )

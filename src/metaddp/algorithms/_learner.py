@@ -27,6 +27,7 @@ class Learner:
         first_order: treat inner gradients as constants.
         reduce: SUM of gradients over the ranks that split the task's samples.
         extra_grad: what the algorithm adds to every step's gradient (iMAML's proximal term).
+        check_share: refuses a loss that is not a share of a known batch (the wrapper's).
     """
 
     def __init__(
@@ -38,6 +39,7 @@ class Learner:
         first_order: bool = False,
         reduce: Reduce = identity_reduce,
         extra_grad: Callable[[Params], Params] | None = None,
+        check_share: Callable[[Tensor, str], None] = lambda loss, where: None,
     ) -> None:
         self._run = run
         self.params: Params = dict(params)
@@ -47,9 +49,15 @@ class Learner:
         self.reduce = reduce
         self.steps = 0
         self.extra_grad = extra_grad
+        self.check_share = check_share
 
     def adapt(self, loss: Tensor) -> None:
-        """One inner step on ``loss`` (this rank's share of a loss computed with ``self(x)``)."""
+        """One inner step on ``loss`` (this rank's share of a loss computed with ``self(x)``).
+
+        Where ranks split the task's samples, ``loss`` must be ``metaddp.share(per_sample,
+        batch)``: a plain mean, or a share of a count, is refused (each rank would step on its
+        own shard's mean)."""
+        self.check_share(loss, "learner.adapt(loss)")
         self.params, self.state = inner_step(
             loss,
             self.params,

@@ -28,6 +28,7 @@ from typing import Any
 
 from .. import train as _train
 from ..distributed._mesh import DEFAULT_TIMEOUT
+from ..distributed.launch import oversubscribed
 from ..tasks import FAMILIES, family_class
 from ..train import DTYPES, LAYOUTS, RunLock, TrainConfig, _checkpoint, read_toml
 
@@ -492,6 +493,8 @@ def main(args: argparse.Namespace) -> int:
         if args.debug:
             raise
         return user_error(e)
+    if crowded := oversubscribed(args.nproc):
+        print(f"metaddp train: warning: {crowded}", file=sys.stderr)
     threads = max(1, (os.cpu_count() or 1) // args.nproc)
     common = (
         cfg.to_dict(),

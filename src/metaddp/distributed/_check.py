@@ -41,30 +41,49 @@ def _under_transform(t: Tensor) -> bool:
 
 
 class WeightCheck:
-    """Forward pre-hooks comparing each module's weights across ``group`` before it runs.
+    """Forward pre-hooks comparing each module's weights across ``group`` before it runs,
+    registered while :attr:`enabled` (nothing is paid otherwise).
 
     Args:
         root: the module whose submodules are checked.
         group: the processes that split one task's samples.
+        fast_only: compare only weights that are not the modules' own parameters (fast
+            weights inside ``torch.func.functional_call``); the meta-parameters themselves are
+            kept alike by the wrapper, and a forward on them may be one rank's own work.
     """
 
-    def __init__(self, root: nn.Module, group: Group) -> None:
+    def __init__(self, root: nn.Module, group: Group, *, fast_only: bool = False) -> None:
         self.group = group
+        self.fast_only = fast_only
         self.calls = 0  # comparisons made (one collective each)
-        self.enabled = True
         self._handles: list[RemovableHandle] = []
-        if group_size(group) == 1:
-            return
-        for prefix, module in root.named_modules():
-            if any(True for _ in module.parameters(recurse=False)):
-                self._handles.append(module.register_forward_pre_hook(self._hook(prefix)))
+        self._modules = (
+            []
+            if group_size(group) == 1
+            else [
+                (prefix, module)
+                for prefix, module in root.named_modules()
+                if any(True for _ in module.parameters(recurse=False))
+            ]
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._handles)
+
+    @enabled.setter
+    def enabled(self, on: bool) -> None:
+        if on and not self._handles:
+            self._handles = [m.register_forward_pre_hook(self._hook(p)) for p, m in self._modules]
+        elif not on:
+            self.remove()
 
     def _hook(self, prefix: str):
         def hook(module: nn.Module, args: object) -> None:
-            if not self.enabled:
-                return
             named = [(n, getattr(module, n)) for n in module._parameters]
             named = [(n, t) for n, t in named if isinstance(t, Tensor)]
+            if self.fast_only:
+                named = [(n, t) for n, t in named if not isinstance(t, nn.Parameter)]
             if not named or any(_under_transform(t) for _, t in named):
                 return
             self.calls += 1
@@ -73,9 +92,9 @@ class WeightCheck:
                 if d != 0:
                     full = f"{prefix}.{name}" if prefix else name
                     raise OutOfSyncError(
-                        f"check mode: {full!r} differs across the processes that split one "
-                        f"task's samples (max difference {d:.3g}) when the model runs on it. "
-                        "An inner gradient was probably not reduced: take inner gradients with "
+                        f"{full!r} differs across the processes that split one task's samples "
+                        f"(max difference {d:.3g}) when the model runs on it. An inner "
+                        "gradient was not summed over them: take inner gradients with "
                         "`learner.grad(loss, params)` (torch.autograd.grad followed by the "
                         "sample-axis SUM), or pass them through `learner.reduce`."
                     )

@@ -39,6 +39,13 @@ def init(backend: str | None = None, timeout: timedelta | float = DEFAULT_TIMEOU
     (:func:`metaddp.keep_freed_memory`; ``METADDP_KEEP_FREED_MEMORY=0`` leaves it out).
     """
     keep_freed_memory()
+    if backend is not None and backend not in ("gloo", "nccl", "mpi", "ucc", "xccl"):
+        raise ValueError(f"unknown backend {backend!r}: use 'gloo' (CPU) or 'nccl' (CUDA)")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError(
+            "backend='nccl' needs CUDA, and no CUDA device is available here: use "
+            "backend='gloo' on the CPU (the default without CUDA: md.init())"
+        )
     if dist.is_initialized():
         return dist.get_world_size()
     if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:

@@ -72,8 +72,13 @@ class GradReducer:
         group: Group = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         salt: Callable[[], int] = lambda: 0,
+        rider: Callable[[Tensor], Tensor] | None = None,
     ) -> None:
         self.salt = salt  # enters every bucket's tag (the settings every rank must share)
+        # One value that rides in the first bucket's flags, summed with them (the guards' meta-
+        # loss): given the bucket's first gradient, a tensor of one element like it.
+        self.rider = rider
+        self.rode = 0.0  # its SUM, after finish()
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
         self.group = group
@@ -177,6 +182,8 @@ class GradReducer:
         flags = _host.upload(
             [float(p.grad is not None) for p in members] + [self._my_vote], members[0]
         )
+        if b == 0 and self.rider is not None:
+            flags = torch.cat([flags, self.rider(members[0].detach()).to(flags)])
         self._pending[b] = launch_sum(
             grads + [flags], self.group, _ONE_BUCKET, Phase.GRADIENTS, self.salt()
         )
@@ -218,6 +225,8 @@ class GradReducer:
             summed = read.pop() if tails else []
             for b, (sums, flags) in enumerate(zip(every, read, strict=True)):
                 members = self.buckets[b]
+                if b == 0 and self.rider is not None:
+                    self.rode = flags.pop()
                 votes.append(flags.pop())
                 with torch.no_grad():
                     # sums ends with the flags tensor itself, one longer than members.

@@ -24,26 +24,25 @@ from .. import _host
 from .._adapt import grad
 from .._binding import LOCAL, Collectives, bind, unbind
 from .._data import Batch, MetaBatch, Shard, Task
-from .._reach import shapes, unknown_leaves
+from .._functional import refuse_data_parallel, require_trained
 from .._types import LossFn, MetaAlgorithm, Params, identity_reduce
 from ..inner import InnerOptimizer
 from ..inner._optimizers import learned_rates
 from ._batchnorm import BatchNormSync, has_batchnorm, sync_batchnorm
-from ._check import OutOfSyncError, WeightCheck, from_env
+from ._check import from_env
 from ._collectives import (
     DEFAULT_BUCKET_BYTES,
     Phase,
-    all_reduce_counts,
     all_reduce_sum,
     broadcast_,
     global_count,
     global_value,
     group_size,
     launch_sum,
-    max_abs_difference,
     settings_salt,
 )
 from ._exact import DEFAULT_CHUNKS, ExactSums
+from ._guards import StepGuards
 from ._mesh import Mesh
 from ._overlap import GradReducer
 
@@ -97,22 +96,6 @@ def _refuse_rates_outside(module: nn.Module, deterministic: bool) -> None:
             "learn_lr='scalar', 'tensor' or 'parameter' (its rates are then its parameters), "
             "or register the rates on it as nn.Parameters"
         )
-
-
-def _named_batches(tasks: Sequence[Task]) -> dict[str, Batch]:
-    """Every task's support and query batch, by the name an error gives it."""
-    return {
-        f"task {i}'s {which}": b
-        for i, t in enumerate(tasks)
-        for which, b in (("support", t.support), ("query", t.query))
-    }
-
-
-def _loss_key(loss_fn: LossFn) -> tuple[Any, Any]:
-    """``(object, function)`` of a bound method, which is made anew at each attribute access;
-    ``(loss_fn, None)`` otherwise."""
-    owner, func = getattr(loss_fn, "__self__", None), getattr(loss_fn, "__func__", None)
-    return (owner, func) if owner is not None and func is not None else (loss_fn, None)
 
 
 class MetaDDP(nn.Module):
@@ -183,11 +166,15 @@ class MetaDDP(nn.Module):
             )
         if isinstance(module, MetaDDP):
             raise TypeError("this module is already wrapped in MetaDDP")
+        refuse_data_parallel(module)
+        require_trained(module)
         _refuse_rates_outside(module, deterministic)
         self.module = module
         self.mesh = mesh if mesh is not None else Mesh.create()
         self.allow_unused = allow_unused
         self.bucket_bytes = bucket_bytes
+        self.checking = from_env() if check is None else bool(check)
+        self.guards = StepGuards(module, self.mesh, every_step=self.checking)
         state = list(module.parameters()) + list(module.buffers())
         if broadcast:
             broadcast_(state, src=0, group=self.mesh.group)
@@ -197,10 +184,6 @@ class MetaDDP(nn.Module):
         # Each trained parameter's .grad as sync_grads() left it, with its version: while a
         # .grad is that tensor, unchanged, it holds a SUM over the ranks already.
         self._summed: dict[int, tuple[weakref.ref[Tensor], int]] = {}
-        # Loss functions whose meta-loss was searched for tensors outside the module: a
-        # function, or a bound method's object and function (a new method object each time).
-        self._loss_fns: weakref.WeakKeyDictionary[Any, set[Any]] = weakref.WeakKeyDictionary()
-        self._loss_checks = 0  # calls of _check_loss, to run it once per meta-loss
         if deterministic:
             self.exact = ExactSums(self.mesh, chunks)
             _deterministic_kernels(module)
@@ -210,7 +193,11 @@ class MetaDDP(nn.Module):
             trained = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
             if trained:
                 self._reducer = GradReducer(
-                    trained, self.mesh.group, bucket_bytes, salt=self._settings_salt
+                    trained,
+                    self.mesh.group,
+                    bucket_bytes,
+                    salt=self._settings_salt,
+                    rider=self.guards.before_sum,
                 )
         self._collectives = Collectives(
             self.reduce,
@@ -219,14 +206,14 @@ class MetaDDP(nn.Module):
             step_ends_in_sync=True,
             exact=self.exact,
             split=True,
-            check_loss=self._check_loss,
+            check_loss=self.guards.loss_out,
+            samples_split=self.mesh.samples > 1,
+            check_share=self.guards.share_in,
         )
         bind(module, self._collectives)
         self._batchnorm: BatchNormSync | None = (
             sync_batchnorm(module, self._batch_statistics) if has_batchnorm(module) else None
         )
-        self.checking = from_env() if check is None else bool(check)
-        self._weight_check = WeightCheck(module, self.mesh.sample_group) if self.checking else None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -279,9 +266,7 @@ class MetaDDP(nn.Module):
         if self._batchnorm is not None:
             self._batchnorm.remove()
             self._batchnorm = None
-        if self._weight_check is not None:
-            self._weight_check.remove()
-            self._weight_check = None
+        self.guards.remove()
         if self._reducer is not None:
             self._reducer.remove()
             self._reducer = None
@@ -294,16 +279,13 @@ class MetaDDP(nn.Module):
         bind(self.module, LOCAL)
         if self._batchnorm is not None:
             self._batchnorm.reduce = identity_reduce
-        if self._weight_check is not None:
-            self._weight_check.enabled = False
         try:
-            yield self.module
+            with self.guards.local():
+                yield self.module
         finally:
             bind(self.module, self._collectives)
             if self._batchnorm is not None:
                 self._batchnorm.reduce = self._batch_statistics
-            if self._weight_check is not None:
-                self._weight_check.enabled = True
 
     # --- the front door ---------------------------------------------------------------
 
@@ -322,6 +304,13 @@ class MetaDDP(nn.Module):
         """This rank's part of a global meta-batch: its task group's tasks, each cut to its
         share of the samples. ``tasks`` is the whole meta-batch, or its size with
         ``make_task(i)`` building global task ``i`` (then only this rank's tasks are built)."""
+        batch = self._cut(tasks, make_task)
+        self.guards.tasks_in(batch)
+        return batch
+
+    def _cut(
+        self, tasks: int | Sequence[Task], make_task: Callable[[int], Task] | None
+    ) -> MetaBatch:
         m = self.mesh
         if self.exact is None:
             return MetaBatch.shard(
@@ -335,11 +324,13 @@ class MetaDDP(nn.Module):
         # Deterministic mode: every batch cut into whole chunks (ExactSums.cut).
         whole = MetaBatch.shard(tasks, make_task, task_index=m.task_index, task_parts=m.tasks)
         cut = self.exact.cut
-        return MetaBatch(
+        out = MetaBatch(
             [Task(*(_take(b, cut(b.n).samples) for b in t)) for t in whole],
             whole.n,
             whole.indices,
         )
+        out.source = whole.source
+        return out
 
     def meta_loss(self, tasks: Sequence[Task], loss_fn: LossFn) -> Tensor:
         """This rank's share of the meta-batch's mean query loss, through the wrapped algorithm.
@@ -353,74 +344,15 @@ class MetaDDP(nn.Module):
         Then ``loss.backward()``, :meth:`sync_grads` and ``optimizer.step()``.
         """
         algorithm = self._algorithm("meta_loss")
-        self._refuse_whole(_named_batches(tasks))
-        if self.checking:
-            self.check_sizes(tasks)
-        searches = self._loss_checks
-        loss = algorithm.meta_loss(tasks, loss_fn)
-        if self._loss_checks == searches:  # an algorithm that does not call check_loss itself
-            self._check_loss(loss, loss_fn)
+        self.guards.tasks_in(tasks)
+        searches = self.guards.searches
+        with self.guards.own_loop():
+            loss = algorithm.meta_loss(tasks, loss_fn)
+        if self.guards.searches == searches:  # an algorithm that does not call loss_out itself
+            self.guards.loss_out(loss, loss_fn)
         if self._summed and loss.requires_grad:
             loss.register_hook(self._before_backward)
         return loss
-
-    def _refuse_whole(self, batches: Mapping[str, Batch]) -> None:
-        """Refuse a batch that holds all its samples on this rank while its samples are split
-        over several ranks (a meta-batch not cut with :meth:`shard`): every rank would add the
-        whole batch, the task's gradient times the number of ranks. No collective: a rank's
-        part that holds every sample (the others' empty) is a :class:`metaddp.Shard`."""
-        ranks = self.mesh.samples
-        if ranks == 1:
-            return
-        for name, b in batches.items():
-            if b.whole_where_split():
-                raise ValueError(
-                    f"{name} holds all {b.n} of its samples on this rank, but its samples are "
-                    f"split over the {ranks} ranks of a sample group: every rank would add the "
-                    f"whole batch's gradient, {ranks} times the task's. Cut this rank's part "
-                    "with learner.shard(...) (or Task.split(learner.mesh.sample_index, "
-                    f"{ranks})); a part cut by hand is Batch.local(x, y, n), with n the "
-                    "whole batch's size"
-                )
-
-    def _check_loss(self, loss: Tensor, loss_fn: LossFn) -> None:
-        """Refuse a meta-loss that depends on a trained tensor outside the module, searched
-        once per loss function (also through ``learner.module.meta_loss``, which calls it)."""
-        self._loss_checks += 1
-        if loss.requires_grad and not self._searched(loss_fn):
-            self._refuse_unknown_leaves(loss)
-            self._remember_searched(loss_fn)
-
-    def _searched(self, loss_fn: LossFn) -> bool:
-        """Whether a meta-loss of ``loss_fn`` passed the search for unknown leaves already
-        (once per loss function: the model and the algorithm are this wrapper's own)."""
-        owner, func = _loss_key(loss_fn)
-        try:
-            return func in self._loss_fns.get(owner, ())
-        except TypeError:  # not weakly referable: searched every time
-            return False
-
-    def _remember_searched(self, loss_fn: LossFn) -> None:
-        owner, func = _loss_key(loss_fn)
-        with contextlib.suppress(TypeError):
-            self._loss_fns.setdefault(owner, set()).add(func)
-
-    def _refuse_unknown_leaves(self, loss: Tensor) -> None:
-        """Raise if the meta-loss depends on a tensor that needs a gradient but is not a
-        parameter of the module: sync_grads() would not sum its gradient, so every rank would
-        keep its own shard's (a number that changes with the world size)."""
-        unknown = unknown_leaves([loss], list(self.module.parameters()))
-        if unknown:
-            _host.discard()  # the step ends here: its pending checks go with it
-            raise ValueError(
-                f"the meta-loss depends on {len(unknown)} tensor(s) of shape {shapes(unknown)} "
-                "that need a gradient but are not parameters of the wrapped module: captured "
-                "by the loss function or read by the model from outside. sync_grads() sums "
-                "the module's parameters' gradients only, so every rank would keep the "
-                "gradient of its own shard for them, a different number at every world size. "
-                "Register such a tensor as an nn.Parameter of the model (or of the algorithm), "
-                "or detach it if it is not meant to train"
-            )
 
     def _before_backward(self, grad: Tensor) -> None:
         # Runs as the backward of a meta-loss starts, before any .grad is added to.
@@ -454,10 +386,12 @@ class MetaDDP(nn.Module):
 
     def adapt(self, support: Batch, loss_fn: LossFn, *, steps: int | None = None) -> Params:
         """The wrapped algorithm's fast weights after adapting to ``support``."""
-        self._refuse_whole({"the support": support})
-        if self.checking:
-            self._check_batch_sizes({"the support": support})
-        return self._algorithm("adapt").adapt(support, loss_fn, steps=steps)
+        batches = {"the support": support}
+        self.guards.refuse_whole(batches)
+        if self.guards.schedule.due():
+            self.guards.check_batch_sizes(batches)
+        with self.guards.own_loop():
+            return self._algorithm("adapt").adapt(support, loss_fn, steps=steps)
 
     def clone(self) -> Any:
         """A learner with its own fast weights (learn2learn's ``clone()``), reducing its inner
@@ -500,6 +434,7 @@ class MetaDDP(nn.Module):
         later needs ``retain_graph=True``.
         """
         self._not_exact("grad()")
+        self.guards.share_in(loss, "learner.grad(loss, params)")
         return grad(
             loss, params, reduce=self.reduce, create_graph=create_graph, retain_graph=retain_graph
         )
@@ -518,34 +453,8 @@ class MetaDDP(nn.Module):
 
     def check_sizes(self, tasks: Sequence[Task]) -> None:
         """Raise :class:`metaddp.OutOfSyncError` unless every task's shards, summed over the
-        sample axis, are its declared global sizes (two small collectives)."""
-        group = self.mesh.sample_group
-        ranks = group_size(group)
-        if ranks > 1:
-            spread = max_abs_difference([torch.tensor([float(len(tasks))])], group)[0]
-            if spread:
-                raise OutOfSyncError(
-                    "check mode: the ranks that split tasks' samples hold different numbers of "
-                    "tasks; give every rank of a sample group the same tasks (MetaDDP.shard)"
-                )
-        self._check_batch_sizes(_named_batches(tasks))
-
-    def _check_batch_sizes(self, batches: Mapping[str, Batch]) -> None:
-        """Raise :class:`metaddp.OutOfSyncError` unless every batch's shards, summed over the
-        sample axis, are its declared global size (one small collective)."""
-        group = self.mesh.sample_group
-        ranks = group_size(group)
-        local = [b.x.shape[0] for b in batches.values()]
-        total = all_reduce_counts(local + [b.n for b in batches.values()], group)
-        for i, (name, b) in enumerate(batches.items()):
-            held, claimed = total[i], total[len(batches) + i]
-            if held * ranks != claimed or claimed != b.n * ranks:
-                raise OutOfSyncError(
-                    f"check mode: {name} batch says it has {b.n} samples, but its shards on "
-                    f"the {ranks} rank(s) that split it hold {held}. Cut tasks with "
-                    "Task.split / MetaDDP.shard, which record the global size, rather than "
-                    "giving a shard's own length as n"
-                )
+        sample axis, are its declared global sizes (three small collectives)."""
+        self.guards.check_sizes(tasks)
 
     # --- gradients ----------------------------------------------------------------------
 
@@ -561,21 +470,7 @@ class MetaDDP(nn.Module):
 
     def check_in_sync(self) -> None:
         """Raise if any parameter or buffer differs between ranks (one collective)."""
-        named = list(self.module.named_parameters()) + list(self.module.named_buffers())
-        spread = max_abs_difference([t for _, t in named], group=self.mesh.group)
-        bad = [
-            f"{name} (max difference {d:.3g})"
-            for (name, _), d in zip(named, spread, strict=True)
-            if d > 0
-        ]
-        if bad:
-            raise ValueError(
-                "ranks hold different weights: "
-                + ", ".join(bad[:5])
-                + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-                + ". Seed every rank alike, load the same checkpoint, or build MetaDDP with "
-                "broadcast=True to copy rank 0's weights."
-            )
+        self.guards.check_in_sync()
 
     def sync_grads(self, values: Tensor | None = None) -> list[float]:
         """SUM every meta-parameter's ``.grad`` over all ranks of the mesh (bucketed).
@@ -596,21 +491,33 @@ class MetaDDP(nn.Module):
         """
         extra = [] if values is None else [values.detach().reshape(-1)]
         if self.exact is not None:
-            return self._finish_exact(extra)
-        if held := self._still_summed():
-            self._refuse_summed(held, "no backward has added to them since")
-        if self._reducer is not None:
-            missing, summed = self._reducer.finish(extra)
+            got = self._finish_exact(extra)
+        elif self._reducer is not None:
+            if held := self._still_summed():
+                self._refuse_summed(held, "no backward has added to them since")
+            missing, got = self._reducer.finish(extra)
             self._check_trained_unchanged()
             self._raise_missing(missing)
             self._remember_summed()
-            return summed
+            self.guards.after_sum(self._reducer.rode)
+            return got
+        else:
+            got = self._sum_grads(extra)
+        # The guards' meta-loss rode last in the same SUM: judged alike on every rank.
+        self.guards.after_sum(got[-1])
+        return got[:-1]
+
+    def _sum_grads(self, extra: list[Tensor]) -> list[float]:
+        """The SUM of every trained parameter's ``.grad``, with ``extra`` and the guards' value
+        in the same buckets; returns their sums."""
+        if held := self._still_summed():
+            self._refuse_summed(held, "no backward has added to them since")
         params = [p for p in self.module.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else p.detach().new_zeros(p.shape) for p in params]
         # One has-gradient flag per parameter rides in the same buckets as the gradients.
         has_grad = [float(p.grad is not None) for p in params]
         flags = _host.upload(has_grad, params[0]) if params else torch.zeros(0)
-        tail = torch.cat([flags, *(v.to(flags) for v in extra)])
+        tail = torch.cat([flags, *(v.to(flags) for v in extra), self.guards.before_sum(flags)])
         reduced = launch_sum(
             grads + [tail],
             self.mesh.group,
@@ -651,7 +558,7 @@ class MetaDDP(nn.Module):
         self.exact.used = False
         params = [p for p in self.module.parameters() if p.requires_grad]
         like = params[0].detach() if params else torch.zeros(0)
-        tail = extra[0].to(like) if extra else like.new_zeros(0)
+        tail = torch.cat([*(v.to(like) for v in extra), self.guards.before_sum(like)])
         # The settings' salt in this SUM's tag: ranks whose algorithms differ fail here, as
         # they do at the default mode's gradient SUM.
         summed = launch_sum(

@@ -69,6 +69,27 @@ def _entry(
         shutdown()
 
 
+def cores() -> int:
+    """The cores this process may run on (its affinity where the platform tells it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def oversubscribed(nproc: int, available: int | None = None) -> str | None:
+    """A warning when ``nproc`` processes would share fewer cores: each collective then waits
+    for ranks the scheduler has not run (64 processes on 2 cores finish no step in minutes)."""
+    available = cores() if available is None else available
+    if nproc <= available:
+        return None
+    return (
+        f"{nproc} processes on {available} core(s): every collective waits for processes "
+        "that are not running, so each step is far slower than on fewer processes; the result "
+        f"is the same at any count, so --nproc {available} or fewer gives it sooner"
+    )
+
+
 def run_local(
     fn: Callable[..., Any],
     nproc: int,

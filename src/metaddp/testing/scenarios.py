@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._data import Batch, Task, generator_for, shard_range
+from .._data import Batch, Task, generator_for
 from .._functional import call
 from .._share import share
 from ..algorithms import ALGORITHMS as REGISTRY
@@ -239,13 +239,14 @@ def run_seed(problem: SeedProblem) -> dict:
     out: dict[str, Any] = {"grad2": [], "loss1": [], "loss2": []}
     for it in range(problem.iterations):
         batch = data[it * problem.batch_size : (it + 1) * problem.batch_size]
-        r = shard_range(len(batch), mesh.sample_index, mesh.samples)
-        x, n = batch[r.start : r.stop], len(batch)
+        # This rank's part; the model's outputs are the losses, so the inputs stand in for
+        # targets.
+        part = Batch.split(batch, batch, mesh.sample_index, mesh.samples)
         opt.zero_grad()
-        l1 = share(net(x), n)
+        l1 = share(net(part.x), part)
         # l1's graph is kept: the objective backpropagates through l1 itself a second time.
         g = net.grad(l1, {"conv.0.weight": w}, retain_graph=True, create_graph=problem.second_order)
-        l2 = share(call(net.module, {k: w - problem.inner_lr * g[k] for k in g}, x), n)
+        l2 = share(call(net.module, {k: w - problem.inner_lr * g[k] for k in g}, part.x), part)
         (l1 + l2).backward()
         net.sync_grads()
         assert w.grad is not None

@@ -1,0 +1,484 @@
+"""Guards: the wrapper's checks, at named points of a meta-step, over state it owns.
+
+A meta-step passes five points, and every refusal of :class:`metaddp.MetaDDP` belongs to one:
+
+- **tasks in** (``shard``, ``meta_loss``, ``adapt``): batches that cannot be what they say,
+  whole batches where ranks split the samples, and on checked steps the ranks' agreement on
+  the meta-batch (its size, every batch's global size, the tasks' data);
+- **share in** (``clone()``'s ``adapt``, ``grad``): a loss that is not a share of a known
+  batch, where ranks split the samples;
+- **loss out** (``meta_loss``'s result): a trained tensor outside the module;
+- **before the sum** (``sync_grads``): gradients summed twice; the meta-loss's finiteness
+  rides in the same SUM;
+- **after the sum**: the step is counted, and the next one's checks scheduled.
+
+Checks that cost a collective run on *checked steps* only (:class:`Schedule`): the first
+meta-step of every learner and a sparse sample of later ones (steps 1, 4, 16, 64, ...), or
+every step in check mode. Every verdict that follows a collective is made from values all
+ranks hold, so all ranks raise together and none is left waiting in the next collective.
+
+[Note: fingerprints] A task's fingerprint is a few float64 sums over its tensors, two per
+tensor (plain and position-weighted, so that reordered samples differ). Ranks that build the
+same task with the same code get the same bits; two different draws differ in the first
+digits. The comparison allows a relative 1e-9, far above any reduction-order difference of a
+float64 sum of a few thousand terms and far below a different draw.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .. import _host
+from .._data import Batch, MetaBatch, Task, named_batches
+from .._reach import shapes, unknown_leaves
+from .._share import share_of
+from .._types import LossFn
+from ._check import OutOfSyncError, WeightCheck
+from ._collectives import (
+    Group,
+    _guard,
+    _record,
+    all_reduce_counts,
+    comm_device,
+    group_size,
+    max_abs_difference,
+)
+from ._mesh import Mesh
+
+# Relative agreement of two fingerprints: see [Note: fingerprints].
+_SAME = 1e-9
+
+
+class Schedule:
+    """Which meta-steps are checked: the first, then steps 1, 4, 16, 64, ... (powers of 4),
+    or every step with ``every``. Counted by ``sync_grads``, alike on every rank."""
+
+    def __init__(self, every: bool) -> None:
+        self.every = every
+        self.step = 0
+
+    def due(self) -> bool:
+        s = self.step
+        return self.every or s == 0 or (s & (s - 1) == 0 and (s.bit_length() - 1) % 2 == 0)
+
+    def advance(self) -> None:
+        self.step += 1
+
+
+def extremes(values: Sequence[float] | Tensor, group: Group) -> tuple[list[float], list[float]]:
+    """Elementwise minimum and maximum of ``values`` over ``group``, in one collective."""
+    v = torch.as_tensor(values, dtype=torch.float64).reshape(-1)
+    if group_size(group) == 1 or not v.numel():
+        return v.tolist(), v.tolist()
+    both = torch.cat([v, -v]).to(comm_device(group))
+    _record(both.numel(), both.numel() * 8)
+    _guard(lambda: dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group), "guard check")
+    top, low = both[: v.numel()].tolist(), (-both[v.numel() :]).tolist()
+    return low, top
+
+
+def _differ(low: Sequence[float], top: Sequence[float]) -> list[int]:
+    """The positions whose minimum and maximum differ by more than fingerprints may."""
+    return [
+        i
+        for i, (a, b) in enumerate(zip(low, top, strict=True))
+        if abs(b - a) > _SAME * max(1.0, abs(a), abs(b))
+    ]
+
+
+def fingerprint(task: Task) -> Tensor:
+    """A float64 summary of a task's four tensors (see [Note: fingerprints]), on the host."""
+    out = []
+    for t in (task.support.x, task.support.y, task.query.x, task.query.y):
+        f = t.detach().reshape(-1).to("cpu", torch.float64)
+        w = torch.cos(torch.arange(f.numel(), dtype=torch.float64))
+        out += [f.sum(), (f * w).sum()]
+    return torch.stack(out)
+
+
+def _rows(tasks: Sequence[Task]) -> Tensor:
+    return torch.stack([fingerprint(t) for t in tasks]) if tasks else torch.zeros(0, 8)
+
+
+def _gather(rows: Tensor, group: Group) -> list[Tensor]:
+    """Every rank's ``rows`` (``[k, 8]``, ``k`` may differ by rank) over ``group``, in rank
+    order: two collectives (the longest ``k``, then a SUM of padded blocks)."""
+    ranks = group_size(group)
+    if ranks == 1:
+        return [rows]
+    counts = all_reduce_counts(
+        [rows.shape[0] if r == dist.get_rank(group) else 0 for r in range(ranks)], group
+    )
+    width = max(counts) if counts else 0
+    block = torch.zeros(ranks, width, rows.shape[1], dtype=torch.float64)
+    block[dist.get_rank(group), : rows.shape[0]] = rows
+    block = block.to(comm_device(group))
+    _record(block.numel(), block.numel() * 8)
+    _guard(lambda: dist.all_reduce(block, group=group), "guard check")
+    block = block.cpu()
+    return [block[r, : counts[r]] for r in range(ranks)]
+
+
+def _loss_key(loss_fn: LossFn) -> tuple[Any, Any]:
+    """``(object, function)`` of a bound method, which is made anew at each attribute access;
+    ``(loss_fn, None)`` otherwise."""
+    owner, func = getattr(loss_fn, "__self__", None), getattr(loss_fn, "__func__", None)
+    return (owner, func) if owner is not None and func is not None else (loss_fn, None)
+
+
+class StepGuards:
+    """The checks one :class:`metaddp.MetaDDP` runs, and the state they keep.
+
+    Args:
+        module: the wrapped module (its parameters are the trained ones).
+        mesh: the ranks and how they share the work.
+        every_step: check mode: the collective checks on every step, and the weights the
+            model runs on compared at every forward (also inside the library's own loops).
+    """
+
+    def __init__(self, module: nn.Module, mesh: Mesh, *, every_step: bool) -> None:
+        self.module, self.mesh = module, mesh
+        self.schedule = Schedule(every_step)
+        self.every_step = every_step
+        # Forwards on fast weights compared across the sample axis on checked steps (every
+        # weight at every forward in check mode); nothing is registered on one rank.
+        self.weights = WeightCheck(module, mesh.sample_group, fast_only=not every_step)
+        self._own_loop = False
+        self._local = False
+        self._update_weight_check()
+        # Meta-batches already agreed on this step (shard(), then meta_loss on the same).
+        self._agreed: weakref.WeakSet[MetaBatch] = weakref.WeakSet()
+        # Loss functions whose meta-loss was searched for tensors outside the module: a
+        # function, or a bound method's object and function (a new method object each time).
+        self._searched: weakref.WeakKeyDictionary[Any, set[Any]] = weakref.WeakKeyDictionary()
+        self.searches = 0  # calls of loss_out, so the wrapper runs it once per meta-loss
+        self._losses: list[Tensor] = []  # meta-loss shares since the last sum
+
+    # --- state ----------------------------------------------------------------------------
+
+    def _update_weight_check(self) -> None:
+        on = not self._local and (self.every_step or (self.schedule.due() and not self._own_loop))
+        self.weights.enabled = on
+
+    @contextlib.contextmanager
+    def own_loop(self) -> Iterator[None]:
+        """Inside the library's own inner loops (exact by construction) the weights the model
+        runs on are compared only in check mode."""
+        before, self._own_loop = self._own_loop, True
+        self._update_weight_check()
+        try:
+            yield
+        finally:
+            self._own_loop = before
+            self._update_weight_check()
+
+    @contextlib.contextmanager
+    def local(self) -> Iterator[None]:
+        """One rank's own work (``MetaDDP.local``): nothing is compared."""
+        before, self._local = self._local, True
+        self._update_weight_check()
+        try:
+            yield
+        finally:
+            self._local = before
+            self._update_weight_check()
+
+    def remove(self) -> None:
+        self.weights.remove()
+
+    # --- tasks in -------------------------------------------------------------------------
+
+    def tasks_in(self, tasks: Sequence[Task]) -> None:
+        """Refuse what a meta-batch cannot be, and on checked steps what the ranks do not
+        agree on."""
+        self.refuse_whole(named_batches(tasks))
+        if not self.schedule.due() or self._local:
+            return
+        if isinstance(tasks, MetaBatch):
+            if tasks in self._agreed:
+                return
+            self._agreed.add(tasks)
+        try:
+            self._agree(tasks)
+        except BaseException:
+            _host.discard()  # the step ends here: its pending checks go with it
+            raise
+
+    def refuse_whole(self, batches: Mapping[str, Batch]) -> None:
+        """Refuse a batch that holds all its samples on this rank while its samples are split
+        over several ranks (a meta-batch not cut with ``shard``): every rank would add the
+        whole batch, the task's gradient times the number of ranks. No collective: a rank's
+        part that holds every sample (the others' empty) is a :class:`metaddp.Shard`."""
+        ranks = self.mesh.samples
+        if ranks == 1:
+            return
+        for name, b in batches.items():
+            if b.whole_where_split():
+                raise ValueError(
+                    f"{name} holds all {b.n} of its samples on this rank, but its samples are "
+                    f"split over the {ranks} ranks of a sample group: every rank would add the "
+                    f"whole batch's gradient, {ranks} times the task's. Cut this rank's part "
+                    "with learner.shard(...) (or Task.split(learner.mesh.sample_index, "
+                    f"{ranks})); a part cut by hand is Batch.local(x, y, n), with n the "
+                    "whole batch's size"
+                )
+
+    def _agree(self, tasks: Sequence[Task]) -> None:
+        world = self.mesh.group
+        source = tasks.source if isinstance(tasks, MetaBatch) else None
+        kind = (
+            0.0
+            if not isinstance(tasks, MetaBatch)
+            else 1.0
+            if isinstance(source, tuple)
+            else 2.0
+            if source is not None
+            else 3.0
+        )
+        n = float(tasks.n) if isinstance(tasks, MetaBatch) else -1.0
+        low, top = extremes([kind, n], world)
+        if low[0] != top[0]:
+            raise ValueError(
+                "the ranks pass different kinds of meta-batch (a list on some, a MetaBatch "
+                "on others): build it the same way on every rank, with learner.shard(...)"
+            )
+        if low[1] != top[1]:
+            raise ValueError(
+                f"the ranks disagree on the meta-batch's task count (from {int(low[1])} to "
+                f"{int(top[1])}): give learner.shard the whole meta-batch (every task, the same "
+                "on every rank) or its size and make_task(i); a rank's own tasks, or a count "
+                "of its own, make a different meta-batch on every rank"
+            )
+        self.check_sizes(tasks)
+        if isinstance(source, tuple):
+            self._agree_on_list(source)
+        elif source is not None and self.schedule.step == 0:
+            assert isinstance(tasks, MetaBatch)
+            self._agree_on_make_task(source, tasks.indices)
+        if not isinstance(tasks, MetaBatch):
+            self._refuse_repeats(tasks)
+        if self.schedule.step > 0:
+            self.check_in_sync()
+
+    def check_sizes(self, tasks: Sequence[Task]) -> None:
+        """Raise :class:`metaddp.OutOfSyncError` unless the ranks that split tasks' samples
+        hold the same number of tasks, and every task's shards add up to the global sizes
+        its batches declare (three small collectives)."""
+        group = self.mesh.sample_group
+        low, top = extremes([len(tasks)], group)
+        if low != top:
+            raise OutOfSyncError(
+                "the ranks that split tasks' samples hold different numbers of tasks "
+                f"({int(low[0])} to {int(top[0])}): give every rank of a sample group the same "
+                "tasks (learner.shard(...))"
+            )
+        self.check_batch_sizes(named_batches(tasks))
+
+    def check_batch_sizes(self, batches: Mapping[str, Batch]) -> None:
+        """Raise :class:`metaddp.OutOfSyncError` unless every batch declares the same global
+        size ``n`` on every rank that splits it, and its shards add up to ``n``."""
+        group = self.mesh.sample_group
+        if group_size(group) == 1 or not batches:
+            return
+        named = list(batches.items())
+        low, top = extremes([b.n for _, b in named], group)
+        held = all_reduce_counts([b.x.shape[0] for _, b in named], group)
+        for (name, _), lo, hi, h in zip(named, low, top, held, strict=True):
+            if lo != hi or h != lo:
+                says = f"{int(lo)}" if lo == hi else f"{int(lo)} to {int(hi)}"
+                raise OutOfSyncError(
+                    f"{name} batch says it has {says} samples, but its shards on the "
+                    f"{group_size(group)} ranks that split it hold {h}. Cut tasks with "
+                    "learner.shard (or Task.split), which record the global size; a part cut "
+                    "by hand is Batch.local(x, y, n) with n the whole batch's size, never the "
+                    "part's own length"
+                )
+
+    def _agree_on_list(self, every: tuple[Task, ...]) -> None:
+        low, top = extremes(_rows(list(every)).reshape(-1), self.mesh.group)
+        if bad := _differ(low, top):
+            raise ValueError(
+                f"the tasks given to shard() differ across the ranks (task {bad[0] // 8} first): "
+                "shard() takes the whole meta-batch, the same on every rank, and cuts each "
+                "rank's part itself. Pass every rank every task (or shard(n, make_task)); "
+                "a rank's own tasks would be cut again"
+            )
+
+    def _agree_on_make_task(self, make_task: Callable[[int], Task], mine: range) -> None:
+        """``make_task(i)`` must be a function of ``i`` alone: built twice, the same task; and
+        the same on every rank (task 0 on all of them, and each task on the ranks that split
+        it)."""
+        first = _rows([make_task(i) for i in mine])
+        again = _rows([make_task(i) for i in mine])
+        drifts = float(bool(_differ(first.reshape(-1).tolist(), again.reshape(-1).tolist())))
+        zero = fingerprint(make_task(0))
+        low, top = extremes(torch.cat([torch.tensor([drifts]), zero]), self.mesh.group)
+        if top[0]:
+            raise ValueError(
+                "make_task(i) built the same task twice differently: it draws from a "
+                "generator it does not seed from i (torch's global one?), so task i depends "
+                "on how many tasks the rank built before it. Draw from "
+                "md.generator_for(seed, step, i)"
+            )
+        if _differ(low[1:], top[1:]):
+            raise ValueError(
+                "make_task(0) builds a different task on different ranks: the tasks depend on "
+                "the process (a sampler seeded with the rank?). Seed them from the global task "
+                "index alone: md.generator_for(seed, step, i)"
+            )
+        low, top = extremes(first.reshape(-1), self.mesh.sample_group)
+        if bad := _differ(low, top):
+            raise ValueError(
+                f"task {mine[bad[0] // 8]} differs across the ranks that split its samples: the "
+                "tasks depend on the process (a sampler seeded with the rank?). Seed them from "
+                "the global task index alone: md.generator_for(seed, step, i)"
+            )
+
+    def _refuse_repeats(self, tasks: Sequence[Task]) -> None:
+        """A plain list of tasks whose global count is summed over the task axis: a task held
+        twice (torch's ``DistributedSampler`` pads by repeating) would count twice."""
+        rows = _gather(_rows(tasks), self.mesh.task_group)
+        seen: dict[tuple[float, ...], tuple[int, int]] = {}
+        for r, block in enumerate(rows):
+            for j, row in enumerate(block.tolist()):
+                if not any(row):  # an empty shard: nothing to compare
+                    continue
+                key = tuple(round(v, 9) for v in row)
+                if key in seen:
+                    (r0, j0) = seen[key]
+                    raise ValueError(
+                        f"the meta-batch holds one task twice (task {j0} of task group {r0} "
+                        f"and task {j} of task group {r}): a sampler that pads, such as torch's "
+                        "DistributedSampler, repeats tasks to even out the ranks, and each "
+                        "copy would count. Build the meta-batch with learner.shard(n, "
+                        "make_task), which splits by global index without padding"
+                    )
+                seen[key] = (r, j)
+
+    def check_in_sync(self) -> None:
+        """Raise if any parameter or buffer differs between ranks (one collective)."""
+        named = list(self.module.named_parameters()) + list(self.module.named_buffers())
+        spread = max_abs_difference([t for _, t in named], group=self.mesh.group)
+        bad = [
+            f"{name} (max difference {d:.3g})"
+            for (name, _), d in zip(named, spread, strict=True)
+            if d > 0
+        ]
+        if bad:
+            raise ValueError(
+                "ranks hold different weights: "
+                + ", ".join(bad[:5])
+                + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+                + ". Seed every rank alike, load the same checkpoint, or build MetaDDP with "
+                "broadcast=True to copy rank 0's weights."
+            )
+
+    # --- share in -------------------------------------------------------------------------
+
+    def share_in(self, loss: Tensor, where: str) -> None:
+        """Where ranks split a task's samples, ``loss`` must be ``metaddp.share(per_sample,
+        batch)`` of a rank's part of a batch; on checked steps its sizes are agreed."""
+        ranks = self.mesh.samples
+        if ranks == 1 or self._local:
+            return
+        made = share_of(loss)
+        fix = (
+            "Pass md.share(per_sample_losses, batch), with the Batch the losses come from "
+            "(loss_fn(..., reduction='none'))"
+        )
+        if made is None:
+            raise ValueError(
+                f"{where} got a loss that md.share did not make (a plain mean such as "
+                f"F.mse_loss(pred, y), or a share changed afterwards), while {ranks} ranks "
+                "split the task's samples: each would step on the mean of its own shard, not "
+                f"the task's. {fix}"
+            )
+        if made.source == "count":
+            raise ValueError(
+                f"{where} got md.share(losses, {made.n}), a share of a count, while {ranks} "
+                "ranks split the task's samples: a count written by hand is easily this "
+                f"rank's own ({made.held} samples here). {fix}"
+            )
+        if made.source == "batch" and made.held == made.n and made.n > 0:
+            raise ValueError(
+                f"{where} got a share of a batch that holds all {made.n} of its samples on "
+                f"this rank, while {ranks} ranks split them: cut this rank's part with "
+                "learner.shard(...) or Batch.local(x, y, n)"
+            )
+        if self.schedule.due():
+            low, top = extremes([made.n], self.mesh.sample_group)
+            (held,) = all_reduce_counts([made.held], self.mesh.sample_group)
+            if low != top or held != low[0]:
+                raise OutOfSyncError(
+                    f"{where}: the share's batch says it has {int(low[0])} to {int(top[0])} "
+                    f"samples, but the {ranks} ranks that split it hold {held}. A part cut by "
+                    "hand is Batch.local(x, y, n) with n the whole batch's size, never the "
+                    "part's own length"
+                )
+
+    # --- loss out -------------------------------------------------------------------------
+
+    def loss_out(self, loss: Tensor, loss_fn: LossFn) -> None:
+        """Refuse a meta-loss that depends on a trained tensor outside the module (searched
+        once per loss function), and keep its value for the sum's finiteness check."""
+        self.searches += 1
+        if loss.requires_grad and not self._was_searched(loss_fn):
+            self._refuse_unknown_leaves(loss)
+            owner, func = _loss_key(loss_fn)
+            with contextlib.suppress(TypeError):
+                self._searched.setdefault(owner, set()).add(func)
+        if loss.numel() == 1:
+            self._losses.append(loss.detach().reshape(1))
+
+    def _was_searched(self, loss_fn: LossFn) -> bool:
+        owner, func = _loss_key(loss_fn)
+        try:
+            return func in self._searched.get(owner, ())
+        except TypeError:  # not weakly referable: searched every time
+            return False
+
+    def _refuse_unknown_leaves(self, loss: Tensor) -> None:
+        """Raise if the meta-loss depends on a tensor that needs a gradient but is not a
+        parameter of the module: sync_grads() would not sum its gradient, so every rank would
+        keep the gradient of its own shard for it (a number that changes with the world size)."""
+        unknown = unknown_leaves([loss], list(self.module.parameters()))
+        if unknown:
+            _host.discard()  # the step ends here: its pending checks go with it
+            raise ValueError(
+                f"the meta-loss depends on {len(unknown)} tensor(s) of shape {shapes(unknown)} "
+                "that need a gradient but are not parameters of the wrapped module: captured "
+                "by the loss function or read by the model from outside. sync_grads() sums "
+                "the module's parameters' gradients only, so every rank would keep the "
+                "gradient of its own shard for them, a different number at every world size. "
+                "Register such a tensor as an nn.Parameter of the model (or of the algorithm), "
+                "or detach it if it is not meant to train"
+            )
+
+    # --- the sum --------------------------------------------------------------------------
+
+    def before_sum(self, like: Tensor) -> Tensor:
+        """What rides in the gradient SUM for the guards: the step's meta-loss (0 without
+        one), whose sum over the ranks is finite exactly when every rank's share is."""
+        total = like.new_zeros(1)
+        for loss in self._losses:
+            total = total + loss.to(total)
+        self._losses = []
+        return total
+
+    def after_sum(self, loss_sum: float | None) -> None:
+        """Judge the summed meta-loss (the same number on every rank), and count the step."""
+        self.schedule.advance()
+        self._agreed = weakref.WeakSet()
+        self._update_weight_check()
+        if loss_sum is not None and not math.isfinite(loss_sum):
+            from .._adapt import NON_FINITE_LOSS
+
+            raise FloatingPointError(NON_FINITE_LOSS)

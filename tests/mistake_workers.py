@@ -1,0 +1,267 @@
+"""The mistakes a new user makes with the public API, each written as such a user writes it.
+
+Every case builds its own learner (so that each is that learner's first meta-step, the one
+metaddp always checks) and returns ``("error", type, message)`` or ``("grad", [...])``: the
+meta-gradient it ended with, which the tests compare with :func:`reference_grad`, a
+float64 single-process computation that uses no metaddp code path.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DistributedSampler
+
+import metaddp as md
+
+N_TASKS, N_SUPPORT, N_QUERY, INNER_LR = 3, 7, 5, 0.1
+
+
+def make_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+
+
+def whole_task(i: int) -> md.Task:
+    """Global task ``i``, from a seed and ``i`` alone: a sine of its own amplitude and phase."""
+    g = md.generator_for(0, i)
+    amp, phase = 1 + 4 * torch.rand((), generator=g), 3 * torch.rand((), generator=g)
+    xs, xq = (4 * torch.rand(n, 1, generator=g, dtype=torch.float64) - 2 for n in (7, 5))
+    return md.Task(
+        md.Batch(xs, amp * torch.sin(xs + phase), N_SUPPORT),
+        md.Batch(xq, amp * torch.sin(xq + phase), N_QUERY),
+    )
+
+
+def reference_grad(n_tasks: int = N_TASKS) -> list[float]:
+    """The one-process float64 meta-gradient of second-order MAML on tasks 0..n-1 (plain
+    autograd and mean losses, tests/reference.py)."""
+    from reference import maml_meta_grad
+
+    net = make_net()
+    tasks = [tuple(whole_task(i)) for i in range(n_tasks)]
+    _, grads = maml_meta_grad(
+        net, tasks, steps=1, inner_lr=INNER_LR, first_order=False, classification=False
+    )
+    return torch.cat([g.reshape(-1) for g in grads.values()]).tolist()
+
+
+def mse(pred, y):
+    return F.mse_loss(pred, y, reduction="none")
+
+
+def _flat_grad(net: nn.Module) -> list[float]:
+    return torch.cat([p.grad.reshape(-1) for p in net.parameters()]).tolist()
+
+
+def _outcome(case) -> tuple:
+    try:
+        return ("grad", case())
+    except (ValueError, RuntimeError, TypeError, FloatingPointError) as e:
+        return ("error", type(e).__name__, str(e))
+
+
+def _learner(tasks: int = 1):
+    net = make_net()
+    return net, md.MetaDDP(md.MAML(net, inner_lr=INNER_LR), md.Mesh.create(tasks=tasks))
+
+
+def _meta_step(learner, net, tasks) -> list[float]:
+    learner.meta_loss(tasks, mse).backward()
+    learner.sync_grads()
+    return _flat_grad(net)
+
+
+def _clone_loop(adapt_loss, tasks: int = 1) -> list[float]:
+    net, learner = _learner(tasks)
+    batch = learner.shard(N_TASKS, whole_task)
+    for t in batch:
+        fast = learner.clone()
+        fast.adapt(adapt_loss(fast, t.support))
+        (md.share(mse(fast(t.query.x), t.query.y), t.query) / batch.n).backward()
+    learner.sync_grads()
+    return _flat_grad(net)
+
+
+def correct_meta_loss() -> list[float]:
+    net, learner = _learner()
+    return _meta_step(learner, net, learner.shard(N_TASKS, whole_task))
+
+
+def correct_clone() -> list[float]:
+    return _clone_loop(lambda fast, b: md.share(mse(fast(b.x), b.y), b))
+
+
+def correct_hand_loop() -> list[float]:
+    net, learner = _learner()
+    params = dict(net.named_parameters())
+    batch = learner.shard(N_TASKS, whole_task)
+    total = 0
+    for t in batch:
+        g = learner.grad(md.share(mse(md.call(net, params, t.support.x), t.support.y), t.support),
+                         params)
+        fast = {k: p - INNER_LR * g[k] for k, p in params.items()}
+        total = total + md.share(mse(md.call(net, fast, t.query.x), t.query.y), t.query)
+    (total / batch.n).backward()
+    learner.sync_grads()
+    return _flat_grad(net)
+
+
+def clone_plain_mean() -> list[float]:
+    return _clone_loop(lambda fast, b: F.mse_loss(fast(b.x), b.y))
+
+
+def clone_local_count() -> list[float]:
+    return _clone_loop(lambda fast, b: md.share(mse(fast(b.x), b.y), len(b.x)))
+
+
+def local_own_count() -> list[float]:
+    net, learner = _learner()
+    r, w = md.rank(), md.world_size()
+    tasks = []
+    for i in range(N_TASKS):
+        s, q = whole_task(i)
+        rs, rq = md.shard_range(s.n, r, w), md.shard_range(q.n, r, w)
+        xs, ys = s.x[rs.start : rs.stop], s.y[rs.start : rs.stop]
+        xq, yq = q.x[rq.start : rq.stop], q.y[rq.start : rq.stop]
+        tasks.append(md.Task(md.Batch.local(xs, ys, len(xs)), md.Batch.local(xq, yq, len(xq))))
+    return _meta_step(learner, net, tasks)
+
+
+def _own_tasks() -> list[md.Task]:
+    mine = md.shard_range(N_TASKS, md.rank(), md.world_size())
+    return [whole_task(i) for i in mine]
+
+
+def own_tasks_to_shard() -> list[float]:
+    net, learner = _learner(tasks=md.world_size())
+    return _meta_step(learner, net, learner.shard(_own_tasks()))
+
+
+def own_tasks_to_shard_samples() -> list[float]:
+    net, learner = _learner()
+    return _meta_step(learner, net, learner.shard(_own_tasks()))
+
+
+def own_tasks_to_metabatch() -> list[float]:
+    net, learner = _learner(tasks=md.world_size())
+    m = learner.mesh
+    batch = md.MetaBatch.shard(_own_tasks(), task_index=m.task_index, task_parts=m.tasks)
+    return _meta_step(learner, net, batch)
+
+
+def hand_loop_autograd() -> list[float]:
+    net, learner = _learner()
+    params = dict(net.named_parameters())
+    batch = learner.shard(N_TASKS, whole_task)
+    total = 0
+    for t in batch:
+        loss = md.share(mse(md.call(net, params, t.support.x), t.support.y), t.support)
+        grads = torch.autograd.grad(loss, list(params.values()), create_graph=True)
+        fast = {k: p - INNER_LR * g for (k, p), g in zip(params.items(), grads, strict=True)}
+        total = total + md.share(mse(md.call(net, fast, t.query.x), t.query.y), t.query)
+    (total / batch.n).backward()
+    learner.sync_grads()
+    return _flat_grad(net)
+
+
+def rank_seeded_sampler() -> list[float]:
+    net, learner = _learner()
+
+    def task(i: int) -> md.Task:
+        return whole_task(i + 10 * md.rank())  # the sampler seeded with the rank
+
+    return _meta_step(learner, net, learner.shard(N_TASKS, task))
+
+
+def rank_seeded_sampler_tasks() -> list[float]:
+    net, learner = _learner(tasks=md.world_size())
+
+    def task(i: int) -> md.Task:
+        return whole_task(i + 10 * md.rank())
+
+    return _meta_step(learner, net, learner.shard(N_TASKS, task))
+
+
+def global_generator_task() -> list[float]:
+    net, learner = _learner()
+    torch.manual_seed(1)  # every rank alike
+
+    def task(i: int) -> md.Task:
+        xs, xq = torch.rand(7, 1, dtype=torch.float64), torch.rand(5, 1, dtype=torch.float64)
+        return md.Task(md.Batch(xs, xs.sin(), 7), md.Batch(xq, xq.sin(), 5))
+
+    return _meta_step(learner, net, learner.shard(N_TASKS, task))
+
+
+def distributed_sampler() -> list[float]:
+    net, learner = _learner(tasks=md.world_size())
+    sampler = DistributedSampler(range(7), md.world_size(), md.rank(), shuffle=False)
+    return _meta_step(learner, net, [whole_task(i) for i in sampler])
+
+
+def clone_plain_mean_whole_tasks() -> list[float]:
+    # Where every rank holds whole tasks, a plain mean is the task's own mean: exact.
+    return _clone_loop(lambda fast, b: F.mse_loss(fast(b.x), b.y), tasks=md.world_size())
+
+
+def task_counts_differ() -> list[float]:
+    net, learner = _learner()
+    mine = [t.split(md.rank(), md.world_size()) for t in (whole_task(i) for i in range(N_TASKS))]
+    return _meta_step(learner, net, mine[: N_TASKS - md.rank() % 2])
+
+
+def nan_query_target() -> list[float]:
+    net, learner = _learner()
+
+    def task(i: int) -> md.Task:
+        s, q = whole_task(i)
+        y = q.y.clone()
+        if i == 0:
+            y[0] = float("nan")  # on the first rank's shard only
+        return md.Task(s, md.Batch(q.x, y, q.n))
+
+    return _meta_step(learner, net, learner.shard(N_TASKS, task))
+
+
+def ddp_inside() -> list[float]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    net = make_net()
+    learner = md.MetaDDP(md.MAML(DistributedDataParallel(net), inner_lr=INNER_LR))
+    return _meta_step(learner, net, learner.shard(N_TASKS, whole_task))
+
+
+CASES = {
+    "correct meta_loss": correct_meta_loss,
+    "correct clone": correct_clone,
+    "correct hand loop": correct_hand_loop,
+    "clone plain mean": clone_plain_mean,
+    "clone local count": clone_local_count,
+    "Batch.local own count": local_own_count,
+    "own tasks to shard (task layout)": own_tasks_to_shard,
+    "own tasks to shard (sample layout)": own_tasks_to_shard_samples,
+    "own tasks to MetaBatch.shard": own_tasks_to_metabatch,
+    "hand loop with autograd.grad": hand_loop_autograd,
+    "rank-seeded sampler": rank_seeded_sampler,
+    "rank-seeded sampler (task layout)": rank_seeded_sampler_tasks,
+    "global generator in make_task": global_generator_task,
+    "DistributedSampler over tasks": distributed_sampler,
+    "clone plain mean, whole tasks": clone_plain_mean_whole_tasks,
+    "task counts differ": task_counts_differ,
+    "NaN query target": nan_query_target,
+    "DDP inside MAML": ddp_inside,
+}
+
+
+def table() -> dict:
+    """Every case's outcome on this rank; ranks must stay in step after each error."""
+    out = {}
+    for name, case in CASES.items():
+        out[name] = _outcome(case)
+        if md.rank() == 0 and os.environ.get("MISTAKES_VERBOSE"):
+            print(name, out[name][0], out[name][-1] if out[name][0] == "error" else "", flush=True)
+        dist.barrier()
+    return out
