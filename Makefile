@@ -28,9 +28,10 @@ verify: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-# ruff (lint rules and formatting) and mypy, on src/ (settings in pyproject.toml).
+# ruff's lint rules on src/, tests/, benchmarks/ and examples/ (tests and benchmarks: their own
+# ruff.toml, 120 columns), ruff's formatting and mypy on src/ (settings in pyproject.toml).
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src
+	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(VENV)/bin/ruff format --check src
 	$(VENV)/bin/mypy
 

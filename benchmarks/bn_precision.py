@@ -28,9 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import CONV, Case, max_rel_diff, reference_grads, run_record, save_json  # noqa: E402
-
 import metaddp  # noqa: E402
+from common import CONV, Case, max_rel_diff, reference_grads, run_record, save_json  # noqa: E402
 from metaddp.distributed import _batchnorm  # noqa: E402
 from metaddp.distributed.launch import run_local  # noqa: E402
 

@@ -22,9 +22,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SINE, max_rel_diff, reference_grads, run_record, save_json, step_times  # noqa: E402
-
 import metaddp  # noqa: E402
+from common import SINE, max_rel_diff, reference_grads, run_record, save_json, step_times  # noqa: E402
 
 
 def metaddp_row(compiled: bool, batched: bool, repeats: int) -> dict:

@@ -23,9 +23,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import CONV, SINE, Case, step_times  # noqa: E402
-
 import metaddp  # noqa: E402
+from common import CONV, SINE, Case, step_times  # noqa: E402
 
 PROBLEMS: dict[str, Case] = {
     "MLP K=1": dataclasses.replace(SINE, n_tasks=25, shots=10, queries=10, steps=1),

@@ -54,9 +54,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import CONV, SINE, Case, max_rel_diff, reference_grads, run_record, save_json  # noqa: E402
-
 import metaddp  # noqa: E402
+from common import CONV, SINE, Case, max_rel_diff, reference_grads, run_record, save_json  # noqa: E402
 from metaddp.distributed import counting  # noqa: E402
 from metaddp.distributed.launch import run_local  # noqa: E402
 

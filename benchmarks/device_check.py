@@ -56,6 +56,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import metaddp as md  # noqa: E402
 from common import (  # noqa: E402
     CONV,
     IMPLEMENTATIONS,
@@ -67,8 +68,6 @@ from common import (  # noqa: E402
     run_record,
     time_round_robin,
 )
-
-import metaddp as md  # noqa: E402
 from metaddp import _host  # noqa: E402
 from metaddp.distributed import Mesh  # noqa: E402
 from metaddp.testing import scenarios as S  # noqa: E402

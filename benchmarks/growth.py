@@ -20,7 +20,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import run_record, save_json, SINE, available, current_rss_mib, median_ms, peak_rss_mib, reset_peak_rss, time_round_robin  # noqa: E402
+from common import (  # noqa: E402
+    SINE,
+    available,
+    current_rss_mib,
+    median_ms,
+    peak_rss_mib,
+    reset_peak_rss,
+    run_record,
+    save_json,
+    time_round_robin,
+)
 
 IMPLS = ["metaddp", "torch.func grad+vmap (hand-written)", "per-task autograd loop", "higher", "TorchOpt MetaSGD"]
 STEPS = (1, 2, 5, 10)
@@ -78,7 +88,8 @@ def main(argv=None) -> int:
                        median_ms=median_ms(times[name]), peak_extra_mib=memory(name, case.steps, case.n_tasks))
             rows.append(row)
             print(f"{axis}={value:<4d} {name:40s} {row['median_ms']:9.1f} ms  "
-                  f"{row['peak_extra_mib'] if row['peak_extra_mib'] is not None else float('nan'):7.1f} MiB", flush=True)
+                  f"{row['peak_extra_mib'] if row['peak_extra_mib'] is not None else float('nan'):7.1f} MiB",
+                  flush=True)
     out = run_record(case=SINE.name, rows=rows, skipped=skipped)
     save_json(args.json, out)
     return 0

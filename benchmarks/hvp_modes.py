@@ -37,7 +37,6 @@ from torch.func import functional_call, grad, jvp, vmap
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import CONV, SINE, run_record, save_json, time_round_robin  # noqa: E402
-
 from metaddp.algorithms._stacked import _stack  # noqa: E402
 
 

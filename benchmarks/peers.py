@@ -17,8 +17,19 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # noqa: E402
+    CONV,
+    IMPLEMENTATIONS,
+    SINE,
+    available,
+    max_rel_diff,
+    median_ms,
+    reference_grads,
+    run_record,
+    save_json,
+    time_round_robin,
+)
 from metaddp.algorithms._stacked import use_batched  # noqa: E402
-from common import run_record, save_json, CONV, IMPLEMENTATIONS, SINE, available, max_rel_diff, median_ms, reference_grads, time_round_robin  # noqa: E402
 
 
 def run_case(case, repeats: int) -> dict:

@@ -23,9 +23,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SINE, run_record, save_json  # noqa: E402
-
 import metaddp  # noqa: E402
+from common import SINE, run_record, save_json  # noqa: E402
 
 OPTIMIZERS = {"sgd": lambda: metaddp.sgd(SINE.inner_lr),
               "adam": lambda: metaddp.adam(SINE.inner_lr)}

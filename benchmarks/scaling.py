@@ -18,11 +18,9 @@ import statistics
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import metaddp  # noqa: E402
-from common import run_record, save_json, step_times, CONV, SINE, Case, peak_rss_mib  # noqa: E402
+from common import CONV, SINE, Case, peak_rss_mib, run_record, save_json, step_times  # noqa: E402
 from metaddp.distributed.launch import run_local  # noqa: E402
 
 

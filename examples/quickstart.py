@@ -33,7 +33,7 @@ def main(steps: int = 20, n_tasks: int = 8) -> list[float]:
     opt = torch.optim.Adam(learner.parameters(), 1e-3)
     losses = []
     for step in range(steps):
-        tasks = learner.shard(n_tasks, lambda i: task(step * n_tasks + i))  # this rank's part
+        tasks = learner.shard(n_tasks, lambda i: task(step * n_tasks + i))  # this rank's part  # noqa: B023
         opt.zero_grad()
         loss = learner.meta_loss(tasks, per_sample_loss)
         loss.backward()

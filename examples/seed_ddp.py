@@ -38,7 +38,7 @@ def get_updated_network(old, new, lr):  # the user's helper, unchanged (load=Fal
     updated_theta = {}
     state_dicts = old.state_dict()
     param_dicts = dict(old.named_parameters())
-    for k, v in state_dicts.items():
+    for k, _v in state_dicts.items():
         if k in param_dicts and param_dicts[k].grad is not None:
             updated_theta[k] = param_dicts[k] - lr * param_dicts[k].grad
         else:

@@ -8,7 +8,7 @@ for p in (os.path.join(ROOT, "tests"), os.path.join(ROOT, "examples")):
         sys.path.insert(0, p)
 
 
-import pytest
+import pytest  # noqa: E402 (after the path set-up that spawned ranks inherit)
 
 
 @pytest.fixture(scope="session")

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from metaddp.testing import scenarios as S
 from metaddp.distributed.launch import run_local
+from metaddp.testing import scenarios as S
 
 # Float64 throughout. Between world sizes only the order of floating-point sums changes
 # (partial sums per rank), which moves results by a few ulps per operation: observed <1e-15
@@ -146,7 +146,7 @@ def reference(p: S.Problem) -> dict[str, torch.Tensor]:
                 (g,) = torch.autograd.grad(mse(unflat(phi_), t.support.x, t.support.y), phi_)
                 phi = phi - p.inner_lr * (g + p.lam * (phi - th))
             hess = torch.autograd.functional.hessian(
-                lambda v: mse(unflat(v), t.support.x, t.support.y), phi)
+                lambda v, t=t: mse(unflat(v), t.support.x, t.support.y), phi)
             phi_ = phi.clone().requires_grad_()
             (gq,) = torch.autograd.grad(mse(unflat(phi_), t.query.x, t.query.y), phi_)
             acc += torch.linalg.solve(torch.eye(len(th), dtype=th.dtype) + hess / p.lam, gq)

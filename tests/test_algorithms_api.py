@@ -98,7 +98,8 @@ def test_reptile_gradient_is_the_displacement_and_works_with_torch_optim():
         # The same float64 numbers summed in another order: a few ulps apart.
         torch.testing.assert_close(p.grad, disp[k], rtol=1e-12, atol=1e-14)
     # The value is half the mean squared distance moved.
-    want = sum(0.5 * sum(((theta[k] - alg.adapt(t.support, mse)[k].detach()) ** 2).sum() for k in theta) for t in tasks) / 2
+    want = sum(0.5 * sum(((theta[k] - alg.adapt(t.support, mse)[k].detach()) ** 2).sum() for k in theta)
+               for t in tasks) / 2
     torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-12, atol=0)  # as above
     opt = torch.optim.SGD(alg.parameters(), lr=0.5)
     opt.step()

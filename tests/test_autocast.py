@@ -9,9 +9,8 @@ import pytest
 import torch
 
 import metaddp as md
-from metaddp.testing import scenarios as S
-
 import reference
+from metaddp.testing import scenarios as S
 
 PROBLEMS = [S.Problem("mlp", steps=2, n_tasks=3, dtype=torch.float32),
             S.Problem("conv", steps=2, n_tasks=2, dtype=torch.float32)]

@@ -7,13 +7,12 @@ import functools
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import metaddp
-from metaddp.testing import scenarios as S
 from metaddp.algorithms._stacked import batchable, per_task, use_batched
 from metaddp.distributed.launch import run_local
+from metaddp.testing import scenarios as S
 
 # Float64 throughout. Stacked and looped runs do the same arithmetic except for how sums are
 # grouped (vmap's batched kernels vs one task at a time, and the order tasks are summed), so

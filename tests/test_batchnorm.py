@@ -20,7 +20,8 @@ def identity(ts):
 def net(norm: type[nn.Module], momentum: float | None = 0.1, affine: bool = True) -> nn.Module:
     torch.manual_seed(0)
     if norm is nn.BatchNorm1d:
-        return nn.Sequential(nn.Linear(3, 4), norm(4, momentum=momentum, affine=affine), nn.Tanh(), nn.Linear(4, 2)).double()
+        return nn.Sequential(nn.Linear(3, 4), norm(4, momentum=momentum, affine=affine), nn.Tanh(),
+                             nn.Linear(4, 2)).double()
     return nn.Sequential(nn.Conv2d(1, 3, 3), norm(3, momentum=momentum, affine=affine), nn.Tanh(),
                          nn.Flatten(), nn.Linear(3 * 4 * 4, 2)).double()
 

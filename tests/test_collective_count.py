@@ -70,7 +70,7 @@ def counts():
 def test_collectives_per_meta_step(counts):
     assert not metaddp.distributed._collectives.strict()  # the header exchange of strict mode adds calls
     for rank, per_rank in enumerate(counts):
-        for (layout, steps, depth, batched), c in zip(CONFIGS, per_rank):
+        for (layout, steps, _depth, batched), c in zip(CONFIGS, per_rank):
             where = f"rank {rank}: {layout}-parallel, K={steps}, {c['tensors']} tensors, batched={batched}"
             # Final reduction: every gradient, one has-gradient flag per tensor, the
             # single-backward vote that decides when sums may start early, the meta-loss

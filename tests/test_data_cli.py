@@ -7,9 +7,8 @@ import pytest
 pytest.importorskip("PIL")
 pytest.importorskip("matplotlib")
 
-from test_image_data import official_omniglot  # noqa: E402
-
 from metaddp.cli import main  # noqa: E402
+from test_image_data import official_omniglot  # noqa: E402
 
 
 def test_data_shows_alphabets_classes_and_draws_tasks(tmp_path, capsys):

@@ -15,7 +15,6 @@ import math
 from pathlib import Path
 
 import pytest
-
 import torch
 
 import reference

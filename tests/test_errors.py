@@ -5,9 +5,8 @@ import torch
 from torch import nn
 
 import metaddp as md
-from metaddp.distributed.launch import run_local
-
 import workers
+from metaddp.distributed.launch import run_local
 
 
 def test_strict_mode_names_a_size_mismatch_instead_of_aborting():

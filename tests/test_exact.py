@@ -3,11 +3,10 @@
 import pytest
 import torch
 
-from metaddp.testing import scenarios as S
-from metaddp.distributed.launch import run_local
-
 import reference
 import workers
+from metaddp.distributed.launch import run_local
+from metaddp.testing import scenarios as S
 
 WORLD_SIZES = (1, 2, 3, 4)
 # float64 has eps = 2.2e-16. Distributed and reference results differ only in the order of

@@ -16,10 +16,9 @@ import pytest
 import torch
 
 import metaddp as md
+import reference
 from metaddp.distributed.launch import run_local
 from metaddp.testing import scenarios as S
-
-import reference
 from test_algorithms import reference_bn
 
 WORLD_SIZES = (2, 3)

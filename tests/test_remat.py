@@ -11,12 +11,11 @@ import pytest
 import torch
 
 import metaddp as md
+import reference
 from metaddp import _host
 from metaddp.algorithms.registry import split_head
 from metaddp.distributed.launch import run_local
 from metaddp.testing import scenarios as S
-
-import reference
 
 # Float64. The low-memory mode runs the same operations as the default, in the same execution
 # (stacked or one task at a time), differentiated by autograd one step at a time: only the

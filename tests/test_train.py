@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from metaddp.train import TrainConfig
 from metaddp.distributed.launch import run_local
 from metaddp.tasks import Sinusoid
+from metaddp.train import TrainConfig
 from workers import train as run  # a run in a folder rank 0 prepares
 
 CFG = TrainConfig(task="sinusoid", algorithm="maml", steps=8, meta_batch=5, inner_steps=2,
@@ -49,7 +49,6 @@ def plain_maml(cfg: TrainConfig) -> dict:
     torch.manual_seed(cfg.seed)
     net = fam.model().double()
     opt = torch.optim.Adam(net.parameters(), lr=cfg.outer_lr)
-    names = [n for n, _ in net.named_parameters()]
 
     def adapt(params, x, y, steps, create_graph):
         for _ in range(steps):

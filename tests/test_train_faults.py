@@ -13,7 +13,7 @@ import torch
 from metaddp import train as _train
 from metaddp.train import TrainConfig
 from metaddp.train._metrics import read
-from metaddp.train._trainer import NonFiniteError, Trainer
+from metaddp.train._trainer import NonFiniteError
 
 CFG = TrainConfig(task="sinusoid", steps=6, meta_batch=4, shots=5, query=5, hidden=8,
                   eval_every=0, eval_tasks=4, checkpoint_every=2).resolved()

@@ -10,9 +10,9 @@ from torch import nn
 
 import metaddp as md
 from metaddp import train as _train
+from metaddp.distributed._collectives import _next_sequence
 from metaddp.testing import scenarios as S
 from metaddp.train import TrainConfig
-from metaddp.distributed._collectives import _next_sequence
 
 # Exactness cases: (name, Problem). Sizes chosen so that shards are uneven at every world
 # size 2..4, some ranks get empty shards (2 or 3 samples over 3-4 ranks), and task counts do
