@@ -30,7 +30,7 @@ Sections (each runs even if an earlier one failed; each writes its rows to the r
 - ``cudnn`` (only when named): the stacked step with cuDNN's algorithms chosen by heuristics
   (PyTorch's default) and by trying them (``torch.backends.cudnn.benchmark``).
 - ``stacked_conv``: the stacked step's forward convolutions each way
-  ``metaddp._conv.FORWARD`` names (grouped, the default; per task; transposed), eager and
+  ``metaddp.algorithms._conv.FORWARD`` names (grouped, the default; per task; transposed), eager and
   graphed, float32 and TF32.
 - ``hvp``: the low mode's Hessian-vector product reverse over reverse against forward over
   reverse (``benchmarks/hvp_modes.py``): on the CPU reverse over reverse is faster.
@@ -669,12 +669,12 @@ def section_cudnn(device: str, quick: bool) -> list[dict]:
 
 
 def section_stacked_conv(device: str, quick: bool) -> list[dict]:
-    """The stacked step's forward convolutions each way ``metaddp._conv.FORWARD`` names: one
+    """The stacked step's forward convolutions each way ``metaddp.algorithms._conv.FORWARD`` names: one
     grouped convolution (the default), one per task, and one transposed convolution.
     Second-order MAML, Conv-4 with BatchNorm, 32 tasks, K = 1 and 5, eager and replayed
     from a CUDA graph, in full float32 and with TF32; each one's time and error against
     float64."""
-    from metaddp import _conv
+    from metaddp.algorithms import _conv
 
     cuda = device.startswith("cuda")
     n_tasks, reps, ks = (4, 2, (1,)) if quick else (32, 6, (1, 5))

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import metaddp
-from metaddp._conv import convolution, stacked_convolutions
+from metaddp.algorithms._conv import convolution, stacked_convolutions
 from metaddp.testing import scenarios as S
 from metaddp.testing.dispatch import DispatchCounter
 
@@ -43,12 +43,12 @@ def test_first_and_second_derivatives_match_finite_differences(
     assert torch.autograd.gradgradcheck(f, inputs)
 
 
-@pytest.mark.parametrize("forward", metaddp._conv.FORWARDS)
+@pytest.mark.parametrize("forward", metaddp.algorithms._conv.FORWARDS)
 def test_vmapped_second_derivatives_equal_pytorchs_own(forward, monkeypatch):
     # Per-task weights (plain and grouped), per-task and shared inputs, second order through
-    # the inner gradient; the stacked forward each way metaddp._conv.FORWARD names (the
+    # the inner gradient; the stacked forward each way metaddp.algorithms._conv.FORWARD names (the
     # "transposed" one also with dilation, and falling back to grouped at stride 2).
-    monkeypatch.setattr(metaddp._conv, "FORWARD", forward)
+    monkeypatch.setattr(metaddp.algorithms._conv, "FORWARD", forward)
     g = torch.Generator().manual_seed(1)
     w = torch.randn(3, 4, 2, 3, 3, generator=g, dtype=torch.float64, requires_grad=True)
     b = torch.randn(3, 4, generator=g, dtype=torch.float64, requires_grad=True)
@@ -118,13 +118,13 @@ def count_ops(tasks: int, steps: int) -> int:
 def test_a_stacked_second_order_meta_step_dispatches_as_many_operations_for_any_task_count(steps):
     # Exact equality: the count of aten operations does not depend on the values, and
     # PyTorch's own grouped double backward adds a slice and a convolution per task. (With
-    # the default grouped forward; metaddp._conv.FORWARD = "per_task": next test.)
+    # the default grouped forward; metaddp.algorithms._conv.FORWARD = "per_task": next test.)
     assert count_ops(2, steps) == count_ops(6, steps)
 
 
 def test_per_task_forward_convolutions_add_one_convolution_per_task(monkeypatch):
-    assert metaddp._conv.FORWARD == "grouped"  # the default (measured: BENCHMARKS.md)
-    monkeypatch.setattr(metaddp._conv, "FORWARD", "per_task")
+    assert metaddp.algorithms._conv.FORWARD == "grouped"  # the default (measured: BENCHMARKS.md)
+    monkeypatch.setattr(metaddp.algorithms._conv, "FORWARD", "per_task")
     # Per task, every forward convolution adds one convolution per task; the backward ones
     # add nothing. The two-layer conv net (count_ops): 2 on the support per inner step, 2 on
     # the query, and 3 in each inner step's double backward (conv(x, ggw) in both layers,
@@ -147,7 +147,7 @@ def test_the_transposed_forward_runs_transposed_convolutions_at_stride_one(monke
                 self.calls.append((args[6], tuple(args[3])))
             return func(*args, **(kwargs or {}))
 
-    monkeypatch.setattr(metaddp._conv, "FORWARD", "transposed")
+    monkeypatch.setattr(metaddp.algorithms._conv, "FORWARD", "transposed")
     w = torch.randn(3, 4, 2, 3, 3, dtype=torch.float64)
     x = torch.randn(3, 5, 2, 6, 6, dtype=torch.float64)
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import metaddp as md
-from metaddp import _graphs, _host
-from metaddp.distributed import Mesh
+from metaddp import _host
+from metaddp.distributed import Mesh, _graphs
 from metaddp.testing import scenarios as S
 
 P = S.Problem("mlp", steps=2, dtype=torch.float32)

@@ -11,7 +11,6 @@ family, over a ``reduce`` function) beside ``metaddp.distributed`` (collectives,
 """
 
 from ._adapt import batch_share, grad, inner_loop, inner_step
-from ._allocator import keep_freed_memory
 from ._data import (
     Batch,
     Chunks,
@@ -25,7 +24,6 @@ from ._data import (
     shard_range,
 )
 from ._functional import buffers_of, call, params_of
-from ._graphs import CapturedStep
 from ._share import share
 from ._types import LossFn, MetaAlgorithm, Params, Reduce, identity_reduce
 from .algorithms import (
@@ -39,6 +37,7 @@ from .algorithms import (
     conjugate_gradient,
 )
 from .distributed import (
+    CapturedStep,
     CollectiveError,
     CollectiveStats,
     Mesh,
@@ -50,6 +49,7 @@ from .distributed import (
     global_count,
     global_value,
     init,
+    keep_freed_memory,
     rank,
     set_strict,
     shutdown,

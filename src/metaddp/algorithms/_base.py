@@ -31,8 +31,7 @@ from .._functional import (
 )
 from .._remat import rematerialized_loop, rematerialized_loss
 from .._types import LossFn, Params, Reduce
-from ..inner import InnerOptimizer, LearnedLR, LearningRate, sgd
-from ..inner._optimizers import learned_rates
+from ..inner import InnerOptimizer, LearnedLR, LearningRate, learned_rates, sgd
 from ._learner import Learner
 
 OptimizerFactory = Callable[[LearningRate], InnerOptimizer]

@@ -28,12 +28,12 @@ from torch import Tensor, nn
 
 from .. import _mask
 from .._adapt import check_finite
-from .._conv import stacked_convolutions
 from .._data import Batch, Chunks, Task
 from .._functional import call
 from .._share import check_per_sample, one_per_sample
 from .._types import LossFn, Params
 from ..inner import InnerOptimizer, apply_updates
+from ._conv import stacked_convolutions
 from ._stacked import per_task
 
 

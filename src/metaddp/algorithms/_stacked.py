@@ -27,13 +27,13 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .._adapt import check_finite, inner_step
-from .._conv import has_convolutions, stacked_convolutions
 from .._data import Batch, Task
 from .._functional import call, random_layers
 from .._remat import rematerialized_loss
 from .._share import check_per_sample, share
 from .._types import LossFn, Params, Reduce
 from ..inner import InnerOptimizer, State
+from ._conv import has_convolutions, stacked_convolutions
 
 
 def _signature(batch: Batch) -> tuple:

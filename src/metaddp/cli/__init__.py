@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-from .._allocator import keep_freed_memory
+from ..distributed import keep_freed_memory
 
 # Each module defines ``add_parser(subparsers)`` registering its sub-command, whose parser
 # carries ``func=`` taking the parsed arguments and returning the exit status.

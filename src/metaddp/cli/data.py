@@ -83,7 +83,7 @@ def report(name: str, family: FewShotImages) -> list[str]:
 def grid(family: FewShotImages, *, seed: int, tasks: int, split: str, path: Path) -> None:
     """A PNG of ``tasks`` tasks side by side: per class a row, support images (blue frame)
     then query images (orange frame)."""
-    from .._plotting import pyplot
+    from .._output import pyplot
 
     plt = pyplot()
     ways, shots, query = family.ways, family.shots, family.query

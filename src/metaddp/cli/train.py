@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import train as _train
-from ..distributed._mesh import DEFAULT_TIMEOUT
+from ..distributed import DEFAULT_TIMEOUT
 from ..distributed.launch import oversubscribed
 from ..tasks import FAMILIES, family_class
 from ..train import DTYPES, LAYOUTS, RunLock, TrainConfig, _checkpoint, read_toml
@@ -331,7 +331,7 @@ def worker(
     import torch
     import torch.distributed as dist
 
-    from ..distributed._mesh import default_backend, init, rank, shutdown
+    from ..distributed import default_backend, init, rank, shutdown
 
     if cfg_dict.get("deterministic"):
         # CPU kernels split their work by the thread count, which changes their bits: one
@@ -445,7 +445,7 @@ def torchrun_main(args: argparse.Namespace) -> int:
     folder rank 0 is writing). Only rank 0 reports."""
     import torch.distributed as dist
 
-    from ..distributed._mesh import default_backend, init, rank, shutdown
+    from ..distributed import default_backend, init, rank, shutdown
 
     try:
         check_processes(args)  # on every rank, before a backend that cannot work is used

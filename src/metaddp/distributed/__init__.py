@@ -2,6 +2,7 @@
 :class:`MetaDDP` wrapper, overlapped gradient sums, synchronized BatchNorm, check mode and
 local launchers. Nothing here knows about meta-learning algorithms."""
 
+from ._allocator import keep_freed_memory
 from ._batchnorm import sync_batchnorm
 from ._check import OutOfSyncError
 from ._collectives import (
@@ -13,14 +14,28 @@ from ._collectives import (
     counting,
     global_count,
     global_value,
+    group_rank,
+    group_size,
     set_strict,
 )
-from ._mesh import LAYOUTS, Mesh, init, rank, shutdown, world_size
+from ._graphs import CapturedStep
+from ._mesh import (
+    DEFAULT_TIMEOUT,
+    LAYOUTS,
+    Mesh,
+    default_backend,
+    init,
+    rank,
+    shutdown,
+    world_size,
+)
 from ._wrapper import MetaDDP
 
 __all__ = [
+    "DEFAULT_TIMEOUT",
     "Phase",
     "LAYOUTS",
+    "CapturedStep",
     "CollectiveError",
     "CollectiveStats",
     "Mesh",
@@ -29,9 +44,13 @@ __all__ = [
     "all_reduce_counts",
     "all_reduce_sum",
     "counting",
+    "default_backend",
     "global_count",
     "global_value",
+    "group_rank",
+    "group_size",
     "init",
+    "keep_freed_memory",
     "rank",
     "set_strict",
     "shutdown",

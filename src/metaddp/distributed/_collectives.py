@@ -358,21 +358,6 @@ def all_reduce_sum(
     return list(_AllReduceSum.apply(group, bucket_bytes, phase, *tensors))
 
 
-def all_reduce_sum_(
-    tensors: Sequence[Tensor],
-    group: Group = None,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    salt: int = 0,
-) -> None:
-    """In-place, non-differentiable SUM over ``group`` (for leaf ``.grad`` tensors)."""
-    tensors = list(tensors)
-    reduced = launch_sum(tensors, group, bucket_bytes, Phase.GRADIENTS, salt).wait()
-    with torch.no_grad():
-        for t, r in zip(tensors, reduced, strict=True):
-            if r is not t:
-                t.copy_(r)
-
-
 def all_reduce_counts(counts: Sequence[int], group: Group = None) -> list[int]:
     """Exact integer SUM over ``group`` (global sample or task counts)."""
     counts = [int(c) for c in counts]

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .._allocator import keep_freed_memory
+from ._allocator import keep_freed_memory
 from ._collectives import Group, group_rank, group_size
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)

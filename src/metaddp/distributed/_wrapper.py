@@ -26,8 +26,7 @@ from .._binding import LOCAL, Collectives, bind, unbind
 from .._data import Batch, MetaBatch, Shard, Task
 from .._functional import refuse_data_parallel, require_trained
 from .._types import LossFn, MetaAlgorithm, Params, identity_reduce
-from ..inner import InnerOptimizer
-from ..inner._optimizers import learned_rates
+from ..inner import InnerOptimizer, learned_rates
 from ._batchnorm import BatchNormSync, has_batchnorm, sync_batchnorm
 from ._check import from_env
 from ._collectives import (

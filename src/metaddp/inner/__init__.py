@@ -8,6 +8,7 @@ from ._optimizers import (
     State,
     adam,
     apply_updates,
+    learned_rates,
     lr_for,
     sgd,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "State",
     "adam",
     "apply_updates",
+    "learned_rates",
     "lr_for",
     "sgd",
 ]

@@ -234,7 +234,7 @@ def load(
 ) -> dict[str, Any]:
     """The glyph set of ``fonts`` and ``seed``: read from the cache folder, or drawn and
     written there first (atomically: a reader never sees half a file)."""
-    from ..train._checkpoint import atomic_write
+    from .._output import atomic_write
 
     identity = _fonts.identity(fonts)
     path = cache_folder(data) / cache_name(identity, seed)

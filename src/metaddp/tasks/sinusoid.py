@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._data import Batch, Task
-from .._plotting import pyplot
+from .._output import pyplot
 from .._types import MetaAlgorithm
 from ._family import TaskFamily
 

@@ -8,13 +8,14 @@ so the step number alone says where the data stream continues.
 from __future__ import annotations
 
 import os
-import tempfile
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .._output import atomic_write
 
 FORMAT = "metaddp-checkpoint-1"
 KEYS = ("format", "step", "config", "model", "optimizer")
@@ -41,35 +42,6 @@ def history(path: Path, keep: int = KEEP) -> list[Path]:
 def exists(path: Path) -> bool:
     """Whether ``path`` or one of its older copies is there to resume from."""
     return any(p.is_file() for p in history(path))
-
-
-def umask() -> int:
-    """The process's umask (read by setting it, and at once setting it back)."""
-    old = os.umask(0)
-    os.umask(old)
-    return old
-
-
-def atomic_write(path: Path, write) -> None:
-    """Call ``write(file)`` on a temporary file beside ``path``, then rename it over ``path``.
-
-    ``os.replace`` is atomic on POSIX and Windows: a reader (or a crash) sees the old file or
-    the new one, never half of one. The file gets the permissions of any new file
-    (``0o666`` less the umask), not the private ``0o600`` of a temporary one.
-    """
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.chmod(tmp, 0o666 & ~umask())
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def save(

@@ -13,8 +13,7 @@ from torch import Tensor
 from .._data import Task, shard_range
 from .._share import share
 from .._types import MetaAlgorithm
-from ..distributed import Mesh, all_reduce_sum
-from ..distributed._collectives import Phase, group_rank, group_size
+from ..distributed import Mesh, Phase, all_reduce_sum, group_rank, group_size
 from ..tasks import TaskFamily
 from ._metrics import mean_ci95
 

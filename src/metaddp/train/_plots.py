@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from .._plotting import pyplot
+from .._output import pyplot
 
 
 def training_curves(

@@ -21,13 +21,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import _plotting
+from .. import _output
 from .._adapt import finite_flags
 from .._data import Task
-from .._graphs import CapturedStep
 from .._share import share
 from ..algorithms import NotPositiveDefinite, build
-from ..distributed import Mesh, MetaDDP, rank
+from ..distributed import CapturedStep, Mesh, MetaDDP, rank
 from . import _checkpoint
 from ._config import TrainConfig
 from ._evaluate import baseline, evaluate, to
@@ -235,7 +234,7 @@ class Trainer:
     def plots(self, summary: dict[str, Any]) -> list[str]:
         """The run's PNG figures (rank 0; none without matplotlib): training curves (with the
         baseline of ``summary``, if any), then the task family's own."""
-        if not _plotting.available():
+        if not _output.available():
             return []
         folder = self.out / "plots"
         paths = [folder / "training.png"]

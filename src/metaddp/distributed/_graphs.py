@@ -31,9 +31,9 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from . import _host
-from ._data import MetaBatch, Task
-from ._types import LossFn
+from .. import _host
+from .._data import MetaBatch, Task
+from .._types import LossFn
 
 
 class _Stepper(Protocol):
