@@ -196,3 +196,12 @@ def test_the_first_step_and_a_sparse_sample_of_later_ones_are_checked():
     every = Schedule(every=True)
     every.advance()
     assert every.due()
+
+
+def test_release_puts_back_what_deterministic_mode_changed_in_the_process():
+    was = torch.backends.mkldnn.enabled
+    learner = md.MetaDDP(md.MAML(net64()), deterministic=True)
+    assert not torch.backends.mkldnn.enabled  # its CPU convolutions change with the batch's shape
+    learner.release()
+    assert torch.backends.mkldnn.enabled == was
+    assert torch.are_deterministic_algorithms_enabled() is False

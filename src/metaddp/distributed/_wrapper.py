@@ -52,11 +52,22 @@ def _take(batch: Batch, samples: range) -> Batch:
     )
 
 
-def _deterministic_kernels(module: nn.Module) -> None:
-    """Kernels whose results do not depend on the run or on the batch's shape. On the CPU:
-    no oneDNN (its convolutions change with the number of chunks stacked in one call,
+def _deterministic_kernels(module: nn.Module) -> Callable[[], None]:
+    """Kernels whose results do not depend on the run or on the batch's shape; returns what
+    puts the process's settings back as they were (``MetaDDP.release``). On the CPU: no
+    oneDNN (its convolutions change with the number of chunks stacked in one call,
     measured); the CPU kernels metaddp runs have no run-to-run variation. On a GPU also
     PyTorch's deterministic algorithms (no atomic adds) and cuDNN's deterministic choices."""
+    cudnn = torch.backends.cudnn
+    was = (
+        torch.backends.mkldnn.enabled,
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.utils.deterministic.fill_uninitialized_memory,  # type: ignore[attr-defined]
+        cudnn.deterministic,
+        cudnn.benchmark,
+        os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+    )
     torch.backends.mkldnn.enabled = False  # type: ignore[assignment]
     if any(p.is_cuda for p in module.parameters()):
         # cuBLAS picks its reduction split by workspace unless told a fixed one; read when its
@@ -67,8 +78,20 @@ def _deterministic_kernels(module: nn.Module) -> None:
         # memory per allocation and makes no result more deterministic here: nothing reads
         # memory it did not write.
         torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
-        torch.backends.cudnn.deterministic = True
-        torch.backends.cudnn.benchmark = False
+        cudnn.deterministic = True
+        cudnn.benchmark = False
+
+    def restore() -> None:
+        torch.backends.mkldnn.enabled = was[0]
+        torch.use_deterministic_algorithms(was[1], warn_only=was[2])
+        torch.utils.deterministic.fill_uninitialized_memory = was[3]  # type: ignore[attr-defined]
+        cudnn.deterministic, cudnn.benchmark = was[4], was[5]
+        if was[6] is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = was[6]
+
+    return restore
 
 
 def _refuse_rates_outside(module: nn.Module, deterministic: bool) -> None:
@@ -180,12 +203,13 @@ class MetaDDP(nn.Module):
         else:
             self.check_in_sync()
         self.exact: ExactSums | None = None
+        self._restore_settings: Callable[[], None] | None = None  # what a mode changed
         # Each trained parameter's .grad as sync_grads() left it, with its version: while a
         # .grad is that tensor, unchanged, it holds a SUM over the ranks already.
         self._summed: dict[int, tuple[weakref.ref[Tensor], int]] = {}
         if deterministic:
             self.exact = ExactSums(self.mesh, chunks)
-            _deterministic_kernels(module)
+            self._restore_settings = _deterministic_kernels(module)
         # Hooks only where there is something to overlap with: on one rank the sum is a copy.
         self._reducer: GradReducer | None = None
         if overlap and group_size(self.mesh.group) > 1 and self.exact is None:
@@ -260,8 +284,12 @@ class MetaDDP(nn.Module):
         return None
 
     def release(self) -> None:
-        """Undo what the wrapper did to the module (bindings, BatchNorm, hooks)."""
+        """Undo what the wrapper did to the module (bindings, BatchNorm, hooks) and to the
+        process (deterministic mode's kernel settings)."""
         unbind(self.module)
+        if self._restore_settings is not None:
+            self._restore_settings()
+            self._restore_settings = None
         if self._batchnorm is not None:
             self._batchnorm.remove()
             self._batchnorm = None
