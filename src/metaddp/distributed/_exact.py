@@ -16,12 +16,13 @@ Nothing here knows what the chunks compute.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from .._data import Chunks
+from .._data import Batch, Chunks, MetaBatch, Shard, Task
 from ._collectives import Phase, all_reduce_sum, group_rank
 from ._fixed import gather, spread
 from ._mesh import Mesh
@@ -44,6 +45,16 @@ class ExactSums:
         self.mesh, self.chunks = mesh, int(chunks)
         self._units: list[tuple[int, int]] = []
         self.used = False  # set by spread_tasks: the step's gradients are complete
+
+    def cut_meta_batch(self, whole: MetaBatch) -> MetaBatch:
+        """A task group's whole tasks, every batch cut to this rank's whole chunks."""
+        out = MetaBatch(
+            [Task(*(_take(b, self.cut(b.n).samples) for b in t)) for t in whole],
+            whole.n,
+            whole.indices,
+        )
+        out.source = whole.source
+        return out
 
     def cut(self, n: int) -> Chunks:
         """The chunks of a batch of ``n`` samples, and this rank's (on the sample axis)."""
@@ -132,3 +143,51 @@ class _Pool(torch.autograd.Function):
             phys.append(t.reshape(tasks, width, *t.shape[1:]))
         whole = sums.spread_units(sums.gather_units(phys), width)
         return tuple(w.reshape(units, *w.shape[2:]) for w in whole), (0,) * len(whole)
+
+
+def _take(batch: Batch, samples: range) -> Batch:
+    return Shard(
+        batch.x[samples.start : samples.stop], batch.y[samples.start : samples.stop], batch.n
+    )
+
+
+def deterministic_kernels(module: nn.Module) -> Callable[[], None]:
+    """Kernels whose results do not depend on the run or on the batch's shape; returns what
+    puts the process's settings back as they were (``MetaDDP.release``). On the CPU: no
+    oneDNN (its convolutions change with the number of chunks stacked in one call,
+    measured); the CPU kernels metaddp runs have no run-to-run variation. On a GPU also
+    PyTorch's deterministic algorithms (no atomic adds) and cuDNN's deterministic choices."""
+    cudnn = torch.backends.cudnn
+    was = (
+        torch.backends.mkldnn.enabled,
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.utils.deterministic.fill_uninitialized_memory,  # type: ignore[attr-defined]
+        cudnn.deterministic,
+        cudnn.benchmark,
+        os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+    )
+    torch.backends.mkldnn.enabled = False  # type: ignore[assignment]
+    if any(p.is_cuda for p in module.parameters()):
+        # cuBLAS picks its reduction split by workspace unless told a fixed one; read when its
+        # handle is made, so a process that already ran matrix products keeps its own.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        # Filling every new tensor with NaN (on by default with the above) costs a pass over
+        # memory per allocation and makes no result more deterministic here: nothing reads
+        # memory it did not write.
+        torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
+        cudnn.deterministic = True
+        cudnn.benchmark = False
+
+    def restore() -> None:
+        torch.backends.mkldnn.enabled = was[0]
+        torch.use_deterministic_algorithms(was[1], warn_only=was[2])
+        torch.utils.deterministic.fill_uninitialized_memory = was[3]  # type: ignore[attr-defined]
+        cudnn.deterministic, cudnn.benchmark = was[4], was[5]
+        if was[6] is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = was[6]
+
+    return restore

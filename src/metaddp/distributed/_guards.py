@@ -37,10 +37,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import _host
+from .._adapt import NON_FINITE_LOSS
 from .._data import Batch, MetaBatch, Task, named_batches
 from .._reach import shapes, unknown_leaves
 from .._share import share_of
 from .._types import LossFn
+from ..inner import InnerOptimizer, learned_rates
 from ._check import OutOfSyncError, WeightCheck
 from ._collectives import (
     Group,
@@ -127,6 +129,32 @@ def _gather(rows: Tensor, group: Group) -> list[Tensor]:
     return [block[r, : counts[r]] for r in range(ranks)]
 
 
+def refuse_rates_outside(module: nn.Module, deterministic: bool) -> None:
+    """Raise if the algorithm's inner optimizer learns rates (tensors that require grad,
+    given to ``sgd`` or ``adam``) that the wrapper would not keep alike on every rank."""
+    optimizer = getattr(module, "optimizer", None)
+    rates = learned_rates(optimizer) if isinstance(optimizer, InnerOptimizer) else ()
+    if not rates:
+        return
+    if deterministic:
+        raise ValueError(
+            "deterministic mode learns inner learning rates through learn_lr only (those rates "
+            "are spread to every task and summed order-free): build the algorithm with "
+            "learn_lr='scalar', 'tensor' or 'parameter' instead of giving its optimizer rates "
+            "that require grad"
+        )
+    ours = {id(p) for p in module.parameters()}
+    outside = [r for r in rates if id(r) not in ours]
+    if outside:
+        raise ValueError(
+            f"the inner optimizer learns {len(outside)} learning rate(s) that are not "
+            "parameters of the wrapped algorithm: sync_grads() would not sum their gradients "
+            "over the ranks, and every rank would train its own. Build the algorithm with "
+            "learn_lr='scalar', 'tensor' or 'parameter' (its rates are then its parameters), "
+            "or register the rates on it as nn.Parameters"
+        )
+
+
 def _loss_key(loss_fn: LossFn) -> tuple[Any, Any]:
     """``(object, function)`` of a bound method, which is made anew at each attribute access;
     ``(loss_fn, None)`` otherwise."""
@@ -161,6 +189,9 @@ class StepGuards:
         self._searched: weakref.WeakKeyDictionary[Any, set[Any]] = weakref.WeakKeyDictionary()
         self.searches = 0  # calls of loss_out, so the wrapper runs it once per meta-loss
         self._losses: list[Tensor] = []  # meta-loss shares since the last sum
+        # Each trained parameter's .grad as the last sum left it, with its version: while a
+        # .grad is that tensor, unchanged, it holds a SUM over the ranks already.
+        self._summed: dict[int, tuple[weakref.ref[Tensor], int]] = {}
 
     # --- state ----------------------------------------------------------------------------
 
@@ -437,6 +468,8 @@ class StepGuards:
                 self._searched.setdefault(owner, set()).add(func)
         if loss.numel() == 1:
             self._losses.append(loss.detach().reshape(1))
+        if self._summed and loss.requires_grad:
+            loss.register_hook(self._before_backward)
 
     def _was_searched(self, loss_fn: LossFn) -> bool:
         owner, func = _loss_key(loss_fn)
@@ -462,9 +495,44 @@ class StepGuards:
                 "or detach it if it is not meant to train"
             )
 
-    # --- the sum --------------------------------------------------------------------------
+    # --- the sum -------------------------------------------------------------------------
 
-    def before_sum(self, like: Tensor) -> Tensor:
+    def _before_backward(self, grad: Tensor) -> None:
+        # Runs as the backward of a meta-loss starts, before any .grad is added to.
+        if held := self._still_summed():
+            self._refuse_summed(held, "this backward would add to them")
+
+    def _still_summed(self) -> list[str]:
+        """The trained parameters whose ``.grad`` is still the SUM the last sync_grads()
+        wrote, untouched since (not zeroed, replaced or added to)."""
+        if not self._summed:
+            return []
+        held = []
+        for name, p in self.module.named_parameters():
+            kept, g = self._summed.get(id(p)), p.grad
+            if kept is not None and g is not None and kept[0]() is g and g._version == kept[1]:
+                held.append(name)
+        return held
+
+    def _refuse_summed(self, names: list[str], what: str) -> None:
+        _host.discard()  # the step ends here: its pending checks go with it
+        raise RuntimeError(
+            "the gradients of "
+            + ", ".join(names[:5])
+            + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            + f" still hold the SUM over ranks that the last sync_grads() wrote, and {what}: "
+            "sync_grads() would sum them again, multiplying them by the number of ranks. Zero "
+            "the gradients once the optimizer has used them (optimizer.zero_grad()); to "
+            "accumulate several meta-batches, run backward() on each (all but the last inside "
+            "`with learner.no_sync():`) and sync_grads() once, after the last."
+        )
+
+    def before_sum(self) -> None:
+        """Refuse gradients that still hold the last sum (a second ``sync_grads()``)."""
+        if held := self._still_summed():
+            self._refuse_summed(held, "no backward has added to them since")
+
+    def rider(self, like: Tensor) -> Tensor:
         """What rides in the gradient SUM for the guards: the step's meta-loss (0 without
         one), whose sum over the ranks is finite exactly when every rank's share is."""
         total = like.new_zeros(1)
@@ -473,12 +541,17 @@ class StepGuards:
         self._losses = []
         return total
 
-    def after_sum(self, loss_sum: float | None) -> None:
-        """Judge the summed meta-loss (the same number on every rank), and count the step."""
+    def after_sum(self, loss_sum: float, *, summed: bool) -> None:
+        """Judge the summed meta-loss (the same number on every rank), remember the summed
+        gradients (``summed``: the sum wrote them), and count the step."""
+        if summed:
+            self._summed = {
+                id(p): (weakref.ref(p.grad), p.grad._version)
+                for p in self.module.parameters()
+                if p.grad is not None
+            }
         self.schedule.advance()
         self._agreed = weakref.WeakSet()
         self._update_weight_check()
-        if loss_sum is not None and not math.isfinite(loss_sum):
-            from .._adapt import NON_FINITE_LOSS
-
+        if not math.isfinite(loss_sum):
             raise FloatingPointError(NON_FINITE_LOSS)

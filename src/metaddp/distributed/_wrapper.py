@@ -11,8 +11,6 @@ every leaf's ``.grad``. Because every rank's loss is its share of the global mea
 from __future__ import annotations
 
 import contextlib
-import os
-import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, overload
 
@@ -20,104 +18,26 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .. import _host
 from .._adapt import grad
 from .._binding import LOCAL, Collectives, bind, unbind
-from .._data import Batch, MetaBatch, Shard, Task
+from .._data import Batch, MetaBatch, Task
 from .._functional import refuse_data_parallel, require_trained
 from .._types import LossFn, MetaAlgorithm, Params, identity_reduce
-from ..inner import InnerOptimizer, learned_rates
 from ._batchnorm import BatchNormSync, has_batchnorm, sync_batchnorm
 from ._check import from_env
 from ._collectives import (
     DEFAULT_BUCKET_BYTES,
-    Phase,
     all_reduce_sum,
     broadcast_,
     global_count,
     global_value,
     group_size,
-    launch_sum,
     settings_salt,
 )
-from ._exact import DEFAULT_CHUNKS, ExactSums
-from ._guards import StepGuards
+from ._exact import DEFAULT_CHUNKS, ExactSums, deterministic_kernels
+from ._guards import StepGuards, refuse_rates_outside
 from ._mesh import Mesh
-from ._overlap import GradReducer
-
-
-def _take(batch: Batch, samples: range) -> Batch:
-    return Shard(
-        batch.x[samples.start : samples.stop], batch.y[samples.start : samples.stop], batch.n
-    )
-
-
-def _deterministic_kernels(module: nn.Module) -> Callable[[], None]:
-    """Kernels whose results do not depend on the run or on the batch's shape; returns what
-    puts the process's settings back as they were (``MetaDDP.release``). On the CPU: no
-    oneDNN (its convolutions change with the number of chunks stacked in one call,
-    measured); the CPU kernels metaddp runs have no run-to-run variation. On a GPU also
-    PyTorch's deterministic algorithms (no atomic adds) and cuDNN's deterministic choices."""
-    cudnn = torch.backends.cudnn
-    was = (
-        torch.backends.mkldnn.enabled,
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-        torch.utils.deterministic.fill_uninitialized_memory,  # type: ignore[attr-defined]
-        cudnn.deterministic,
-        cudnn.benchmark,
-        os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
-    )
-    torch.backends.mkldnn.enabled = False  # type: ignore[assignment]
-    if any(p.is_cuda for p in module.parameters()):
-        # cuBLAS picks its reduction split by workspace unless told a fixed one; read when its
-        # handle is made, so a process that already ran matrix products keeps its own.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        # Filling every new tensor with NaN (on by default with the above) costs a pass over
-        # memory per allocation and makes no result more deterministic here: nothing reads
-        # memory it did not write.
-        torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
-        cudnn.deterministic = True
-        cudnn.benchmark = False
-
-    def restore() -> None:
-        torch.backends.mkldnn.enabled = was[0]
-        torch.use_deterministic_algorithms(was[1], warn_only=was[2])
-        torch.utils.deterministic.fill_uninitialized_memory = was[3]  # type: ignore[attr-defined]
-        cudnn.deterministic, cudnn.benchmark = was[4], was[5]
-        if was[6] is None:
-            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
-        else:
-            os.environ["CUBLAS_WORKSPACE_CONFIG"] = was[6]
-
-    return restore
-
-
-def _refuse_rates_outside(module: nn.Module, deterministic: bool) -> None:
-    """Raise if the algorithm's inner optimizer learns rates (tensors that require grad,
-    given to ``sgd`` or ``adam``) that the wrapper would not keep alike on every rank."""
-    optimizer = getattr(module, "optimizer", None)
-    rates = learned_rates(optimizer) if isinstance(optimizer, InnerOptimizer) else ()
-    if not rates:
-        return
-    if deterministic:
-        raise ValueError(
-            "deterministic mode learns inner learning rates through learn_lr only (those rates "
-            "are spread to every task and summed order-free): build the algorithm with "
-            "learn_lr='scalar', 'tensor' or 'parameter' instead of giving its optimizer rates "
-            "that require grad"
-        )
-    ours = {id(p) for p in module.parameters()}
-    outside = [r for r in rates if id(r) not in ours]
-    if outside:
-        raise ValueError(
-            f"the inner optimizer learns {len(outside)} learning rate(s) that are not "
-            "parameters of the wrapped algorithm: sync_grads() would not sum their gradients "
-            "over the ranks, and every rank would train its own. Build the algorithm with "
-            "learn_lr='scalar', 'tensor' or 'parameter' (its rates are then its parameters), "
-            "or register the rates on it as nn.Parameters"
-        )
+from ._sums import BucketedSum, ExactSum, OverlappedSum
 
 
 class MetaDDP(nn.Module):
@@ -138,11 +58,11 @@ class MetaDDP(nn.Module):
             in a row. A loop that calls ``backward()`` once per task (the ``clone()`` /
             ``adapt()`` style) is seen, and its sums then start in ``sync_grads()``: the same
             result, without the overlap. ``with learner.no_sync():`` accumulates explicitly.
-        check: check mode (default: the ``METADDP_CHECK`` environment variable). Before every
-            forward of a module with parameters, the weights it runs on must be identical on
-            the ranks that split a task's samples, and :meth:`meta_loss` checks that every
-            task's shards add up to its global sizes; a difference raises
-            :class:`metaddp.OutOfSyncError` naming the tensor. Costs nothing when off.
+        check: check mode (default: the ``METADDP_CHECK`` environment variable): the checks
+            that compare ranks (:mod:`metaddp.distributed._guards`) run on every meta-step
+            instead of the first and a sparse sample of later ones, and before every forward
+            of a module with parameters the weights it runs on must be identical on the ranks
+            that split a task's samples, inside metaddp's own loops too.
         deterministic: the same bits at any number of processes and layout (MAML,
             first-order MAML, Meta-SGD): every batch is cut by global index into at most
             ``chunks`` chunks, each computed alone, and every sum is a fixed-point integer
@@ -190,10 +110,9 @@ class MetaDDP(nn.Module):
             raise TypeError("this module is already wrapped in MetaDDP")
         refuse_data_parallel(module)
         require_trained(module)
-        _refuse_rates_outside(module, deterministic)
+        refuse_rates_outside(module, deterministic)
         self.module = module
         self.mesh = mesh if mesh is not None else Mesh.create()
-        self.allow_unused = allow_unused
         self.bucket_bytes = bucket_bytes
         self.checking = from_env() if check is None else bool(check)
         self.guards = StepGuards(module, self.mesh, every_step=self.checking)
@@ -202,26 +121,19 @@ class MetaDDP(nn.Module):
             broadcast_(state, src=0, group=self.mesh.group)
         else:
             self.check_in_sync()
-        self.exact: ExactSums | None = None
-        self._restore_settings: Callable[[], None] | None = None  # what a mode changed
-        # Each trained parameter's .grad as sync_grads() left it, with its version: while a
-        # .grad is that tensor, unchanged, it holds a SUM over the ranks already.
-        self._summed: dict[int, tuple[weakref.ref[Tensor], int]] = {}
-        if deterministic:
-            self.exact = ExactSums(self.mesh, chunks)
-            self._restore_settings = _deterministic_kernels(module)
-        # Hooks only where there is something to overlap with: on one rank the sum is a copy.
-        self._reducer: GradReducer | None = None
-        if overlap and group_size(self.mesh.group) > 1 and self.exact is None:
-            trained = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-            if trained:
-                self._reducer = GradReducer(
-                    trained,
-                    self.mesh.group,
-                    bucket_bytes,
-                    salt=self._settings_salt,
-                    rider=self.guards.before_sum,
-                )
+        self.exact = ExactSums(self.mesh, chunks) if deterministic else None
+        # What a mode changed in the process, put back by release().
+        self._restore_settings = deterministic_kernels(module) if deterministic else None
+        # The gradient sum, chosen once. Overlapped only where there is something to overlap
+        # with: on one rank the sum is a copy.
+        group, salt, rider = self.mesh.group, self._settings_salt, self.guards.rider
+        self.sums: BucketedSum | OverlappedSum | ExactSum
+        if self.exact is not None:
+            self.sums = ExactSum(module, group, self.exact, salt, rider, allow_unused)
+        elif overlap and group_size(group) > 1:
+            self.sums = OverlappedSum(module, group, bucket_bytes, salt, rider, allow_unused)
+        else:
+            self.sums = BucketedSum(module, group, bucket_bytes, salt, rider, allow_unused)
         self._collectives = Collectives(
             self.reduce,
             self._count_tasks,
@@ -265,13 +177,8 @@ class MetaDDP(nn.Module):
 
     def capture_refusal(self) -> str | None:
         """Why this learner's meta-step cannot be recorded in a CUDA graph, or ``None``."""
-        if self.exact is not None:
-            return "deterministic mode keeps per-step state on the host"
-        if self._reducer is not None:
-            return (
-                "overlapped gradient sums start from backward hooks on the host; build "
-                "MetaDDP(..., overlap=False)"
-            )
+        if self.sums.capture_refusal is not None:
+            return self.sums.capture_refusal
         if self.checking:
             return "check mode compares sizes and weights across ranks on the host"
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
@@ -294,9 +201,7 @@ class MetaDDP(nn.Module):
             self._batchnorm.remove()
             self._batchnorm = None
         self.guards.remove()
-        if self._reducer is not None:
-            self._reducer.remove()
-            self._reducer = None
+        self.sums.remove()
 
     @contextlib.contextmanager
     def local(self) -> Iterator[nn.Module]:
@@ -330,17 +235,11 @@ class MetaDDP(nn.Module):
     ) -> MetaBatch:
         """This rank's part of a global meta-batch: its task group's tasks, each cut to its
         share of the samples. ``tasks`` is the whole meta-batch, or its size with
-        ``make_task(i)`` building global task ``i`` (then only this rank's tasks are built)."""
-        batch = self._cut(tasks, make_task)
-        self.guards.tasks_in(batch)
-        return batch
-
-    def _cut(
-        self, tasks: int | Sequence[Task], make_task: Callable[[int], Task] | None
-    ) -> MetaBatch:
+        ``make_task(i)`` building global task ``i`` (then only this rank's tasks are built).
+        On checked steps the ranks' meta-batches are compared (docs/guarantees.md)."""
         m = self.mesh
         if self.exact is None:
-            return MetaBatch.shard(
+            batch = MetaBatch.shard(
                 tasks,
                 make_task,
                 task_index=m.task_index,
@@ -348,16 +247,11 @@ class MetaDDP(nn.Module):
                 sample_index=m.sample_index,
                 sample_parts=m.samples,
             )
-        # Deterministic mode: every batch cut into whole chunks (ExactSums.cut).
-        whole = MetaBatch.shard(tasks, make_task, task_index=m.task_index, task_parts=m.tasks)
-        cut = self.exact.cut
-        out = MetaBatch(
-            [Task(*(_take(b, cut(b.n).samples) for b in t)) for t in whole],
-            whole.n,
-            whole.indices,
-        )
-        out.source = whole.source
-        return out
+        else:  # every batch cut into whole chunks (ExactSums.cut)
+            whole = MetaBatch.shard(tasks, make_task, task_index=m.task_index, task_parts=m.tasks)
+            batch = self.exact.cut_meta_batch(whole)
+        self.guards.tasks_in(batch)
+        return batch
 
     def meta_loss(self, tasks: Sequence[Task], loss_fn: LossFn) -> Tensor:
         """This rank's share of the meta-batch's mean query loss, through the wrapped algorithm.
@@ -377,39 +271,7 @@ class MetaDDP(nn.Module):
             loss = algorithm.meta_loss(tasks, loss_fn)
         if self.guards.searches == searches:  # an algorithm that does not call loss_out itself
             self.guards.loss_out(loss, loss_fn)
-        if self._summed and loss.requires_grad:
-            loss.register_hook(self._before_backward)
         return loss
-
-    def _before_backward(self, grad: Tensor) -> None:
-        # Runs as the backward of a meta-loss starts, before any .grad is added to.
-        if held := self._still_summed():
-            self._refuse_summed(held, "this backward would add to them")
-
-    def _still_summed(self) -> list[str]:
-        """The trained parameters whose ``.grad`` is still the SUM the last sync_grads()
-        wrote, untouched since (not zeroed, replaced or added to)."""
-        if not self._summed:
-            return []
-        held = []
-        for name, p in self.module.named_parameters():
-            kept, g = self._summed.get(id(p)), p.grad
-            if kept is not None and g is not None and kept[0]() is g and g._version == kept[1]:
-                held.append(name)
-        return held
-
-    def _refuse_summed(self, names: list[str], what: str) -> None:
-        _host.discard()  # the step ends here: its pending checks go with it
-        raise RuntimeError(
-            "the gradients of "
-            + ", ".join(names[:5])
-            + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-            + f" still hold the SUM over ranks that the last sync_grads() wrote, and {what}: "
-            "sync_grads() would sum them again, multiplying them by the number of ranks. Zero "
-            "the gradients once the optimizer has used them (optimizer.zero_grad()); to "
-            "accumulate several meta-batches, run backward() on each (all but the last inside "
-            "`with learner.no_sync():`) and sync_grads() once, after the last."
-        )
 
     def adapt(self, support: Batch, loss_fn: LossFn, *, steps: int | None = None) -> Params:
         """The wrapped algorithm's fast weights after adapting to ``support``."""
@@ -428,9 +290,8 @@ class MetaDDP(nn.Module):
         clone = getattr(algorithm, "clone", None)
         if clone is None:
             raise TypeError(f"{type(algorithm).__name__} has no clone()")
-        if self._reducer is not None:
-            # Clone loops run one backward per task: sums cannot start during a backward.
-            self._reducer.accumulates = True
+        if isinstance(self.sums, OverlappedSum):
+            self.sums.accumulates()  # one backward per task: no sum starts during a backward
         return clone()
 
     @overload
@@ -456,9 +317,9 @@ class MetaDDP(nn.Module):
 
         ``torch.autograd.grad(loss, params)`` followed by the differentiable SUM over the
         ranks that split the batch, so every rank gets the same, global gradient.
-        ``loss`` must be this rank's share (:func:`metaddp.share`). ``create_graph=True``
-        keeps second-order terms; a first-order step whose loss is backpropagated again
-        later needs ``retain_graph=True``.
+        ``loss`` must be this rank's share (:func:`metaddp.share` of a batch).
+        ``create_graph=True`` keeps second-order terms; a first-order step whose loss is
+        backpropagated again later needs ``retain_graph=True``.
         """
         self._not_exact("grad()")
         self.guards.share_in(loss, "learner.grad(loss, params)")
@@ -483,21 +344,16 @@ class MetaDDP(nn.Module):
         sample axis, are its declared global sizes (three small collectives)."""
         self.guards.check_sizes(tasks)
 
-    # --- gradients ----------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate gradients locally; the next one outside, followed
-        by :meth:`sync_grads`, sums the accumulated gradients (as ``DDP.no_sync``)."""
-        if self._reducer is None:
-            yield
-            return
-        with self._reducer.paused():
-            yield
-
     def check_in_sync(self) -> None:
         """Raise if any parameter or buffer differs between ranks (one collective)."""
         self.guards.check_in_sync()
+
+    # --- gradients ----------------------------------------------------------------------
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Backward passes inside accumulate gradients locally; the next one outside, followed
+        by :meth:`sync_grads`, sums the accumulated gradients (as ``DDP.no_sync``)."""
+        return self.sums.paused()
 
     def sync_grads(self, values: Tensor | None = None) -> list[float]:
         """SUM every meta-parameter's ``.grad`` over all ranks of the mesh (bucketed).
@@ -516,105 +372,9 @@ class MetaDDP(nn.Module):
         Returns:
             The SUM of ``values`` on the host (empty without ``values``).
         """
-        extra = [] if values is None else [values.detach().reshape(-1)]
-        if self.exact is not None:
-            got = self._finish_exact(extra)
-        elif self._reducer is not None:
-            if held := self._still_summed():
-                self._refuse_summed(held, "no backward has added to them since")
-            missing, got = self._reducer.finish(extra)
-            self._check_trained_unchanged()
-            self._raise_missing(missing)
-            self._remember_summed()
-            self.guards.after_sum(self._reducer.rode)
-            return got
-        else:
-            got = self._sum_grads(extra)
+        if self.exact is None:
+            self.guards.before_sum()
+        got = self.sums.finish([] if values is None else [values.detach().reshape(-1)])
         # The guards' meta-loss rode last in the same SUM: judged alike on every rank.
-        self.guards.after_sum(got[-1])
+        self.guards.after_sum(got[-1], summed=self.exact is None)
         return got[:-1]
-
-    def _sum_grads(self, extra: list[Tensor]) -> list[float]:
-        """The SUM of every trained parameter's ``.grad``, with ``extra`` and the guards' value
-        in the same buckets; returns their sums."""
-        if held := self._still_summed():
-            self._refuse_summed(held, "no backward has added to them since")
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        grads = [p.grad if p.grad is not None else p.detach().new_zeros(p.shape) for p in params]
-        # One has-gradient flag per parameter rides in the same buckets as the gradients.
-        has_grad = [float(p.grad is not None) for p in params]
-        flags = _host.upload(has_grad, params[0]) if params else torch.zeros(0)
-        tail = torch.cat([flags, *(v.to(flags) for v in extra), self.guards.before_sum(flags)])
-        reduced = launch_sum(
-            grads + [tail],
-            self.mesh.group,
-            self.bucket_bytes,
-            Phase.GRADIENTS,
-            self._settings_salt(),
-        ).wait()
-        # The step's one host read: these flags and every check the step left on the device.
-        (got,) = _host.read(reduced[-1])
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        missing = [names[id(p)] for p, f in zip(params, got, strict=False) if f == 0]
-        self._raise_missing(missing)
-        with torch.no_grad():
-            for p, g, f in zip(params, reduced, got, strict=False):
-                if f > 0:
-                    p.grad = g if p.grad is None else p.grad.copy_(g)
-        self._remember_summed()
-        return got[len(params) :]
-
-    def _remember_summed(self) -> None:
-        self._summed = {
-            id(p): (weakref.ref(p.grad), p.grad._version)
-            for p in self.module.parameters()
-            if p.grad is not None
-        }
-
-    def _finish_exact(self, extra: list[Tensor]) -> list[float]:
-        # Deterministic mode: the backward of meta_loss already summed the meta-gradient on
-        # every rank (ExactSums.spread_tasks); only the values and the step's checks remain.
-        assert self.exact is not None
-        if not self.exact.used:
-            _host.discard()
-            raise RuntimeError(
-                "deterministic mode: sync_grads() follows the backward of learner.meta_loss(...), "
-                "which sums the meta-gradient itself; no meta_loss ran since the last "
-                "sync_grads(), so these gradients would be one rank's"
-            )
-        self.exact.used = False
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        like = params[0].detach() if params else torch.zeros(0)
-        tail = torch.cat([*(v.to(like) for v in extra), self.guards.before_sum(like)])
-        # The settings' salt in this SUM's tag: ranks whose algorithms differ fail here, as
-        # they do at the default mode's gradient SUM.
-        summed = launch_sum(
-            [tail], self.mesh.group, phase=Phase.GRADIENTS, salt=self._settings_salt()
-        ).wait()[0]
-        (got,) = _host.read(summed)
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        self._raise_missing([names[id(p)] for p in params if p.grad is None])
-        return got
-
-    def _check_trained_unchanged(self) -> None:
-        assert self._reducer is not None
-        now = [p for p in self.module.parameters() if p.requires_grad]
-        if len(now) != len(self._reducer.params) or any(
-            a is not b for a, b in zip(now, self._reducer.params, strict=True)
-        ):
-            raise ValueError(
-                "the set of trained parameters (requires_grad=True) changed after MetaDDP was "
-                "built; freeze or add parameters before wrapping the module, or build MetaDDP "
-                "with overlap=False."
-            )
-
-    def _raise_missing(self, missing: list[str]) -> None:
-        if missing and not self.allow_unused:
-            raise ValueError(
-                "no rank produced a gradient for: "
-                + ", ".join(missing[:5])
-                + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-                + ". Call backward() on the meta-loss before sync_grads(); if these parameters "
-                "are not meant to train, set requires_grad=False or build MetaDDP with "
-                "allow_unused=True."
-            )

@@ -1,0 +1,184 @@
+"""The gradient SUM that ends a meta-step, chosen once when ``MetaDDP`` is built.
+
+- :class:`BucketedSum`: after the backward, every trained parameter's ``.grad`` in buckets,
+  with one has-gradient flag per parameter in the same buckets.
+- :class:`OverlappedSum`: the same buckets, each launched during the backward as soon as its
+  gradients are final (:mod:`metaddp.distributed._overlap`).
+- :class:`ExactSum`: deterministic mode, whose backward already summed the meta-gradient
+  order-free; only the values and the step's checks remain.
+
+Each carries, in the same collective, the caller's values and one *rider* (the guards' value
+for the step: the summed meta-loss, finite exactly when every rank's share is), and returns
+their sums with the rider's last. The step's one host read happens here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from .. import _host
+from ._collectives import Group, Phase, launch_sum
+from ._exact import ExactSums
+from ._overlap import GradReducer
+
+Rider = Callable[[Tensor], Tensor]
+"""Given a tensor of the gradients' dtype and device, one element to sum with them."""
+
+
+def _trained(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+
+def raise_missing(missing: list[str], allow_unused: bool) -> None:
+    """Refuse parameters no rank produced a gradient for, unless they are allowed."""
+    if missing and not allow_unused:
+        raise ValueError(
+            "no rank produced a gradient for: "
+            + ", ".join(missing[:5])
+            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            + ". Call backward() on the meta-loss before sync_grads(); if these parameters "
+            "are not meant to train, set requires_grad=False or build MetaDDP with "
+            "allow_unused=True."
+        )
+
+
+class BucketedSum:
+    """Every trained parameter's gradient summed after the backward, in buckets."""
+
+    capture_refusal: str | None = None
+
+    def __init__(
+        self,
+        module: nn.Module,
+        group: Group,
+        bucket_bytes: int,
+        salt: Callable[[], int],
+        rider: Rider,
+        allow_unused: bool,
+    ) -> None:
+        self.module, self.group, self.bucket_bytes = module, group, bucket_bytes
+        self.salt, self.rider, self.allow_unused = salt, rider, allow_unused
+
+    def finish(self, extra: list[Tensor]) -> list[float]:
+        named = _trained(self.module)
+        params = [p for _, p in named]
+        grads = [p.grad if p.grad is not None else p.detach().new_zeros(p.shape) for p in params]
+        # One has-gradient flag per parameter rides in the same buckets as the gradients.
+        has_grad = [float(p.grad is not None) for p in params]
+        flags = _host.upload(has_grad, params[0]) if params else torch.zeros(0)
+        tail = torch.cat([flags, *(v.to(flags) for v in extra), self.rider(flags)])
+        reduced = launch_sum(
+            grads + [tail], self.group, self.bucket_bytes, Phase.GRADIENTS, self.salt()
+        ).wait()
+        # The step's one host read: these flags and every check the step left on the device.
+        (got,) = _host.read(reduced[-1])
+        raise_missing(
+            [n for (n, _), f in zip(named, got, strict=False) if f == 0], self.allow_unused
+        )
+        with torch.no_grad():
+            for p, g, f in zip(params, reduced, got, strict=False):
+                if f > 0:
+                    p.grad = g if p.grad is None else p.grad.copy_(g)
+        return got[len(params) :]
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        yield  # nothing starts before finish()
+
+    def remove(self) -> None:
+        pass
+
+
+class OverlappedSum:
+    """The buckets of :class:`BucketedSum`, launched during the backward
+    (:class:`metaddp.distributed._overlap.GradReducer`)."""
+
+    capture_refusal = (
+        "overlapped gradient sums start from backward hooks on the host; build "
+        "MetaDDP(..., overlap=False)"
+    )
+
+    def __init__(
+        self,
+        module: nn.Module,
+        group: Group,
+        bucket_bytes: int,
+        salt: Callable[[], int],
+        rider: Rider,
+        allow_unused: bool,
+    ) -> None:
+        self.module, self.allow_unused = module, allow_unused
+        self.reducer = GradReducer(_trained(module), group, bucket_bytes, salt=salt, rider=rider)
+
+    def finish(self, extra: list[Tensor]) -> list[float]:
+        missing, got = self.reducer.finish(extra)
+        now = [p for _, p in _trained(self.module)]
+        if len(now) != len(self.reducer.params) or any(
+            a is not b for a, b in zip(now, self.reducer.params, strict=True)
+        ):
+            raise ValueError(
+                "the set of trained parameters (requires_grad=True) changed after MetaDDP was "
+                "built; freeze or add parameters before wrapping the module, or build MetaDDP "
+                "with overlap=False."
+            )
+        raise_missing(missing, self.allow_unused)
+        return [*got, self.reducer.rode]
+
+    def paused(self) -> contextlib.AbstractContextManager[None]:
+        return self.reducer.paused()
+
+    def accumulates(self) -> None:
+        """One backward per task from now on (``clone()`` loops): sums start in finish()."""
+        self.reducer.accumulates = True
+
+    def remove(self) -> None:
+        self.reducer.remove()
+
+
+class ExactSum:
+    """Deterministic mode: the backward of ``meta_loss`` summed the meta-gradient on every
+    rank (``ExactSums.spread_tasks``); only the values and the step's checks remain."""
+
+    capture_refusal = "deterministic mode keeps per-step state on the host"
+
+    def __init__(
+        self,
+        module: nn.Module,
+        group: Group,
+        exact: ExactSums,
+        salt: Callable[[], int],
+        rider: Rider,
+        allow_unused: bool,
+    ) -> None:
+        self.module, self.group, self.exact = module, group, exact
+        self.salt, self.rider, self.allow_unused = salt, rider, allow_unused
+
+    def finish(self, extra: list[Tensor]) -> list[float]:
+        if not self.exact.used:
+            _host.discard()
+            raise RuntimeError(
+                "deterministic mode: sync_grads() follows the backward of learner.meta_loss(...), "
+                "which sums the meta-gradient itself; no meta_loss ran since the last "
+                "sync_grads(), so these gradients would be one rank's"
+            )
+        self.exact.used = False
+        named = _trained(self.module)
+        like = named[0][1].detach() if named else torch.zeros(0)
+        tail = torch.cat([*(v.to(like) for v in extra), self.rider(like)])
+        # The settings' salt in this SUM's tag: ranks whose algorithms differ fail here, as
+        # they do at the default mode's gradient SUM.
+        summed = launch_sum([tail], self.group, phase=Phase.GRADIENTS, salt=self.salt()).wait()[0]
+        (got,) = _host.read(summed)
+        raise_missing([n for n, p in named if p.grad is None], self.allow_unused)
+        return got
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        yield
+
+    def remove(self) -> None:
+        pass
