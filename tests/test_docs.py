@@ -74,3 +74,16 @@ def test_every_readme_command_runs_as_written():
         failures = [f for fs in pool.map(run, streams.values()) for f in fs]
     shutil.rmtree(ROOT / "runs" / "first", ignore_errors=True)
     assert not failures, "\n\n".join(failures)
+
+
+def test_the_capability_table_is_what_the_classes_declare():
+    import dataclasses
+
+    from metaddp import Supports
+    from metaddp.algorithms import SUPPORTS
+
+    text = (ROOT / "docs" / "algorithms.md").read_text()
+    fields = [f.name for f in dataclasses.fields(Supports)]
+    for name, supports in SUPPORTS.items():
+        row = f"| `{name}` | " + " | ".join("yes" if getattr(supports, f) else "no" for f in fields) + " |"
+        assert row in text, row

@@ -105,7 +105,7 @@ def test_cuda_graphs_is_not_part_of_the_identity():
 
 
 @pytest.mark.parametrize("option, message", [
-    (dict(algorithm="reptile", inner_optimizer="adam"), "inner_optimizer is a setting of .* not of reptile"),
+    (dict(algorithm="reptile", memory="low"), "memory='low' rebuilds second-order inner steps, which reptile"),
     (dict(algorithm="imaml", autocast="bf16"), "autocast is a setting of .* not of imaml"),
     (dict(algorithm="fomaml", memory="low"), "which fomaml does not take"),
     (dict(algorithm="reptile", memory="low"), "which reptile does not take"),

@@ -25,7 +25,7 @@ from ._data import (
 )
 from ._functional import buffers_of, call, params_of
 from ._share import share
-from ._types import LossFn, MetaAlgorithm, Params, Reduce, identity_reduce
+from ._types import LossFn, MetaAlgorithm, Params, Reduce, Supports, identity_reduce
 from .algorithms import (
     ANIL,
     IMAML,
@@ -85,6 +85,7 @@ __all__ = [
     "Reptile",
     "Shard",
     "ShardSampler",
+    "Supports",
     "Task",
     "adam",
     "all_reduce_counts",

@@ -3,6 +3,7 @@ interface every meta-learning algorithm offers."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -24,6 +25,39 @@ Reduce = Callable[[list[Tensor]], list[Tensor]]
 def identity_reduce(tensors: list[Tensor]) -> list[Tensor]:
     """The ``reduce`` of one process: every gradient is already global."""
     return tensors
+
+
+@dataclasses.dataclass(frozen=True)
+class Supports:
+    """What a meta-learning algorithm offers, declared once on its class (``supports``): its
+    constructor's refusals, ``MetaDDP``, the registry and the training settings read it.
+
+    Attributes:
+        deterministic: a form whose bits do not depend on the world size
+            (``MetaDDP(..., deterministic=True)``).
+        low_memory: ``memory="low"``, second order rebuilt one inner step at a time.
+        autocast: forward passes under ``torch.autocast``.
+        learn_lr: inner learning rates trained in the outer loop (``learn_lr=``).
+        inner_optimizer: an inner optimizer other than plain SGD (``optimizer=``).
+        capture: a meta-step that reads nothing on the host, so a CUDA graph records it.
+    """
+
+    deterministic: bool = False
+    low_memory: bool = False
+    autocast: bool = False
+    learn_lr: bool = False
+    inner_optimizer: bool = True
+    capture: bool = True
+
+    def refuse(self, algorithm: str, **asked: bool) -> None:
+        """Raise for the first capability in ``asked`` (``name=True``) not offered."""
+        for name, wanted in asked.items():
+            if wanted and not getattr(self, name):
+                option = {"low_memory": 'memory="low"', "deterministic": "deterministic=True"}
+                raise ValueError(
+                    f"{algorithm} has no {option.get(name, name)}: the algorithms that have "
+                    "it are listed in docs/algorithms.md"
+                )
 
 
 @runtime_checkable

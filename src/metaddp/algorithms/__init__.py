@@ -7,7 +7,7 @@ from ._learner import Learner
 from ._maml import MAML
 from ._metasgd import MetaSGD
 from ._reptile import Reptile
-from .registry import ALGORITHMS, Settings, build
+from .registry import ALGORITHMS, SUPPORTS, Settings, build, having
 
 __all__ = [
     "ALGORITHMS",
@@ -21,7 +21,9 @@ __all__ = [
     "MAML",
     "MetaSGD",
     "Reptile",
+    "SUPPORTS",
     "Settings",
     "build",
     "conjugate_gradient",
+    "having",
 ]

@@ -10,13 +10,14 @@ features (to second order unless ``first_order``).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from .._data import Batch, Task
 from .._functional import call
-from .._types import LossFn, Params, Reduce
+from .._types import LossFn, Params, Reduce, Supports
 from ..inner import InnerOptimizer
 from ._base import Algorithm, OptimizerFactory
 
@@ -45,6 +46,7 @@ class ANIL(Algorithm):
     """
 
     model: BodyHead  # what __init__ builds: ``self.model.body`` / ``.head`` are modules
+    supports: ClassVar[Supports] = Supports(low_memory=True, autocast=True, learn_lr=True)
 
     def __init__(
         self,

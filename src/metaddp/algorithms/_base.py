@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -30,7 +30,7 @@ from .._functional import (
     require_trained,
 )
 from .._remat import rematerialized_loop, rematerialized_loss
-from .._types import LossFn, Params, Reduce
+from .._types import LossFn, Params, Reduce, Supports
 from ..inner import InnerOptimizer, LearnedLR, LearningRate, learned_rates, sgd
 from ._learner import Learner
 
@@ -67,6 +67,9 @@ class Algorithm(nn.Module):
     :meth:`adapted_module` and :meth:`forward`.
     """
 
+    supports: ClassVar[Supports] = Supports()
+    """What this algorithm offers (:class:`metaddp.Supports`); subclasses declare theirs."""
+
     def __init__(
         self,
         model: nn.Module,
@@ -85,6 +88,12 @@ class Algorithm(nn.Module):
         if not isinstance(first_order, bool):
             raise TypeError(f"first_order must be True or False, got {first_order!r}")
         refuse_data_parallel(model)
+        self.supports.refuse(
+            type(self).__name__,
+            low_memory=memory == "low",
+            autocast=autocast is not None,
+            learn_lr=learn_lr is not None,
+        )
         if memory not in MEMORY_MODES:
             raise ValueError(f"memory must be one of {', '.join(MEMORY_MODES)}, got {memory!r}")
         self.memory = memory

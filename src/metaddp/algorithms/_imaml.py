@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import cast
+from typing import ClassVar, cast
 
 import torch
 from torch import Tensor, nn
 
 from .._adapt import batch_share
 from .._data import Task, positive
-from .._types import LossFn, Params, Reduce
+from .._types import LossFn, Params, Reduce, Supports
 from ..inner import InnerOptimizer
 from ._base import Algorithm, OptimizerFactory, local_fraction
 
@@ -128,6 +128,9 @@ class IMAML(Algorithm):
     ranks counts every task once). :attr:`last_cg` holds ``(residual, iterations)`` of the
     latest solve.
     """
+
+    # The conjugate gradient reads its residual on the host at every iteration.
+    supports: ClassVar[Supports] = Supports(capture=False)
 
     def __init__(
         self,

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from .._data import Task
-from .._types import LossFn, Params, Reduce
+from .._types import LossFn, Params, Reduce, Supports
 from ..inner import InnerOptimizer
 from ._base import Algorithm, OptimizerFactory
 from ._exact import exact_meta_loss
@@ -49,6 +49,10 @@ class MAML(Algorithm):
             (``False``), or choose (``None``: by device and model, see ``use_batched``); same
             result.
     """
+
+    supports: ClassVar[Supports] = Supports(
+        deterministic=True, low_memory=True, autocast=True, learn_lr=True
+    )
 
     stackable: ClassVar[bool] = True
     """Whether :meth:`task_losses` may run the stacked executor, which computes MAML's own

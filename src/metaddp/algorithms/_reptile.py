@@ -48,13 +48,13 @@ class Reptile(Algorithm):
         optimizer: InnerOptimizer | OptimizerFactory | None = None,
         learn_lr: str | None = None,
     ) -> None:
-        if learn_lr is not None:
-            raise ValueError(
-                "Reptile's meta-gradient does not depend on the inner learning rate; "
-                "learn_lr cannot be trained"
-            )
         super().__init__(
-            model, inner_lr=inner_lr, steps=steps, first_order=True, optimizer=optimizer
+            model,
+            inner_lr=inner_lr,
+            steps=steps,
+            first_order=True,
+            optimizer=optimizer,
+            learn_lr=learn_lr,
         )
 
     def task_loss(self, task: Task, loss_fn: LossFn, *, reduce: Reduce) -> Tensor:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._types import Supports
 from ..inner import adam, sgd
 from ._anil import ANIL
 from ._base import Algorithm, OptimizerFactory
@@ -91,12 +92,37 @@ ALGORITHMS: dict[str, Builder] = {
     # Raghu et al. 2020: only the last layer adapts, on features of the rest computed once.
     "anil": lambda m, s: ANIL(*split_head(m), **_unrolled(s)),
     # Nichol et al. 2018: the meta-gradient is the mean displacement theta - phi.
-    "reptile": lambda m, s: Reptile(m, inner_lr=s.inner_lr, steps=s.steps),
+    "reptile": lambda m, s: Reptile(
+        m, inner_lr=s.inner_lr, steps=s.steps, optimizer=s.inner_optimizer()
+    ),
     # Rajeswaran et al. 2019: implicit gradient by conjugate gradient on I + H / lam.
     "imaml": lambda m, s: IMAML(
-        m, lam=s.lam, inner_lr=s.inner_lr, steps=s.steps, cg_steps=s.cg_steps, cg_tol=s.cg_tol
+        m,
+        lam=s.lam,
+        inner_lr=s.inner_lr,
+        steps=s.steps,
+        cg_steps=s.cg_steps,
+        cg_tol=s.cg_tol,
+        optimizer=s.inner_optimizer(),
     ),
 }
+
+
+# What each name offers: its class's declaration (first-order MAML has no second order to
+# rebuild, so no memory="low").
+SUPPORTS: dict[str, Supports] = {
+    "maml": MAML.supports,
+    "fomaml": dataclasses.replace(MAML.supports, low_memory=False),
+    "metasgd": MetaSGD.supports,
+    "anil": ANIL.supports,
+    "reptile": Reptile.supports,
+    "imaml": IMAML.supports,
+}
+
+
+def having(capability: str) -> tuple[str, ...]:
+    """The algorithms' names whose :class:`metaddp.Supports` has ``capability``."""
+    return tuple(n for n, s in SUPPORTS.items() if getattr(s, capability))
 
 
 def split_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:

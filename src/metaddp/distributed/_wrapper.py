@@ -22,7 +22,7 @@ from .._adapt import grad
 from .._binding import LOCAL, Collectives, bind, unbind
 from .._data import Batch, MetaBatch, Task
 from .._functional import refuse_data_parallel, require_trained
-from .._types import LossFn, MetaAlgorithm, Params, identity_reduce
+from .._types import LossFn, MetaAlgorithm, Params, Supports, identity_reduce
 from ._batchnorm import BatchNormSync, has_batchnorm, sync_batchnorm
 from ._check import from_env
 from ._collectives import (
@@ -111,6 +111,9 @@ class MetaDDP(nn.Module):
         refuse_data_parallel(module)
         require_trained(module)
         refuse_rates_outside(module, deterministic)
+        supports = getattr(module, "supports", None)
+        if isinstance(supports, Supports):  # what an algorithm declares it offers
+            supports.refuse(type(module).__name__, deterministic=deterministic)
         self.module = module
         self.mesh = mesh if mesh is not None else Mesh.create()
         self.bucket_bytes = bucket_bytes
@@ -285,8 +288,7 @@ class MetaDDP(nn.Module):
     def clone(self) -> Any:
         """A learner with its own fast weights (learn2learn's ``clone()``), reducing its inner
         gradients over the sample axis: ``learner.adapt(share)``, ``learner(x)``."""
-        algorithm = self._algorithm("clone")
-        self._not_exact("clone()")
+        algorithm = self._algorithm("clone")  # deterministic mode: the algorithm refuses
         clone = getattr(algorithm, "clone", None)
         if clone is None:
             raise TypeError(f"{type(algorithm).__name__} has no clone()")

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..algorithms import having
 from ..tasks import NORMS, TaskFamily, family_class, make
 
 if TYPE_CHECKING:
@@ -207,30 +208,35 @@ class TrainConfig:
             "eval_tasks",
             "checkpoint_every",
             "chunks",
+            "inner_steps",
         )
         for k in positive:
             if getattr(self, k) is None or getattr(self, k) < 1:
                 raise ValueError(f"{k} must be a positive integer, got {getattr(self, k)!r}")
-        for k in ("inner_steps", "eval_every", "eval_steps"):
+        for k in ("eval_every", "eval_steps"):
             if getattr(self, k) < 0:
                 raise ValueError(f"{k} must be >= 0, got {getattr(self, k)!r}")
         if not -(2**63) <= self.seed < 2**64:  # what torch.manual_seed takes
             raise ValueError(f"seed must be a 64-bit integer, got {self.seed}")
-        unrolled = UNROLLED_ALGORITHMS
-        for k, plain in (("inner_optimizer", "sgd"), ("autocast", None)):
-            if getattr(self, k) != plain and self.algorithm not in (*unrolled, "fomaml"):
+        # What each algorithm offers is declared on its class (metaddp.Supports).
+        for k, plain, capability in (
+            ("inner_optimizer", "sgd", "inner_optimizer"),
+            ("autocast", None, "autocast"),
+        ):
+            if getattr(self, k) != plain and self.algorithm not in having(capability):
                 raise ValueError(
-                    f"{k} is a setting of {', '.join(unrolled)} and fomaml, not of {self.algorithm}"
+                    f"{k} is a setting of {', '.join(having(capability))}, not of {self.algorithm}"
                 )
-        if self.memory != "default" and self.algorithm not in unrolled:
+        if self.memory != "default" and self.algorithm not in having("low_memory"):
             raise ValueError(
                 f"memory={self.memory!r} rebuilds second-order inner steps, which "
-                f"{self.algorithm} does not take: it is a setting of {', '.join(unrolled)}"
+                f"{self.algorithm} does not take: it is a setting of "
+                f"{', '.join(having('low_memory'))}"
             )
         if self.deterministic:
-            if self.algorithm not in DETERMINISTIC_ALGORITHMS:
+            if self.algorithm not in having("deterministic"):
                 raise ValueError(
-                    f"deterministic runs train {', '.join(DETERMINISTIC_ALGORITHMS)}, not "
+                    f"deterministic runs train {', '.join(having('deterministic'))}, not "
                     f"{self.algorithm}"
                 )
             if self.memory != "default" or self.autocast is not None:
@@ -239,9 +245,9 @@ class TrainConfig:
                     "drop memory/autocast"
                 )
         if self.cuda_graphs:
-            if self.algorithm not in GRAPHED_ALGORITHMS:
+            if self.algorithm not in having("capture"):
                 raise ValueError(
-                    f"cuda_graphs records {', '.join(GRAPHED_ALGORITHMS)} steps, not "
+                    f"cuda_graphs records {', '.join(having('capture'))} steps, not "
                     f"{self.algorithm}"
                 )
             if self.deterministic:
@@ -297,14 +303,6 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-
-DETERMINISTIC_ALGORITHMS = ("maml", "fomaml", "metasgd")
-# Whose second-order inner steps take an inner optimizer, autocast and memory="low" (fomaml
-# takes the first two as well).
-UNROLLED_ALGORITHMS = ("maml", "metasgd", "anil")
-# Whose meta-step reads nothing on the host, so a CUDA graph can record it (iMAML's conjugate
-# gradient reads its residual at every iteration: tests/test_graphs.py counts).
-GRAPHED_ALGORITHMS = ("maml", "fomaml", "metasgd", "anil", "reptile")
 
 # What each setting holds, from the field's annotation ("int | None" -> int).
 KINDS: dict[str, tuple[tuple[type, ...], str]] = {
