@@ -1,17 +1,17 @@
 """Which reductions an algorithm uses when it is not told: the ones of the wrapper around it.
 
-An algorithm never knows about ranks; it asks :func:`collectives_for` for the
-:class:`Collectives` bound to its modules. :class:`metaddp.MetaDDP` binds its own (the mesh's
-sample-axis SUM and the global task count) to every module it wraps, so that
+An algorithm never knows about ranks; it reads the :class:`Collectives` it holds in its
+``metaddp_bound`` attribute (:func:`collectives_for`). :class:`metaddp.MetaDDP` sets its own
+there (the mesh's sample-axis SUM, the global task count, its guards) on every algorithm inside
+the module it wraps when it is built, and takes them back in ``release()``, so that
 ``wrapper.module.meta_loss(tasks, loss_fn)`` and ``wrapper.module.clone()`` reduce across ranks
-without a keyword. With no binding, one process gets the identity, and a multi-process run
-gets an error instead of rank-local gradients.
+without a keyword. An algorithm that holds none gets the one-process default, :data:`LOCAL`,
+on one process, and an error on several instead of rank-local gradients.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -59,18 +59,19 @@ class Collectives:
 
 LOCAL = Collectives(identity_reduce, int, "one process")
 
-_bound: weakref.WeakKeyDictionary[nn.Module, Collectives] = weakref.WeakKeyDictionary()
+BINDABLE = "metaddp_bound"
+"""The attribute of a module that holds its :class:`Collectives` (``None``: unbound)."""
 
 
-def bind(module: nn.Module, collectives: Collectives) -> None:
-    """Make ``collectives`` the default of ``module`` and of every module inside it."""
+def bind(module: nn.Module, collectives: Collectives | None) -> None:
+    """Make ``collectives`` the default of every algorithm inside ``module`` (``None``: none)."""
     for m in module.modules():
-        _bound[m] = collectives
+        if hasattr(m, BINDABLE):
+            setattr(m, BINDABLE, collectives)
 
 
 def unbind(module: nn.Module) -> None:
-    for m in module.modules():
-        _bound.pop(m, None)
+    bind(module, None)
 
 
 def several_processes() -> bool:
@@ -78,14 +79,14 @@ def several_processes() -> bool:
 
 
 def collectives_for(*modules: nn.Module) -> Collectives:
-    """The collectives bound to the first of ``modules`` that has any.
+    """The collectives held by the first of ``modules`` that holds any.
 
     Raises:
         RuntimeError: none is bound, and this process is one of several: the algorithm would
             otherwise adapt on its own shard only and sum meta-gradients of a different problem.
     """
     for m in modules:
-        found = _bound.get(m)
+        found = getattr(m, BINDABLE, None)
         if found is not None:
             return found
     if several_processes():

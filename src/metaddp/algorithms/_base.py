@@ -70,6 +70,10 @@ class Algorithm(nn.Module):
     supports: ClassVar[Supports] = Supports()
     """What this algorithm offers (:class:`metaddp.Supports`); subclasses declare theirs."""
 
+    metaddp_bound: Collectives | None = None
+    """The reductions of the :class:`metaddp.MetaDDP` that wraps this algorithm, set by it
+    (:mod:`metaddp._binding`); ``None``: one process's, or an error on several."""
+
     def __init__(
         self,
         model: nn.Module,
@@ -169,7 +173,7 @@ class Algorithm(nn.Module):
         ``reduce`` in place of its sample-axis SUM when given. Under a wrapper that splits the
         work, a model that draws random numbers (dropout) is refused."""
         if reduce is None:
-            found = collectives_for(self, self.model)
+            found = collectives_for(self)
             if found.split and (drawn := random_layers(self.model)):
                 raise ValueError(
                     f"layers {', '.join(drawn[:3])} draw random numbers in training mode, "
@@ -180,7 +184,7 @@ class Algorithm(nn.Module):
                 )
             return found
         try:
-            bound = collectives_for(self, self.model)
+            bound = collectives_for(self)
         except RuntimeError:
             return Collectives(reduce, _unknown_count, "an explicit reduce", samples_split=True)
         return dataclasses.replace(
@@ -303,7 +307,7 @@ class Algorithm(nn.Module):
         # Deterministic mode sums the meta-gradient inside meta_loss's backward; sync_grads()
         # sums nothing, so a gradient through any other path would stay each rank's own.
         try:
-            exact = collectives_for(self, self.model).exact
+            exact = collectives_for(self).exact
         except RuntimeError:  # not wrapped, on several processes: meta_loss says so
             return
         if exact is not None:
