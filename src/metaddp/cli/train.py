@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import os
 import sys
 import traceback
@@ -26,11 +25,29 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .. import train as _train
 from ..distributed import DEFAULT_TIMEOUT
 from ..distributed.launch import oversubscribed
 from ..tasks import FAMILIES, family_class
-from ..train import DTYPES, LAYOUTS, RunLock, TrainConfig, _checkpoint, read_toml
+from ..train import (
+    CHECKPOINT,
+    DTYPES,
+    EXIT_STOPPED,
+    LAYOUTS,
+    RunLock,
+    TrainConfig,
+    begin,
+    check_folder,
+    checkpoint_exists,
+    checkpoint_step,
+    launch,
+    quiet_latest,
+    read_toml,
+    saved_config,
+    settings_before,
+    under_torchrun,
+    unsaved_start,
+    worker,
+)
 
 S = argparse.SUPPRESS
 
@@ -180,12 +197,6 @@ class UsageError(Exception):
 
 # What a user's settings, files or machine can raise before a run starts: one line, status 2.
 USER_ERRORS = (UsageError, ValueError, ImportError, OSError)
-# A run whose meta-loss or meta-gradient stopped being finite (a learning rate too large).
-EXIT_DIVERGED = 3
-# Stopped by SIGTERM or SIGINT after writing a checkpoint: "try again later" (sysexits.h).
-EXIT_STOPPED = 75
-
-
 MOST_TIMEOUT_S = 1e7  # about 16 weeks
 
 
@@ -234,7 +245,7 @@ def settings(args: argparse.Namespace, world: int) -> tuple[TrainConfig, Path, b
     if where == "auto":  # continue the run in --out if it has a checkpoint, else start it
         if args.out is None:
             raise UsageError("--resume auto needs --out FOLDER: the run to continue or start")
-        where = args.out if _checkpoint.exists(Path(args.out) / _train.CHECKPOINT) else None
+        where = args.out if checkpoint_exists(Path(args.out) / CHECKPOINT) else None
     resume = where is not None
     values: dict[str, Any] = {}
     if resume and args.force:
@@ -248,154 +259,39 @@ def settings(args: argparse.Namespace, world: int) -> tuple[TrainConfig, Path, b
                 f"--resume {where} continues in its own folder; drop --out "
                 f"{args.out} (or copy the run there and resume that)"
             )
-        _train.check_folder(out, resume=True, force=False)
-        saved = _train.saved_config(out)
+        check_folder(out, resume=True, force=False)
+        saved = saved_config(out)
         # A run from before a setting existed resumes as it ran (no BatchNorm, SGD steps...).
-        values.update({**_checkpoint.settings_before(saved), **saved})
+        values.update({**settings_before(saved), **saved})
     # What this command sets (its file, then its flags), beside what a resumed run recorded.
     asked = {**(read_toml(args.config) if args.config is not None else {}), **flags}
     values.update(asked)
     if "task" not in values:
         raise UsageError("name a task: metaddp train {" + ",".join(FAMILIES) + "} [options]")
     cfg = TrainConfig(**values).resolved()
-    # Settings with a value either way, which only some runs read: set for another, refused.
-    if "lam" in asked and cfg.algorithm != "imaml":
-        raise UsageError(f"lam is iMAML's proximal strength: {cfg.algorithm} does not take it")
-    if "chunks" in asked and not cfg.deterministic:
-        raise UsageError("chunks cuts batches in deterministic runs only: add --deterministic")
-    if cfg.layout == "hybrid" and world > 1 and world % 2:
-        raise UsageError(
-            f"--layout hybrid makes two task groups of equal size, which {world} processes "
-            "cannot form: start an even number of processes, or use --layout sample or task"
-        )
+    cfg.check_for(asked, world)
     if not resume:
         out = (
             Path(args.out) if args.out is not None else Path("runs") / f"{cfg.task}-{cfg.algorithm}"
         )
-        if not args.force and _train.unsaved_start(out, cfg.identity()):
+        if not args.force and unsaved_start(out, cfg.identity()):
             # This very run, stopped or failed before its first checkpoint (a launcher's
             # restart, or the same command again): nothing in the folder to keep.
             args.force = True
-        _train.check_folder(out, resume=False, force=args.force)
+        check_folder(out, resume=False, force=args.force)
     family_class(cfg.task).check_data(cfg.data)
     cfg.family()  # building it runs the family's own checks (e.g. enough classes for --ways)
     if resume:
         # A run still going in the folder rotates its checkpoints under us: say that the
         # folder is busy before reading them (begin() takes the lock for good).
         RunLock.acquire(out).release()
-        step = _quiet_latest(out, cfg.identity())["step"]
+        step = quiet_latest(out, cfg.identity())["step"]
         if step > cfg.steps:
             raise UsageError(
                 f"the checkpoint in {out} is at step {step}, beyond --steps "
                 f"{cfg.steps}: give a larger --steps"
             )
     return cfg, out, resume
-
-
-def under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def begin(out: Path, cfg: TrainConfig, resume: bool, force: bool) -> RunLock:
-    """Take the folder's writer lock, then write the run's settings there (rank 0 alone)."""
-    lock = RunLock.acquire(out)
-    try:
-        # Temporary files of writes a kill cut short: no other run writes here now.
-        for tmp in out.glob(".*.tmp") if out.is_dir() else ():
-            tmp.unlink(missing_ok=True)
-        # Again, now that no other run can write here: one may have ended since settings().
-        _train.check_folder(out, resume=resume, force=force)
-        _train.prepare_folder(out, cfg, resume, force)
-    except BaseException:
-        lock.release()
-        raise
-    return lock
-
-
-def worker(
-    cfg_dict: dict,
-    out: str,
-    resume: bool,
-    backend: str | None,
-    threads: int,
-    progress: bool,
-    timeout: float,
-    launched: bool = False,
-) -> dict | None:
-    """Run on every process: join the group and train (in a folder :func:`begin` prepared).
-
-    Returns, on rank 0, the outcome for :func:`finish`: ``{"summary": ...}``,
-    ``{"stopped": ...}`` or ``{"error": message, "code": status}``; ``None`` elsewhere.
-    ``launched``: started by :func:`launch`, whose launcher reports a stop itself.
-    """
-    import torch
-    import torch.distributed as dist
-
-    from ..distributed import default_backend, init, rank, shutdown
-
-    if cfg_dict.get("deterministic"):
-        # CPU kernels split their work by the thread count, which changes their bits: one
-        # thread per process, whatever the number of processes.
-        threads = 1
-    if threads:
-        torch.set_num_threads(threads)
-    if under_torchrun():
-        backend = backend or default_backend()
-        init(backend, timeout=timeout)
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        # Started again by the launcher after a process failed: continue from the latest
-        # checkpoint of this very run (the folder is this run's: its lock is held).
-        resume = _checkpoint.exists(Path(out) / _train.CHECKPOINT)
-    try:
-        me = rank()  # asked now: after shutdown() every process would say 0
-        try:
-            result = _train.train(
-                TrainConfig(**cfg_dict),
-                out,
-                resume=resume,
-                progress=progress,
-                backend=backend if dist.is_initialized() else None,
-            )
-        except _train.NonFiniteError as e:  # every rank finds it at the same step
-            return {"error": str(e), "code": EXIT_DIVERGED} if me == 0 else None
-        stopped = result.get("stopped")
-    finally:
-        shutdown()
-    if stopped and launched:
-        # The launcher, stopping too, no longer collects results: returning would keep this
-        # process waiting for it until it kills it. The checkpoint is written; leave now.
-        os._exit(EXIT_STOPPED)
-    if me != 0:
-        return None
-    return {"stopped": stopped} if stopped else {"summary": result["summary"]}
-
-
-def launch(nproc: int, max_restarts: int, *args: Any) -> dict | None:
-    """``worker(*args)`` on ``nproc`` local processes, started by torch's elastic launcher."""
-    import uuid
-
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    # Its own warnings and error reports on a stop, restart or failure repeat what this
-    # command reports in one line (--debug prints the failure report).
-    # torch gives each of its modules' loggers a level of its own, so each is quieted.
-    for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
-        if name.startswith("torch.distributed.elastic"):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
-    # ... and so does its "Terminating process ... via signal SIGTERM" as it ends the others.
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=f"metaddp-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
-        max_restarts=max_restarts,
-        start_method="spawn",
-    )
-    results = elastic_launch(config, worker)(*args, True)
-    return results[0]
 
 
 def report(summary: dict, cfg: TrainConfig, out: Path) -> None:
@@ -420,7 +316,7 @@ def report(summary: dict, cfg: TrainConfig, out: Path) -> None:
     for p in summary.get("plots", []):
         print(f"  plot: {p}")
     print(
-        f"  metrics: {out / 'metrics.csv'}; checkpoint: {out / _train.CHECKPOINT} "
+        f"  metrics: {out / 'metrics.csv'}; checkpoint: {out / CHECKPOINT} "
         f"(continue with: metaddp train --resume {out} --steps N)"
     )
 
@@ -518,7 +414,7 @@ def main(args: argparse.Namespace) -> int:
                     raise
                 print(
                     "metaddp train: interrupted by a second Ctrl-C before the step ended; "
-                    f"{_kept(_checkpoint_step(out), out)}",
+                    f"{_kept(checkpoint_step(out), out)}",
                     file=sys.stderr,
                 )
                 return 130
@@ -533,7 +429,7 @@ def main(args: argparse.Namespace) -> int:
                 # their step and write a checkpoint, unless a step outlasts the launcher's
                 # grace period (30 s) and they are killed. So the line names the step of the
                 # checkpoint the folder holds, without saying that this stop wrote it.
-                step = _checkpoint_step(out)
+                step = checkpoint_step(out)
                 outcome = {"stopped": {"signal": signal_name(e.sigval), "step": step, "held": True}}
             except ChildFailedError as e:
                 if args.debug:
@@ -569,7 +465,7 @@ def stopped(by: str, step: int | None, out: Path, held: bool = False) -> int:
 def failed(failures: Mapping[int, Any], first: int, out: Path) -> int:
     """One line for processes the launcher saw end badly (and no restart left), with what the
     folder keeps; returns the exit status."""
-    step = _checkpoint_step(out)
+    step = checkpoint_step(out)
     if all(f.exitcode == EXIT_STOPPED for f in failures.values()):
         # A stop signal sent to the processes alone: they ended their step and checkpointed.
         return stopped("a signal to its processes", step, out)
@@ -589,7 +485,7 @@ def failed_here(e: Exception, out: Path) -> int:
     """One line for an error that ended a run on this process (``--debug`` shows its
     traceback); returns the exit status."""
     print(
-        f"metaddp train: failed: {_first_line(e)}; {_kept(_checkpoint_step(out), out)}",
+        f"metaddp train: failed: {_first_line(e)}; {_kept(checkpoint_step(out), out)}",
         file=sys.stderr,
     )
     return 1
@@ -624,19 +520,3 @@ def signal_name(signum: int) -> str:
     import signal
 
     return signal.Signals(signum).name
-
-
-def _checkpoint_step(out: Path) -> int | None:
-    """The step the folder's latest checkpoint holds; ``None`` without one."""
-    try:
-        return int(_quiet_latest(out, {})["step"])
-    except _checkpoint.CheckpointError:
-        return None
-
-
-def _quiet_latest(out: Path, identity: dict[str, Any]) -> dict[str, Any]:
-    """The folder's latest readable checkpoint, read for a number: a damaged newest one is
-    warned about once, where the run itself loads it."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        return _checkpoint.load_latest(out / _train.CHECKPOINT, identity)

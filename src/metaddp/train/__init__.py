@@ -1,7 +1,9 @@
 """The training application: settings, the :class:`Trainer` (step / evaluate / save),
-checkpoints, metrics, plots and the run folder."""
+checkpoints, metrics, plots, the run folder, and launching a run (its worker, the local
+launcher with restarts, the exit statuses)."""
 
-from ._checkpoint import CheckpointError
+from ._checkpoint import CheckpointError, settings_before
+from ._checkpoint import exists as checkpoint_exists
 from ._config import DTYPES, LAYOUTS, TrainConfig, read_toml
 from ._folder import (
     CHECKPOINT,
@@ -12,11 +14,23 @@ from ._folder import (
     saved_config,
     unsaved_start,
 )
+from ._launch import (
+    EXIT_DIVERGED,
+    EXIT_STOPPED,
+    begin,
+    checkpoint_step,
+    launch,
+    quiet_latest,
+    under_torchrun,
+    worker,
+)
 from ._trainer import NonFiniteError, Trainer, train
 
 __all__ = [
     "CHECKPOINT",
     "DTYPES",
+    "EXIT_DIVERGED",
+    "EXIT_STOPPED",
     "LAYOUTS",
     "NonFiniteError",
     "CheckpointError",
@@ -24,10 +38,18 @@ __all__ = [
     "RunLock",
     "TrainConfig",
     "Trainer",
+    "begin",
     "check_folder",
+    "checkpoint_exists",
+    "checkpoint_step",
+    "launch",
     "prepare_folder",
+    "quiet_latest",
     "read_toml",
     "saved_config",
+    "settings_before",
     "train",
+    "under_torchrun",
     "unsaved_start",
+    "worker",
 ]

@@ -7,7 +7,7 @@ import dataclasses
 import json
 import math
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -264,6 +264,20 @@ class TrainConfig:
         for k in ("inner_lr", "outer_lr", "lam"):
             if not (getattr(self, k) > 0 and math.isfinite(getattr(self, k))):
                 raise ValueError(f"{k} must be a positive finite number, got {getattr(self, k)!r}")
+
+    def check_for(self, asked: Collection[str], world: int) -> None:
+        """The rules that need more than the settings' values: which of them were ``asked``
+        for (settings with a value either way, which only some runs read: set for another
+        run, refused) and the number of processes ``world`` the run starts on."""
+        if "lam" in asked and self.algorithm != "imaml":
+            raise ValueError(f"lam is iMAML's proximal strength: {self.algorithm} does not take it")
+        if "chunks" in asked and not self.deterministic:
+            raise ValueError("chunks cuts batches in deterministic runs only: add --deterministic")
+        if self.layout == "hybrid" and world > 1 and world % 2:
+            raise ValueError(
+                f"--layout hybrid makes two task groups of equal size, which {world} processes "
+                "cannot form: start an even number of processes, or use --layout sample or task"
+            )
 
     def family(self) -> TaskFamily:
         """The task family these settings describe (building it runs the family's checks,

@@ -1,0 +1,143 @@
+"""Running ``metaddp train``'s work: the run folder's lock, the worker every process runs, the
+local launcher with restarts, and the exit statuses a run ends with. The command line parses
+and prints; this is what it starts."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+from . import _checkpoint
+from ._config import TrainConfig
+from ._folder import CHECKPOINT, RunLock, check_folder, prepare_folder
+from ._trainer import NonFiniteError, train
+
+# A run whose meta-loss or meta-gradient stopped being finite (a learning rate too large).
+EXIT_DIVERGED = 3
+# Stopped by SIGTERM or SIGINT after writing a checkpoint: "try again later" (sysexits.h).
+EXIT_STOPPED = 75
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def begin(out: Path, cfg: TrainConfig, resume: bool, force: bool) -> RunLock:
+    """Take the folder's writer lock, then write the run's settings there (rank 0 alone)."""
+    lock = RunLock.acquire(out)
+    try:
+        # Temporary files of writes a kill cut short: no other run writes here now.
+        for tmp in out.glob(".*.tmp") if out.is_dir() else ():
+            tmp.unlink(missing_ok=True)
+        # Again, now that no other run can write here: one may have ended since settings().
+        check_folder(out, resume=resume, force=force)
+        prepare_folder(out, cfg, resume, force)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def worker(
+    cfg_dict: dict,
+    out: str,
+    resume: bool,
+    backend: str | None,
+    threads: int,
+    progress: bool,
+    timeout: float,
+    launched: bool = False,
+) -> dict | None:
+    """Run on every process: join the group and train (in a folder :func:`begin` prepared).
+
+    Returns, on rank 0, the outcome for :func:`finish`: ``{"summary": ...}``,
+    ``{"stopped": ...}`` or ``{"error": message, "code": status}``; ``None`` elsewhere.
+    ``launched``: started by :func:`launch`, whose launcher reports a stop itself.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from ..distributed import default_backend, init, rank, shutdown
+
+    if cfg_dict.get("deterministic"):
+        # CPU kernels split their work by the thread count, which changes their bits: one
+        # thread per process, whatever the number of processes.
+        threads = 1
+    if threads:
+        torch.set_num_threads(threads)
+    if under_torchrun():
+        backend = backend or default_backend()
+        init(backend, timeout=timeout)
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        # Started again by the launcher after a process failed: continue from the latest
+        # checkpoint of this very run (the folder is this run's: its lock is held).
+        resume = _checkpoint.exists(Path(out) / CHECKPOINT)
+    try:
+        me = rank()  # asked now: after shutdown() every process would say 0
+        try:
+            result = train(
+                TrainConfig(**cfg_dict),
+                out,
+                resume=resume,
+                progress=progress,
+                backend=backend if dist.is_initialized() else None,
+            )
+        except NonFiniteError as e:  # every rank finds it at the same step
+            return {"error": str(e), "code": EXIT_DIVERGED} if me == 0 else None
+        stopped = result.get("stopped")
+    finally:
+        shutdown()
+    if stopped and launched:
+        # The launcher, stopping too, no longer collects results: returning would keep this
+        # process waiting for it until it kills it. The checkpoint is written; leave now.
+        os._exit(EXIT_STOPPED)
+    if me != 0:
+        return None
+    return {"stopped": stopped} if stopped else {"summary": result["summary"]}
+
+
+def launch(nproc: int, max_restarts: int, *args: Any) -> dict | None:
+    """``worker(*args)`` on ``nproc`` local processes, started by torch's elastic launcher."""
+    import uuid
+
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    # Its own warnings and error reports on a stop, restart or failure repeat what this
+    # command reports in one line (--debug prints the failure report).
+    # torch gives each of its modules' loggers a level of its own, so each is quieted.
+    for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    # ... and so does its "Terminating process ... via signal SIGTERM" as it ends the others.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"metaddp-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=max_restarts,
+        start_method="spawn",
+    )
+    results = elastic_launch(config, worker)(*args, True)
+    return results[0]
+
+
+def checkpoint_step(out: Path) -> int | None:
+    """The step the folder's latest checkpoint holds; ``None`` without one."""
+    try:
+        return int(quiet_latest(out, {})["step"])
+    except _checkpoint.CheckpointError:
+        return None
+
+
+def quiet_latest(out: Path, identity: dict[str, Any]) -> dict[str, Any]:
+    """The folder's latest readable checkpoint, read for a number: a damaged newest one is
+    warned about once, where the run itself loads it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return _checkpoint.load_latest(out / CHECKPOINT, identity)
