@@ -164,58 +164,67 @@ def _task(value: Any, what: str) -> Task:
     )
 
 
-def named_batches(tasks: Sequence[Task]) -> dict[str, Batch]:
-    """Every task's support and query batch, by the name an error gives them."""
-    return {
-        f"task {i}'s {which}": b
-        for i, t in enumerate(tasks)
-        for which, b in (("support", t.support), ("query", t.query))
-    }
+BatchKey = str | tuple[int, str]
+"""A batch's name in an error: a text, or (task index, ``"support"`` or ``"query"``)."""
+
+
+def named_batches(tasks: Sequence[Task]) -> dict[BatchKey, Batch]:
+    """Every task's support and query batch, by a key :func:`batch_name` names (made into
+    text only for an error: this runs on every step)."""
+    out: dict[BatchKey, Batch] = {}
+    for i, t in enumerate(tasks):
+        out[(i, "support")], out[(i, "query")] = t.support, t.query
+    return out
+
+
+def batch_name(key: BatchKey) -> str:
+    return key if isinstance(key, str) else f"task {key[0]}'s {key[1]}"
 
 
 def check_batches(
-    batches: Mapping[str, Batch], like: Tensor | None, *, whole: bool, dtypes: bool = True
+    batches: Mapping[BatchKey, Batch], like: Tensor | None, *, whole: bool, dtypes: bool = True
 ) -> None:
     """Refuse batches that cannot be what they say, before any work (no collective).
 
     Args:
-        batches: the batches by the name an error gives them.
+        batches: the batches by the key an error names them by (:func:`batch_name`).
         like: a parameter of the model the batches go to: a floating-point input of another
             dtype, or an input on another device, is named here rather than deep in a layer.
         whole: every batch must hold all of its ``n`` samples (one process, or ranks that hold
             whole tasks); a batch of 5 samples that says 7 would weigh each sample 5/7.
         dtypes: compare the inputs' dtype with ``like``'s (not under autocast).
     """
-    for name, b in batches.items():
-        held, targets = b.x.shape[0] if b.x.dim() else 0, b.y.shape[0] if b.y.dim() else 0
-        if held != targets:
-            raise ValueError(f"{name} batch has {held} inputs but {targets} targets")
-        if held > b.n:
-            raise ValueError(f"{name} batch holds {held} samples but says it has {b.n}")
-        if whole and held != b.n:
+    device = None if like is None else like.device
+    dtype = like.dtype if like is not None and dtypes and like.is_floating_point() else None
+    for key, b in batches.items():
+        x, y, n = b
+        held = x.shape[0] if x.dim() else 0
+        if held != (y.shape[0] if y.dim() else 0) or held > n or (whole and held != n):
+            _refuse_sizes(batch_name(key), b, whole)
+        if device is not None and x.device != device:
             raise ValueError(
-                f"{name} batch holds {held} samples but says it has n={b.n}: on one process "
-                "(or where each rank holds whole tasks) a batch holds all of its samples, and "
-                "its losses are divided by n. Build it as Batch(x, y, len(x)); "
-                "learner.shard(...) cuts a meta-batch for the layout it runs on"
-            )
-        if like is None:
-            continue
-        if b.x.device != like.device:
-            raise ValueError(
-                f"{name} batch is on {b.x.device}, the model on {like.device}: move the "
+                f"{batch_name(key)} batch is on {x.device}, the model on {device}: move the "
                 "task's tensors to the model's device (or the model to theirs)"
             )
-        if (
-            dtypes
-            and b.x.is_floating_point()
-            and like.is_floating_point()
-            and b.x.dtype != like.dtype
-        ):
+        if dtype is not None and x.dtype != dtype and x.is_floating_point():
             raise TypeError(
-                f"{name} batch's inputs are {b.x.dtype}, the model's parameters "
-                f"{like.dtype}: convert one to the other (model.to(dtype) or x.to(dtype))"
+                f"{batch_name(key)} batch's inputs are {x.dtype}, the model's parameters "
+                f"{dtype}: convert one to the other (model.to(dtype) or x.to(dtype))"
             )
+
+
+def _refuse_sizes(name: str, b: Batch, whole: bool) -> None:
+    held, targets = b.x.shape[0] if b.x.dim() else 0, b.y.shape[0] if b.y.dim() else 0
+    if held != targets:
+        raise ValueError(f"{name} batch has {held} inputs but {targets} targets")
+    if held > b.n:
+        raise ValueError(f"{name} batch holds {held} samples but says it has {b.n}")
+    raise ValueError(
+        f"{name} batch holds {held} samples but says it has n={b.n}: on one process "
+        "(or where each rank holds whole tasks) a batch holds all of its samples, and "
+        "its losses are divided by n. Build it as Batch(x, y, len(x)); "
+        "learner.shard(...) cuts a meta-batch for the layout it runs on"
+    )
 
 
 class MetaBatch(Sequence[Task]):

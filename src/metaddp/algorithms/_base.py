@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from .. import _host
 from .._adapt import batch_share, check_finite, check_finite_loss, inner_loop
 from .._binding import Collectives, collectives_for
-from .._data import Batch, MetaBatch, Task, check_batches, named_batches, positive
+from .._data import Batch, BatchKey, MetaBatch, Task, check_batches, named_batches, positive
 from .._functional import (
     call,
     params_of,
@@ -291,7 +291,7 @@ class Algorithm(nn.Module):
                 extra_grad=self.extra_grad(),
             )
 
-    def check_batches(self, batches: Mapping[str, Batch], c: Collectives) -> None:
+    def check_batches(self, batches: Mapping[BatchKey, Batch], c: Collectives) -> None:
         """Refuse batches that cannot be what they say (:func:`metaddp._data.check_batches`),
         and a module with nothing to train, before any work."""
         require_trained(self)

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from .. import _host
 from .._adapt import NON_FINITE_LOSS
-from .._data import Batch, MetaBatch, Task, named_batches
+from .._data import Batch, BatchKey, MetaBatch, Task, batch_name, named_batches
 from .._reach import shapes, unknown_leaves
 from .._share import share_of
 from .._types import LossFn
@@ -97,11 +97,11 @@ def _differ(low: Sequence[float], top: Sequence[float]) -> list[int]:
 
 
 def fingerprint(task: Task) -> Tensor:
-    """A float64 summary of a task's four tensors (see [Note: fingerprints]), on the host."""
+    """A float64 summary of a task's four tensors (see [Note: fingerprints]), on their device."""
     out = []
     for t in (task.support.x, task.support.y, task.query.x, task.query.y):
-        f = t.detach().reshape(-1).to("cpu", torch.float64)
-        w = torch.cos(torch.arange(f.numel(), dtype=torch.float64))
+        f = t.detach().reshape(-1).to(torch.float64)
+        w = torch.cos(torch.arange(f.numel(), dtype=torch.float64, device=f.device))
         out += [f.sum(), (f * w).sum()]
     return torch.stack(out)
 
@@ -243,7 +243,7 @@ class StepGuards:
             _host.discard()  # the step ends here: its pending checks go with it
             raise
 
-    def refuse_whole(self, batches: Mapping[str, Batch]) -> None:
+    def refuse_whole(self, batches: Mapping[BatchKey, Batch]) -> None:
         """Refuse a batch that holds all its samples on this rank while its samples are split
         over several ranks (a meta-batch not cut with ``shard``): every rank would add the
         whole batch, the task's gradient times the number of ranks. No collective: a rank's
@@ -251,11 +251,12 @@ class StepGuards:
         ranks = self.mesh.samples
         if ranks == 1:
             return
-        for name, b in batches.items():
+        for key, b in batches.items():
             if b.whole_where_split():
                 raise ValueError(
-                    f"{name} holds all {b.n} of its samples on this rank, but its samples are "
-                    f"split over the {ranks} ranks of a sample group: every rank would add the "
+                    f"{batch_name(key)} holds all {b.n} of its samples on this rank, but its "
+                    f"samples are split over the {ranks} ranks of a sample group: every rank "
+                    "would add the "
                     f"whole batch's gradient, {ranks} times the task's. Cut this rank's part "
                     "with learner.shard(...) (or Task.split(learner.mesh.sample_index, "
                     f"{ranks})); a part cut by hand is Batch.local(x, y, n), with n the "
@@ -313,7 +314,7 @@ class StepGuards:
             )
         self.check_batch_sizes(named_batches(tasks))
 
-    def check_batch_sizes(self, batches: Mapping[str, Batch]) -> None:
+    def check_batch_sizes(self, batches: Mapping[BatchKey, Batch]) -> None:
         """Raise :class:`metaddp.OutOfSyncError` unless every batch declares the same global
         size ``n`` on every rank that splits it, and its shards add up to ``n``."""
         group = self.mesh.sample_group
@@ -322,11 +323,11 @@ class StepGuards:
         named = list(batches.items())
         low, top = extremes([b.n for _, b in named], group)
         held = all_reduce_counts([b.x.shape[0] for _, b in named], group)
-        for (name, _), lo, hi, h in zip(named, low, top, held, strict=True):
+        for (key, _), lo, hi, h in zip(named, low, top, held, strict=True):
             if lo != hi or h != lo:
                 says = f"{int(lo)}" if lo == hi else f"{int(lo)} to {int(hi)}"
                 raise OutOfSyncError(
-                    f"{name} batch says it has {says} samples, but its shards on the "
+                    f"{batch_name(key)} batch says it has {says} samples, but its shards on the "
                     f"{group_size(group)} ranks that split it hold {h}. Cut tasks with "
                     "learner.shard (or Task.split), which record the global size; a part cut "
                     "by hand is Batch.local(x, y, n) with n the whole batch's size, never the "
@@ -351,7 +352,7 @@ class StepGuards:
         again = _rows([make_task(i) for i in mine])
         drifts = float(bool(_differ(first.reshape(-1).tolist(), again.reshape(-1).tolist())))
         zero = fingerprint(make_task(0))
-        low, top = extremes(torch.cat([torch.tensor([drifts]), zero]), self.mesh.group)
+        low, top = extremes(torch.cat([zero.new_tensor([drifts]), zero]), self.mesh.group)
         if top[0]:
             raise ValueError(
                 "make_task(i) built the same task twice differently: it draws from a "

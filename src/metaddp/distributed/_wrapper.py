@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .._adapt import grad
 from .._binding import LOCAL, Collectives, bind, unbind
-from .._data import Batch, MetaBatch, Task
+from .._data import Batch, BatchKey, MetaBatch, Task
 from .._functional import refuse_data_parallel, require_trained
 from .._types import LossFn, MetaAlgorithm, Params, Supports, identity_reduce
 from ._batchnorm import BatchNormSync, has_batchnorm, sync_batchnorm
@@ -278,7 +278,7 @@ class MetaDDP(nn.Module):
 
     def adapt(self, support: Batch, loss_fn: LossFn, *, steps: int | None = None) -> Params:
         """The wrapped algorithm's fast weights after adapting to ``support``."""
-        batches = {"the support": support}
+        batches: dict[BatchKey, Batch] = {"the support": support}
         self.guards.refuse_whole(batches)
         if self.guards.schedule.due():
             self.guards.check_batch_sizes(batches)
