@@ -205,3 +205,13 @@ def test_release_puts_back_what_deterministic_mode_changed_in_the_process():
     learner.release()
     assert torch.backends.mkldnn.enabled == was
     assert torch.are_deterministic_algorithms_enabled() is False
+
+
+def test_a_copy_of_a_wrapped_algorithm_is_not_wrapped():
+    import copy
+
+    learner = md.MetaDDP(md.MAML(net64()))
+    twin = copy.deepcopy(learner.module)  # an evaluation copy, an EMA of the weights...
+    assert learner.module.metaddp_bound is not None and twin.metaddp_bound is None
+    learner.release()
+    assert learner.module.metaddp_bound is None

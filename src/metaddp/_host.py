@@ -133,6 +133,11 @@ def in_step() -> bool:
     return _in_step
 
 
+def recording() -> bool:
+    """Whether a CUDA graph is being recorded (:func:`capturing`)."""
+    return _capturing
+
+
 def check(value: Tensor, verdict: Verdict) -> None:
     """Judge ``value`` with ``verdict``: at the step's read for a device value inside a step,
     else now (without reading the step's pending checks)."""

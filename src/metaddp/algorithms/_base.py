@@ -291,6 +291,12 @@ class Algorithm(nn.Module):
                 extra_grad=self.extra_grad(),
             )
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy (copy.deepcopy, pickle) is not wrapped: the wrapper binds what it wraps.
+        state = self.__dict__.copy()
+        state.pop("metaddp_bound", None)
+        return state
+
     def check_batches(self, batches: Mapping[BatchKey, Batch], c: Collectives) -> None:
         """Refuse batches that cannot be what they say (:func:`metaddp._data.check_batches`),
         and a module with nothing to train, before any work."""
