@@ -27,20 +27,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "examples")]
+from quickstart import task  # noqa: E402  (the README's sinusoid task, 10 + 10 samples)
+
 import metaddp as md  # noqa: E402
 from common import run_record, save_json  # noqa: E402
 from metaddp.distributed.launch import run_local  # noqa: E402
 
-TASKS, SHOTS = 8, 10
-
-
-def task(i: int) -> md.Task:
-    g = md.generator_for(0, i)
-    amp, phase = 0.1 + 4.9 * torch.rand((), generator=g), torch.pi * torch.rand((), generator=g)
-    x = 10 * torch.rand(2 * SHOTS, 1, generator=g) - 5
-    y = amp * torch.sin(x - phase)
-    return md.Task(md.Batch(x[:SHOTS], y[:SHOTS], SHOTS), md.Batch(x[SHOTS:], y[SHOTS:], SHOTS))
+TASKS = 8
 
 
 def mse(p, y):

@@ -38,8 +38,12 @@ def unknown_leaves(
     return found
 
 
+def listing(items: Sequence[str], most: int = 5) -> str:
+    """The first ``most`` of ``items`` and how many more, for an error message."""
+    more = f" and {len(items) - most} more" if len(items) > most else ""
+    return ", ".join(items[:most]) + more
+
+
 def shapes(tensors: Sequence[Tensor], most: int = 5) -> str:
     """The first ``most`` tensors' shapes, for an error message."""
-    return ", ".join(str(tuple(t.shape)) for t in tensors[:most]) + (
-        f" and {len(tensors) - most} more" if len(tensors) > most else ""
-    )
+    return listing([str(tuple(t.shape)) for t in tensors], most)

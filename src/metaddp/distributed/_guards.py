@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from .. import _host
 from .._adapt import NON_FINITE_LOSS
 from .._data import Batch, BatchKey, MetaBatch, Task, batch_name, named_batches
-from .._reach import shapes, unknown_leaves
+from .._reach import listing, shapes, unknown_leaves
 from .._share import share_of
 from .._types import LossFn
 from ..inner import InnerOptimizer, learned_rates
@@ -408,11 +408,9 @@ class StepGuards:
         ]
         if bad:
             raise ValueError(
-                "ranks hold different weights: "
-                + ", ".join(bad[:5])
-                + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-                + ". Seed every rank alike, load the same checkpoint, or build MetaDDP with "
-                "broadcast=True to copy rank 0's weights."
+                f"ranks hold different weights: {listing(bad)}. Seed every rank alike, load the "
+                "same checkpoint, or build MetaDDP with broadcast=True to copy rank 0's "
+                "weights."
             )
 
     # --- share in -------------------------------------------------------------------------
@@ -520,14 +518,12 @@ class StepGuards:
     def _refuse_summed(self, names: list[str], what: str) -> None:
         _host.discard()  # the step ends here: its pending checks go with it
         raise RuntimeError(
-            "the gradients of "
-            + ", ".join(names[:5])
-            + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-            + f" still hold the SUM over ranks that the last sync_grads() wrote, and {what}: "
-            "sync_grads() would sum them again, multiplying them by the number of ranks. Zero "
-            "the gradients once the optimizer has used them (optimizer.zero_grad()); to "
-            "accumulate several meta-batches, run backward() on each (all but the last inside "
-            "`with learner.no_sync():`) and sync_grads() once, after the last."
+            f"the gradients of {listing(names)} still hold the SUM over ranks that the last "
+            f"sync_grads() wrote, and {what}: sync_grads() would sum them again, multiplying "
+            "them by the number of ranks. Zero the gradients once the optimizer has used them "
+            "(optimizer.zero_grad()); to accumulate several meta-batches, run backward() on "
+            "each (all but the last inside `with learner.no_sync():`) and sync_grads() once, "
+            "after the last."
         )
 
     def before_sum(self) -> None:

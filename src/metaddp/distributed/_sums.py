@@ -15,18 +15,34 @@ their sums with the rider's last. The step's one host read happens here.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
 
 from .. import _host
+from .._reach import listing
 from ._collectives import Group, Phase, launch_sum
 from ._exact import ExactSums
 from ._overlap import GradReducer
 
 Rider = Callable[[Tensor], Tensor]
 """Given a tensor of the gradients' dtype and device, one element to sum with them."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Summing:
+    """What every strategy sums with: the wrapped module (its trained parameters), the
+    group, the bucket size, the settings' salt for the tag, the rider, and whether a
+    parameter no rank reached is allowed."""
+
+    module: nn.Module
+    group: Group
+    bucket_bytes: int
+    salt: Callable[[], int]
+    rider: Rider
+    allow_unused: bool
 
 
 def _trained(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -37,12 +53,9 @@ def raise_missing(missing: list[str], allow_unused: bool) -> None:
     """Refuse parameters no rank produced a gradient for, unless they are allowed."""
     if missing and not allow_unused:
         raise ValueError(
-            "no rank produced a gradient for: "
-            + ", ".join(missing[:5])
-            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            + ". Call backward() on the meta-loss before sync_grads(); if these parameters "
-            "are not meant to train, set requires_grad=False or build MetaDDP with "
-            "allow_unused=True."
+            f"no rank produced a gradient for: {listing(missing)}. Call backward() on the "
+            "meta-loss before sync_grads(); if these parameters are not meant to train, set "
+            "requires_grad=False or build MetaDDP with allow_unused=True."
         )
 
 
@@ -51,33 +64,25 @@ class BucketedSum:
 
     capture_refusal: str | None = None
 
-    def __init__(
-        self,
-        module: nn.Module,
-        group: Group,
-        bucket_bytes: int,
-        salt: Callable[[], int],
-        rider: Rider,
-        allow_unused: bool,
-    ) -> None:
-        self.module, self.group, self.bucket_bytes = module, group, bucket_bytes
-        self.salt, self.rider, self.allow_unused = salt, rider, allow_unused
+    def __init__(self, how: Summing) -> None:
+        self.how = how
 
     def finish(self, extra: list[Tensor]) -> list[float]:
-        named = _trained(self.module)
+        how = self.how
+        named = _trained(how.module)
         params = [p for _, p in named]
         grads = [p.grad if p.grad is not None else p.detach().new_zeros(p.shape) for p in params]
         # One has-gradient flag per parameter rides in the same buckets as the gradients.
         has_grad = [float(p.grad is not None) for p in params]
         flags = _host.upload(has_grad, params[0]) if params else torch.zeros(0)
-        tail = torch.cat([flags, *(v.to(flags) for v in extra), self.rider(flags)])
+        tail = torch.cat([flags, *(v.to(flags) for v in extra), how.rider(flags)])
         reduced = launch_sum(
-            grads + [tail], self.group, self.bucket_bytes, Phase.GRADIENTS, self.salt()
+            grads + [tail], how.group, how.bucket_bytes, Phase.GRADIENTS, how.salt()
         ).wait()
         # The step's one host read: these flags and every check the step left on the device.
         (got,) = _host.read(reduced[-1])
         raise_missing(
-            [n for (n, _), f in zip(named, got, strict=False) if f == 0], self.allow_unused
+            [n for (n, _), f in zip(named, got, strict=False) if f == 0], how.allow_unused
         )
         with torch.no_grad():
             for p, g, f in zip(params, reduced, got, strict=False):
@@ -102,21 +107,15 @@ class OverlappedSum:
         "MetaDDP(..., overlap=False)"
     )
 
-    def __init__(
-        self,
-        module: nn.Module,
-        group: Group,
-        bucket_bytes: int,
-        salt: Callable[[], int],
-        rider: Rider,
-        allow_unused: bool,
-    ) -> None:
-        self.module, self.allow_unused = module, allow_unused
-        self.reducer = GradReducer(_trained(module), group, bucket_bytes, salt=salt, rider=rider)
+    def __init__(self, how: Summing) -> None:
+        self.how = how
+        self.reducer = GradReducer(
+            _trained(how.module), how.group, how.bucket_bytes, salt=how.salt, rider=how.rider
+        )
 
     def finish(self, extra: list[Tensor]) -> list[float]:
         missing, got = self.reducer.finish(extra)
-        now = [p for _, p in _trained(self.module)]
+        now = [p for _, p in _trained(self.how.module)]
         if len(now) != len(self.reducer.params) or any(
             a is not b for a, b in zip(now, self.reducer.params, strict=True)
         ):
@@ -125,7 +124,7 @@ class OverlappedSum:
                 "built; freeze or add parameters before wrapping the module, or build MetaDDP "
                 "with overlap=False."
             )
-        raise_missing(missing, self.allow_unused)
+        raise_missing(missing, self.how.allow_unused)
         return [*got, self.reducer.rode]
 
     def paused(self) -> contextlib.AbstractContextManager[None]:
@@ -145,17 +144,8 @@ class ExactSum:
 
     capture_refusal = "deterministic mode keeps per-step state on the host"
 
-    def __init__(
-        self,
-        module: nn.Module,
-        group: Group,
-        exact: ExactSums,
-        salt: Callable[[], int],
-        rider: Rider,
-        allow_unused: bool,
-    ) -> None:
-        self.module, self.group, self.exact = module, group, exact
-        self.salt, self.rider, self.allow_unused = salt, rider, allow_unused
+    def __init__(self, how: Summing, exact: ExactSums) -> None:
+        self.how, self.exact = how, exact
 
     def finish(self, extra: list[Tensor]) -> list[float]:
         if not self.exact.used:
@@ -166,14 +156,15 @@ class ExactSum:
                 "sync_grads(), so these gradients would be one rank's"
             )
         self.exact.used = False
-        named = _trained(self.module)
+        how = self.how
+        named = _trained(how.module)
         like = named[0][1].detach() if named else torch.zeros(0)
-        tail = torch.cat([*(v.to(like) for v in extra), self.rider(like)])
+        tail = torch.cat([*(v.to(like) for v in extra), how.rider(like)])
         # The settings' salt in this SUM's tag: ranks whose algorithms differ fail here, as
         # they do at the default mode's gradient SUM.
-        summed = launch_sum([tail], self.group, phase=Phase.GRADIENTS, salt=self.salt()).wait()[0]
+        summed = launch_sum([tail], how.group, phase=Phase.GRADIENTS, salt=how.salt()).wait()[0]
         (got,) = _host.read(summed)
-        raise_missing([n for n, p in named if p.grad is None], self.allow_unused)
+        raise_missing([n for n, p in named if p.grad is None], how.allow_unused)
         return got
 
     @contextlib.contextmanager

@@ -37,7 +37,7 @@ from ._collectives import (
 from ._exact import DEFAULT_CHUNKS, ExactSums, deterministic_kernels
 from ._guards import StepGuards, refuse_rates_outside
 from ._mesh import Mesh
-from ._sums import BucketedSum, ExactSum, OverlappedSum
+from ._sums import BucketedSum, ExactSum, OverlappedSum, Summing
 
 
 class MetaDDP(nn.Module):
@@ -129,14 +129,21 @@ class MetaDDP(nn.Module):
         self._restore_settings = deterministic_kernels(module) if deterministic else None
         # The gradient sum, chosen once. Overlapped only where there is something to overlap
         # with: on one rank the sum is a copy.
-        group, salt, rider = self.mesh.group, self._settings_salt, self.guards.rider
+        how = Summing(
+            module,
+            self.mesh.group,
+            bucket_bytes,
+            self._settings_salt,
+            self.guards.rider,
+            allow_unused,
+        )
         self.sums: BucketedSum | OverlappedSum | ExactSum
         if self.exact is not None:
-            self.sums = ExactSum(module, group, self.exact, salt, rider, allow_unused)
-        elif overlap and group_size(group) > 1:
-            self.sums = OverlappedSum(module, group, bucket_bytes, salt, rider, allow_unused)
+            self.sums = ExactSum(how, self.exact)
+        elif overlap and group_size(self.mesh.group) > 1:
+            self.sums = OverlappedSum(how)
         else:
-            self.sums = BucketedSum(module, group, bucket_bytes, salt, rider, allow_unused)
+            self.sums = BucketedSum(how)
         self._collectives = Collectives(
             self.reduce,
             self._count_tasks,
