@@ -53,7 +53,7 @@ def test_every_readme_command_runs_as_written(tmp_path):
     assert len(commands) >= 5
     bin_dir = str(Path(sys.executable).parent) + "/"
     # A command that names a run folder waits for the ones before it that name it too; the
-    # others run beside them (two at a time, one per core).
+    # others run beside them, two at a time (one per core), the longest-written first.
     streams: dict[str, list[str]] = {}
     for command in commands:
         if " -m pytest " in command:
@@ -62,8 +62,9 @@ def test_every_readme_command_runs_as_written(tmp_path):
         folder = next((w for w in command.split() if w.startswith("runs/")), command)
         streams.setdefault(folder, []).append(command)
 
-    # The glyphs drawn by the first glyphs run go to a folder of the test's own.
-    env = dict(os.environ, METADDP_CACHE=str(tmp_path / "cache"))
+    # The glyphs drawn by the first glyphs run go to a folder of the test's own; one thread
+    # per command, two commands at a time.
+    env = dict(os.environ, METADDP_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
 
     def run(stream: list[str]) -> list[str]:
         failures = []
@@ -74,8 +75,9 @@ def test_every_readme_command_runs_as_written(tmp_path):
                 failures.append(f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
         return failures
 
+    order = sorted(streams.values(), key=lambda stream: -len(" ".join(stream)))
     with ThreadPoolExecutor(2) as pool:
-        failures = [f for fs in pool.map(run, streams.values()) for f in fs]
+        failures = [f for fs in pool.map(run, order) for f in fs]
     for folder in ("first", "glyphs-first"):
         shutil.rmtree(ROOT / "runs" / folder, ignore_errors=True)
     assert not failures, "\n\n".join(failures)

@@ -99,9 +99,10 @@ def refuse_data_parallel(model: nn.Module) -> None:
         if isinstance(m, (DistributedDataParallel, nn.DataParallel)):
             where = f"at {name!r}" if name else "as the model itself"
             raise TypeError(
-                f"the model holds a {type(m).__name__} {where}: metaddp takes its place. Pass "
-                "the bare module (ddp.module) and wrap the algorithm in metaddp.MetaDDP, "
-                "whose sums autograd can differentiate through"
+                f"the model holds a {type(m).__name__} {where}: metaddp takes its place, so "
+                "pass the bare module (ddp.module) and wrap the algorithm in metaddp.MetaDDP. "
+                "DDP's gradient hooks neither reduce autograd.grad results nor let autograd "
+                "see the reduction"
             )
 
 

@@ -39,9 +39,10 @@ from torch import Tensor, nn
 from .. import _host
 from .._adapt import NON_FINITE_LOSS
 from .._data import Batch, BatchKey, MetaBatch, Task, batch_name, named_batches
+from .._functional import refuse_data_parallel, require_trained
 from .._reach import listing, shapes, unknown_leaves
 from .._share import share_of
-from .._types import LossFn
+from .._types import LossFn, Supports
 from ..inner import InnerOptimizer, learned_rates
 from ._check import OutOfSyncError, WeightCheck
 from ._collectives import (
@@ -127,6 +128,18 @@ def _gather(rows: Tensor, group: Group) -> list[Tensor]:
     _guard(lambda: dist.all_reduce(block, group=group), "guard check")
     block = block.cpu()
     return [block[r, : counts[r]] for r in range(ranks)]
+
+
+def refuse_at_construction(module: nn.Module, deterministic: bool) -> None:
+    """What ``MetaDDP(module, deterministic=...)`` refuses before it changes anything: DDP
+    inside (or around) the module, nothing to train, learned rates it would not keep alike,
+    and a mode the algorithm does not declare (:class:`metaddp.Supports`)."""
+    refuse_data_parallel(module)
+    require_trained(module)
+    refuse_rates_outside(module, deterministic)
+    supports = getattr(module, "supports", None)
+    if isinstance(supports, Supports):
+        supports.refuse(type(module).__name__, deterministic=deterministic)
 
 
 def refuse_rates_outside(module: nn.Module, deterministic: bool) -> None:

@@ -16,13 +16,11 @@ from typing import Any, overload
 
 import torch
 from torch import Tensor, nn
-from torch.nn.parallel import DistributedDataParallel
 
 from .._adapt import grad
 from .._binding import LOCAL, Collectives, bind, unbind
 from .._data import Batch, BatchKey, MetaBatch, Task
-from .._functional import refuse_data_parallel, require_trained
-from .._types import LossFn, MetaAlgorithm, Params, Supports, identity_reduce
+from .._types import LossFn, MetaAlgorithm, Params, identity_reduce
 from ._batchnorm import BatchNormSync, has_batchnorm, sync_batchnorm
 from ._check import from_env
 from ._collectives import (
@@ -35,7 +33,7 @@ from ._collectives import (
     settings_salt,
 )
 from ._exact import DEFAULT_CHUNKS, ExactSums, deterministic_kernels
-from ._guards import StepGuards, refuse_rates_outside
+from ._guards import StepGuards, refuse_at_construction
 from ._mesh import Mesh
 from ._sums import BucketedSum, ExactSum, OverlappedSum, Summing
 
@@ -100,20 +98,9 @@ class MetaDDP(nn.Module):
         chunks: int = DEFAULT_CHUNKS,
     ) -> None:
         super().__init__()
-        if isinstance(module, (DistributedDataParallel, nn.DataParallel)):
-            raise TypeError(
-                f"MetaDDP takes the place of {type(module).__name__}: pass the bare module "
-                "(`model.module`) and let MetaDDP keep ranks in sync. DDP's gradient hooks "
-                "neither reduce autograd.grad results nor let autograd see the reduction."
-            )
         if isinstance(module, MetaDDP):
             raise TypeError("this module is already wrapped in MetaDDP")
-        refuse_data_parallel(module)
-        require_trained(module)
-        refuse_rates_outside(module, deterministic)
-        supports = getattr(module, "supports", None)
-        if isinstance(supports, Supports):  # what an algorithm declares it offers
-            supports.refuse(type(module).__name__, deterministic=deterministic)
+        refuse_at_construction(module, deterministic)
         self.module = module
         self.mesh = mesh if mesh is not None else Mesh.create()
         self.bucket_bytes = bucket_bytes
