@@ -155,6 +155,13 @@ def test_a_dtype_mismatch_names_both_sides():
         md.MAML(net32).meta_loss([task()], mse)
 
 
+def test_a_device_mismatch_names_both_sides():
+    s, q = task()
+    elsewhere = md.Task(md.Batch(s.x.to("meta"), s.y.to("meta"), s.n), q)  # not the model's
+    with pytest.raises(ValueError, match="task 0's support batch is on meta, the model on cpu"):
+        md.MAML(net64()).meta_loss([elsewhere], mse)
+
+
 def test_data_parallel_inside_the_model_is_named():
     model = nn.Sequential()
     model.add_module("inner", nn.DataParallel(nn.Linear(1, 1)))
