@@ -201,7 +201,9 @@ class StepGuards:
         # function, or a bound method's object and function (a new method object each time).
         self._searched: weakref.WeakKeyDictionary[Any, set[Any]] = weakref.WeakKeyDictionary()
         self.searches = 0  # calls of loss_out, so the wrapper runs it once per meta-loss
-        self._losses: list[Tensor] = []  # meta-loss shares since the last sum
+        # The meta-loss shares since the last sum, added up (a loop that only evaluates
+        # keeps one number, not a list).
+        self._loss: Tensor | None = None
         # Each trained parameter's .grad as the last sum left it, with its version: while a
         # .grad is that tensor, unchanged, it holds a SUM over the ranks already.
         self._summed: dict[int, tuple[weakref.ref[Tensor], int]] = {}
@@ -481,7 +483,8 @@ class StepGuards:
             with contextlib.suppress(TypeError):
                 self._searched.setdefault(owner, set()).add(func)
         if loss.numel() == 1:
-            self._losses.append(loss.detach().reshape(1))
+            share = loss.detach().reshape(1)
+            self._loss = share if self._loss is None else self._loss + share.to(self._loss)
         if self._summed and loss.requires_grad:
             loss.register_hook(self._before_backward)
 
@@ -547,10 +550,8 @@ class StepGuards:
     def rider(self, like: Tensor) -> Tensor:
         """What rides in the gradient SUM for the guards: the step's meta-loss (0 without
         one), whose sum over the ranks is finite exactly when every rank's share is."""
-        total = like.new_zeros(1)
-        for loss in self._losses:
-            total = total + loss.to(total)
-        self._losses = []
+        total = like.new_zeros(1) if self._loss is None else self._loss.to(like)
+        self._loss = None
         return total
 
     def after_sum(self, loss_sum: float, *, summed: bool) -> None:
