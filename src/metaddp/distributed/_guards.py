@@ -168,6 +168,16 @@ def refuse_rates_outside(module: nn.Module, deterministic: bool) -> None:
         )
 
 
+def _kind(tasks: Sequence[Task]) -> float:
+    """How a meta-batch was built, as a number the ranks compare: 0 a plain list; a
+    ``MetaBatch`` from 1 the whole list of tasks, 2 ``make_task``, 3 by hand."""
+    if not isinstance(tasks, MetaBatch):
+        return 0.0
+    if tasks.source is None:
+        return 3.0
+    return 1.0 if isinstance(tasks.source, tuple) else 2.0
+
+
 def _loss_key(loss_fn: LossFn) -> tuple[Any, Any]:
     """``(object, function)`` of a bound method, which is made anew at each attribute access;
     ``(loss_fn, None)`` otherwise."""
@@ -273,8 +283,8 @@ class StepGuards:
                 raise ValueError(
                     f"{batch_name(key)} holds all {b.n} of its samples on this rank, but its "
                     f"samples are split over the {ranks} ranks of a sample group: every rank "
-                    "would add the "
-                    f"whole batch's gradient, {ranks} times the task's. Cut this rank's part "
+                    f"would add the whole batch's gradient, {ranks} times the task's. Cut this "
+                    "rank's part "
                     "with learner.shard(...) (or Task.split(learner.mesh.sample_index, "
                     f"{ranks})); a part cut by hand is Batch.local(x, y, n), with n the "
                     "whole batch's size"
@@ -283,17 +293,8 @@ class StepGuards:
     def _agree(self, tasks: Sequence[Task]) -> None:
         world = self.mesh.group
         source = tasks.source if isinstance(tasks, MetaBatch) else None
-        kind = (
-            0.0
-            if not isinstance(tasks, MetaBatch)
-            else 1.0
-            if isinstance(source, tuple)
-            else 2.0
-            if source is not None
-            else 3.0
-        )
         n = float(tasks.n) if isinstance(tasks, MetaBatch) else -1.0
-        low, top = extremes([kind, n], world)
+        low, top = extremes([_kind(tasks), n], world)
         if low[0] != top[0]:
             raise ValueError(
                 "the ranks pass different kinds of meta-batch (a list on some, a MetaBatch "
