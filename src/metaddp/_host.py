@@ -19,6 +19,10 @@ error names the likely cause).
 
 :func:`counting` counts the reads that would wait for a device; :func:`as_on_a_device` makes
 CPU values behave as a device's, so that tests see on the CPU what a GPU would pay.
+
+The pending checks are the process's, not a learner's: a process runs one meta-step at a time
+(its device stream is one), so this module's queue is the documented one-process default that
+every learner in the process shares.
 """
 
 from __future__ import annotations
