@@ -94,19 +94,25 @@ def correct_clone() -> list[float]:
     return _clone_loop(lambda fast, b: md.share(mse(fast(b.x), b.y), b))
 
 
-def correct_hand_loop() -> list[float]:
+def _hand_loop(inner_grad) -> list[float]:
+    """The question's shape written by hand: one inner step per task, ``inner_grad(learner,
+    loss, params)`` its gradient, then the query shares and one backward."""
     net, learner = _learner()
     params = dict(net.named_parameters())
     batch = learner.shard(N_TASKS, whole_task)
     total = 0
     for t in batch:
-        g = learner.grad(md.share(mse(md.call(net, params, t.support.x), t.support.y), t.support),
-                         params)
+        loss = md.share(mse(md.call(net, params, t.support.x), t.support.y), t.support)
+        g = inner_grad(learner, loss, params)
         fast = {k: p - INNER_LR * g[k] for k, p in params.items()}
         total = total + md.share(mse(md.call(net, fast, t.query.x), t.query.y), t.query)
     (total / batch.n).backward()
     learner.sync_grads()
     return _flat_grad(net)
+
+
+def correct_hand_loop() -> list[float]:
+    return _hand_loop(lambda learner, loss, params: learner.grad(loss, params))
 
 
 def clone_plain_mean() -> list[float]:
@@ -153,18 +159,11 @@ def own_tasks_to_metabatch() -> list[float]:
 
 
 def hand_loop_autograd() -> list[float]:
-    net, learner = _learner()
-    params = dict(net.named_parameters())
-    batch = learner.shard(N_TASKS, whole_task)
-    total = 0
-    for t in batch:
-        loss = md.share(mse(md.call(net, params, t.support.x), t.support.y), t.support)
+    def rank_local(learner, loss, params):  # torch.autograd.grad alone: this rank's shard
         grads = torch.autograd.grad(loss, list(params.values()), create_graph=True)
-        fast = {k: p - INNER_LR * g for (k, p), g in zip(params.items(), grads, strict=True)}
-        total = total + md.share(mse(md.call(net, fast, t.query.x), t.query.y), t.query)
-    (total / batch.n).backward()
-    learner.sync_grads()
-    return _flat_grad(net)
+        return dict(zip(params, grads, strict=True))
+
+    return _hand_loop(rank_local)
 
 
 def rank_seeded_sampler() -> list[float]:

@@ -224,27 +224,24 @@ class StepGuards:
         on = not self._local and (self.every_step or (self.schedule.due() and not self._own_loop))
         self.weights.enabled = on
 
-    @contextlib.contextmanager
-    def own_loop(self) -> Iterator[None]:
+    def own_loop(self) -> contextlib.AbstractContextManager[None]:
         """Inside the library's own inner loops (exact by construction) the weights the model
         runs on are compared only in check mode."""
-        before, self._own_loop = self._own_loop, True
-        self._update_weight_check()
-        try:
-            yield
-        finally:
-            self._own_loop = before
-            self._update_weight_check()
+        return self._while("_own_loop")
+
+    def local(self) -> contextlib.AbstractContextManager[None]:
+        """One rank's own work (``MetaDDP.local``): nothing is compared."""
+        return self._while("_local")
 
     @contextlib.contextmanager
-    def local(self) -> Iterator[None]:
-        """One rank's own work (``MetaDDP.local``): nothing is compared."""
-        before, self._local = self._local, True
+    def _while(self, flag: str) -> Iterator[None]:
+        before = getattr(self, flag)
+        setattr(self, flag, True)
         self._update_weight_check()
         try:
             yield
         finally:
-            self._local = before
+            setattr(self, flag, before)
             self._update_weight_check()
 
     def remove(self) -> None:
