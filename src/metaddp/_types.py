@@ -69,7 +69,7 @@ class MetaAlgorithm(Protocol):
     """
 
     def meta_loss(
-        self, tasks: Sequence[Task], loss_fn: LossFn, *, reduce: Reduce | None = None
+        self, tasks: Sequence[Task], loss_fn: LossFn | None = ..., *, reduce: Reduce | None = None
     ) -> Tensor:
         """This process's share of the meta-batch's mean query loss after adaptation."""
         ...

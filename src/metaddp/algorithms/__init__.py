@@ -2,7 +2,22 @@
 
 from ._anil import ANIL, BodyHead
 from ._base import Algorithm
-from ._imaml import IMAML, ConvergenceWarning, NotPositiveDefinite, conjugate_gradient
+from ._bilevel import Bilevel
+from ._hypergrad import (
+    METHODS,
+    SAMA,
+    T1T2,
+    ConvergenceWarning,
+    ImplicitCG,
+    InnerProblem,
+    Method,
+    Neumann,
+    NotPositiveDefinite,
+    Truncated,
+    Unrolled,
+    conjugate_gradient,
+)
+from ._imaml import IMAML
 from ._learner import Learner
 from ._maml import MAML
 from ._metasgd import MetaSGD
@@ -13,16 +28,26 @@ __all__ = [
     "ALGORITHMS",
     "ANIL",
     "Algorithm",
+    "Bilevel",
     "BodyHead",
     "ConvergenceWarning",
-    "NotPositiveDefinite",
     "IMAML",
+    "ImplicitCG",
+    "InnerProblem",
     "Learner",
     "MAML",
+    "METHODS",
+    "Method",
     "MetaSGD",
+    "Neumann",
+    "NotPositiveDefinite",
     "Reptile",
+    "SAMA",
     "SUPPORTS",
     "Settings",
+    "T1T2",
+    "Truncated",
+    "Unrolled",
     "build",
     "conjugate_gradient",
     "having",

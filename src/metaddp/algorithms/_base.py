@@ -343,7 +343,7 @@ class Algorithm(nn.Module):
         return total
 
     def meta_loss(
-        self, tasks: Sequence[Task], loss_fn: LossFn, *, reduce: Reduce | None = None
+        self, tasks: Sequence[Task], loss_fn: LossFn | None = None, *, reduce: Reduce | None = None
     ) -> Tensor:
         """This rank's share of the meta-batch loss: its tasks' query shares over the global
         number of tasks.
@@ -355,6 +355,11 @@ class Algorithm(nn.Module):
             loss_fn: per-sample loss (``reduction='none'``).
             reduce: the sample-axis SUM, when not the wrapping MetaDDP's.
         """
+        if loss_fn is None:
+            raise TypeError(
+                f"{type(self).__name__}.meta_loss(tasks, loss_fn) needs the per-sample loss "
+                "function (reduction='none')"
+            )
         c = self.collectives(reduce)
         self.check_batches(named_batches(tasks), c)
         # The checks inside the step wait on the device and are read once (metaddp._host):

@@ -19,9 +19,8 @@ gradient equals the single-process one.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
-from typing import ClassVar, cast
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -31,86 +30,7 @@ from .._data import Task, positive
 from .._types import LossFn, Params, Reduce, Supports
 from ..inner import InnerOptimizer
 from ._base import Algorithm, OptimizerFactory, local_fraction
-
-Vectors = list[Tensor]
-
-
-class ConvergenceWarning(RuntimeWarning):
-    """An iterative solver stopped at its budget before reaching its tolerance."""
-
-
-class NotPositiveDefinite(FloatingPointError):
-    """Conjugate gradient met a direction of zero, negative or non-finite curvature: the
-    system is not positive definite (for iMAML, the support loss curves down more steeply
-    than the proximal term ``lam`` holds it up, or it is not finite)."""
-
-    def __init__(self, message: str, curvature: float) -> None:
-        super().__init__(message)
-        self.curvature = curvature
-
-
-def _dot(a: Vectors, b: Vectors) -> Tensor:
-    # A tensor for the non-empty vectors the solver works on (an empty right-hand side sums
-    # to 0, which conjugate_gradient only passes to float() before returning).
-    return cast(Tensor, sum((x * y).sum() for x, y in zip(a, b, strict=True)))
-
-
-def conjugate_gradient(
-    matvec: Callable[[Vectors], Vectors],
-    b: Vectors,
-    *,
-    max_iter: int,
-    tol: float,
-    what: str = "conjugate gradient",
-) -> tuple[Vectors, float, int]:
-    """Solve ``A x = b`` for symmetric positive definite ``A`` given by ``matvec``.
-
-    Args:
-        matvec: ``v -> A v`` over lists of tensors.
-        b: right-hand side.
-        max_iter: the budget of matrix-vector products.
-        tol: stop when ``||r|| <= tol * ||b||``.
-        what: named in the warning.
-
-    Returns:
-        ``(x, relative residual ||b - A x|| / ||b||, iterations used)``. Warns with
-        :class:`ConvergenceWarning` when the budget ends above the tolerance.
-    """
-    x = [torch.zeros_like(t) for t in b]
-    b_norm = float(_dot(b, b)) ** 0.5
-    if b_norm == 0.0:
-        return x, 0.0, 0
-    r = [t.clone() for t in b]
-    p = [t.clone() for t in b]
-    rr = _dot(r, r)
-    it = 0
-    while it < max_iter and float(rr) ** 0.5 > tol * b_norm:
-        ap = matvec(p)
-        pap = _dot(p, ap)
-        if not torch.isfinite(pap) or float(pap) <= 0:
-            raise NotPositiveDefinite(
-                f"{what}: the system matrix is not positive definite along a search direction "
-                f"(p^T A p = {float(pap):.3g}); increase the proximal strength lam or lower the "
-                "inner learning rate so that the inner solution is near a minimum",
-                float(pap),
-            )
-        alpha = rr / pap
-        x = [xi + alpha * pi for xi, pi in zip(x, p, strict=True)]
-        r = [ri - alpha * api for ri, api in zip(r, ap, strict=True)]
-        rr_new = _dot(r, r)
-        p = [ri + (rr_new / rr) * pi for ri, pi in zip(r, p, strict=True)]
-        rr = rr_new
-        it += 1
-    residual = float(rr) ** 0.5 / b_norm
-    if residual > tol:
-        warnings.warn(
-            f"{what} did not converge in {max_iter} iterations: relative residual "
-            f"{residual:.3g} > tolerance {tol:.3g}; the implicit gradient is approximate. Raise "
-            "cg_steps, or increase lam to make the system better conditioned.",
-            ConvergenceWarning,
-            stacklevel=3,
-        )
-    return x, residual, it
+from ._hypergrad import Vectors, conjugate_gradient
 
 
 class IMAML(Algorithm):

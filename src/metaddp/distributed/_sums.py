@@ -34,8 +34,9 @@ Rider = Callable[[Tensor], Tensor]
 @dataclasses.dataclass(frozen=True)
 class Summing:
     """What every strategy sums with: the wrapped module (its trained parameters), the
-    group, the bucket size, the settings' salt for the tag, the rider, and whether a
-    parameter no rank reached is allowed."""
+    group, the bucket size, the settings' salt for the tag, the rider, whether a parameter
+    no rank reached is allowed, and the parameters the module says its meta-loss never
+    reaches (a bilevel problem's inner weights, trained by a step of the caller's own)."""
 
     module: nn.Module
     group: Group
@@ -43,6 +44,10 @@ class Summing:
     salt: Callable[[], int]
     rider: Rider
     allow_unused: bool
+    not_reached: frozenset[str] = frozenset()
+
+    def raise_missing(self, missing: list[str]) -> None:
+        raise_missing([n for n in missing if n not in self.not_reached], self.allow_unused)
 
 
 def _trained(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -81,9 +86,7 @@ class BucketedSum:
         ).wait()
         # The step's one host read: these flags and every check the step left on the device.
         (got,) = _host.read(reduced[-1])
-        raise_missing(
-            [n for (n, _), f in zip(named, got, strict=False) if f == 0], how.allow_unused
-        )
+        how.raise_missing([n for (n, _), f in zip(named, got, strict=False) if f == 0])
         with torch.no_grad():
             for p, g, f in zip(params, reduced, got, strict=False):
                 if f > 0:
@@ -124,7 +127,7 @@ class OverlappedSum:
                 "built; freeze or add parameters before wrapping the module, or build MetaDDP "
                 "with overlap=False."
             )
-        raise_missing(missing, self.how.allow_unused)
+        self.how.raise_missing(missing)
         return [*got, self.reducer.rode]
 
     def paused(self) -> contextlib.AbstractContextManager[None]:
@@ -164,7 +167,7 @@ class ExactSum:
         # they do at the default mode's gradient SUM.
         summed = launch_sum([tail], how.group, phase=Phase.GRADIENTS, salt=how.salt()).wait()[0]
         (got,) = _host.read(summed)
-        raise_missing([n for n, p in named if p.grad is None], how.allow_unused)
+        how.raise_missing([n for n, p in named if p.grad is None])
         return got
 
     @contextlib.contextmanager

@@ -123,6 +123,7 @@ class MetaDDP(nn.Module):
             self._settings_salt,
             self.guards.rider,
             allow_unused,
+            _not_reached(module),
         )
         self.sums: BucketedSum | OverlappedSum | ExactSum
         if self.exact is not None:
@@ -250,14 +251,17 @@ class MetaDDP(nn.Module):
         self.guards.tasks_in(batch)
         return batch
 
-    def meta_loss(self, tasks: Sequence[Task], loss_fn: LossFn) -> Tensor:
+    def meta_loss(self, tasks: Sequence[Task], loss_fn: LossFn | None = None) -> Tensor:
         """This rank's share of the meta-batch's mean query loss, through the wrapped algorithm.
 
         Args:
             tasks: this rank's tasks, each cut to this rank's samples: a
                 :class:`metaddp.MetaBatch` (from :meth:`shard`), or a list (then the
-                global task count is one integer SUM over the task axis).
-            loss_fn: per-sample loss (``reduction='none'``).
+                global task count is one integer SUM over the task axis). For a
+                :class:`metaddp.Bilevel` problem, ``support`` is the inner batch and
+                ``query`` the outer one.
+            loss_fn: per-sample loss (``reduction='none'``); a ``Bilevel`` with losses of its
+                own needs none.
 
         Then ``loss.backward()``, :meth:`sync_grads` and ``optimizer.step()``.
         """
@@ -265,8 +269,14 @@ class MetaDDP(nn.Module):
         self.guards.tasks_in(tasks)
         searches = self.guards.searches
         with self.guards.own_loop():
-            loss = algorithm.meta_loss(tasks, loss_fn)
-        if self.guards.searches == searches:  # an algorithm that does not call loss_out itself
+            loss = (
+                algorithm.meta_loss(tasks)
+                if loss_fn is None
+                else algorithm.meta_loss(tasks, loss_fn)
+            )
+        if (
+            self.guards.searches == searches and loss_fn is not None
+        ):  # an algorithm that does not call loss_out itself
             self.guards.loss_out(loss, loss_fn)
         return loss
 
@@ -374,3 +384,11 @@ class MetaDDP(nn.Module):
         # The guards' meta-loss rode last in the same SUM: judged alike on every rank.
         self.guards.after_sum(got[-1], summed=self.exact is None)
         return got[:-1]
+
+
+def _not_reached(module: nn.Module) -> frozenset[str]:
+    """The parameters a module says its meta-loss never reaches (``not_reached()``, as
+    :class:`metaddp.Bilevel` with ``start="current"``): the gradient SUM does not require
+    theirs."""
+    declared = getattr(module, "not_reached", None)
+    return frozenset(declared()) if callable(declared) else frozenset()

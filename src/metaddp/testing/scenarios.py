@@ -256,3 +256,109 @@ def run_seed(problem: SeedProblem) -> dict:
         opt.step()
     out["weight"] = w.detach().clone()
     return out
+
+
+# --- Bilevel problems: a data-reweighting lookahead with a learned weight decay. ---
+
+
+class Weighting(nn.Module):
+    """Meta-Weight-Net's weighting: a small network from a sample's loss to its weight in
+    (0, 1) (Shu et al. 2019), and a learned log weight decay of the inner objective."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(1, 6), nn.Tanh(), nn.Linear(6, 1), nn.Sigmoid())
+        self.log_decay = nn.Parameter(torch.tensor(-2.0))
+
+    def forward(self, losses: Tensor) -> Tensor:
+        return self.net(losses.detach().unsqueeze(1)).squeeze(1)
+
+
+PROXIMAL = 2.0  # the proximal strength of the scenarios that start from the meta-parameters
+
+
+@dataclasses.dataclass(frozen=True)
+class BilevelProblem:
+    """A bilevel meta-step: ``n_problems`` reweighting problems (noisy inner batch, clean
+    outer batch), K inner steps, one hypergradient method, one layout."""
+
+    method: str = "unrolled"  # a name of metaddp.algorithms.METHODS
+    steps: int = 3
+    inner_lr: float = 0.3
+    optimizer: str = "sgd"  # "sgd" or "adam"
+    start: str = "current"  # "current" (a lookahead) or "outer" (MAML-like)
+    n_problems: int = 1
+    n_inner: int = 7
+    n_outer: int = 3
+    layout: str = "sample"
+    dtype: torch.dtype = torch.float64
+    seed: int = 0
+    memory: str = "default"
+
+    # The methods' own settings: fixed iterations, so every run takes the same iterate.
+    def build_method(self) -> Any:
+        from ..algorithms import METHODS
+
+        options: dict[str, dict[str, Any]] = {
+            "truncated": {"last": 2},
+            "implicit-cg": {"iterations": 6, "damping": 1.0},
+            "neumann": {"iterations": 6, "alpha": self.inner_lr},
+        }
+        return METHODS[self.method](**options.get(self.method, {}))
+
+    def build_model(self) -> tuple[nn.Module, Weighting]:
+        torch.manual_seed(self.seed)
+        net = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).to(self.dtype)
+        return net, Weighting().to(self.dtype)
+
+    def build_algorithm(self) -> Algorithm:
+        from ..algorithms import Bilevel
+        from ..inner import adam, sgd
+
+        net, weighting = self.build_model()
+
+        def weighted(pred: Tensor, y: Tensor) -> Tensor:
+            losses = ce_per_sample(pred, y)
+            return weighting(losses) * losses
+
+        theta = dict(net.named_parameters())
+
+        def decay(fast: dict[str, Tensor]) -> Tensor:
+            out = 0.5 * weighting.log_decay.exp() * sum((w * w).sum() for w in fast.values())
+            if self.start == "outer":  # iMAML's proximal term: the start's one path
+                out = out + 0.5 * PROXIMAL * sum(((fast[k] - theta[k]) ** 2).sum() for k in theta)
+            return out
+
+        opt = sgd(self.inner_lr) if self.optimizer == "sgd" else adam(self.inner_lr)
+        return Bilevel(
+            net, outer=weighting, inner_loss=weighted, outer_loss=ce_per_sample, penalty=decay,
+            start=self.start, steps=self.steps, optimizer=opt, method=self.build_method(),
+            memory=self.memory,
+        )  # fmt: skip
+
+    def task(self, index: int) -> Task:
+        """Problem ``index``: two Gaussian classes; 3 of the inner labels flipped."""
+        g = generator_for(self.seed, index)
+        n = self.n_inner + self.n_outer
+        y = torch.arange(n) % 2
+        x = torch.randn(n, 3, generator=g, dtype=torch.float32) + 1.5 * y[:, None].float()
+        noisy = y.clone()
+        noisy[:3] = 1 - noisy[:3]  # label noise in the inner batch only
+        x = x.to(self.dtype)
+        s, q = slice(0, self.n_inner), slice(self.n_inner, n)
+        return Task(Batch(x[s], noisy[s], self.n_inner), Batch(x[q], y[q], self.n_outer))
+
+
+def run_bilevel(problem: BilevelProblem) -> dict:
+    """One hypergradient step of ``problem`` on this rank: the global outer loss and every
+    outer variable's gradient (by name in the Bilevel module)."""
+    learner = MetaDDP(problem.build_algorithm(), Mesh.for_layout(problem.layout))
+    loss = learner.meta_loss(learner.shard(problem.n_problems, problem.task))
+    loss.backward()
+    learner.sync_grads()
+    grads = {
+        k: p.grad.detach().clone()
+        for k, p in learner.module.named_parameters()
+        if p.grad is not None
+    }
+    return {"loss": float(learner.global_value(loss)), "grads": grads}

@@ -1,0 +1,252 @@
+"""Bilevel optimisation: any outer variables, any inner problem, one engine with MAML.
+
+An inner problem adapts the weights of ``model`` by K differentiable optimizer steps on an
+inner loss over one batch; an outer loss on another batch scores the adapted weights; the
+hypergradient is the outer loss's gradient with respect to the *outer variables*: the
+parameters of ``outer`` (a weighting network, hyperparameters, synthetic data), and, when the
+inner steps start from them, the model's own weights (MAML). A meta-batch of such problems is
+a list of :class:`metaddp.Task`, ``support`` the inner batch and ``query`` the outer one, and
+the meta-loss is their mean, exactly as for MAML: MAML is this engine with ``start="outer"``,
+the task's loss for both levels and :class:`metaddp.Unrolled`.
+
+The reductions are the algorithms' as everywhere: every inner gradient and Hessian-vector
+product passes through the wrapper's differentiable SUM, the losses are shares, and the
+methods (:mod:`metaddp.algorithms._hypergrad`) compute every norm and coefficient from
+reduced vectors, so the hypergradient is the one-process value for any split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import ClassVar
+
+from torch import Tensor, nn
+
+from .._adapt import batch_share, check_finite
+from .._data import Batch, Task
+from .._functional import params_of, refusing_draws
+from .._remat import rematerialized_loss
+from .._types import LossFn, Params, Reduce, Supports
+from ..inner import InnerOptimizer, learned_rates
+from ._base import Algorithm, local_fraction
+from ._hypergrad import InnerProblem, Method, Unrolled, held, unroll
+from ._learner import Learner
+
+STARTS = ("outer", "current")
+
+
+class Bilevel(Algorithm):
+    """A bilevel problem around any ``nn.Module``, exact on any number of processes.
+
+    Args:
+        model: the network whose weights the inner problem adapts.
+        outer: a module holding the outer variables besides the model's (a weighting
+            network, an ``nn.ParameterDict`` of hyperparameters, synthetic images), or
+            ``None``. Its parameters are this module's, so the wrapper keeps them alike on
+            every rank and sums their gradients; the loss functions and ``penalty`` read them
+            by closure.
+        inner_loss: ``inner_loss(prediction, target)``, one loss per sample of the inner
+            batch (a reweighting: ``weights * losses``). Default: the ``loss_fn`` given to
+            ``meta_loss``.
+        outer_loss: the same on the outer batch. Default: the ``loss_fn`` given to
+            ``meta_loss``.
+        penalty: ``penalty(fast) -> scalar``, a term of the inner objective that is not one per
+            sample (a weight decay, iMAML's proximal term), computed in full on every rank and
+            counted once over the ranks that split the batch.
+        start: ``"outer"``: the inner steps start from the model's weights, which are then
+            outer variables too (MAML). ``"current"``: they start from the model's current
+            weights as constants (a one-step lookahead, hyperparameter search); the
+            hypergradient does not reach them, and a step of the caller's own trains them.
+        steps: K, the inner optimizer steps.
+        inner_lr: the inner SGD step, when ``optimizer`` is not given.
+        optimizer: a differentiable inner optimizer (``metaddp.sgd``, ``metaddp.adam``), or a
+            function of nothing that builds one at every meta-loss (for rates computed from
+            outer variables, ``lambda: md.sgd({k: v.exp() for k, v in log_lrs.items()})``).
+        method: the hypergradient method (:class:`metaddp.Unrolled` by default;
+            ``Truncated``, ``ImplicitCG``, ``Neumann``, ``T1T2``, ``SAMA``).
+        memory: ``"low"`` rebuilds one inner step's graph at a time (``Unrolled`` only).
+    """
+
+    supports: ClassVar[Supports] = Supports(low_memory=True)
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        outer: nn.Module | None = None,
+        inner_loss: LossFn | None = None,
+        outer_loss: LossFn | None = None,
+        penalty: Callable[[Params], Tensor] | None = None,
+        start: str = "outer",
+        steps: int = 1,
+        inner_lr: float = 0.01,
+        optimizer: InnerOptimizer | Callable[[], InnerOptimizer] | None = None,
+        method: Method | None = None,
+        memory: str = "default",
+    ) -> None:
+        if start not in STARTS:
+            raise ValueError(f"start must be one of {', '.join(STARTS)}, got {start!r}")
+        method = Unrolled() if method is None else method
+        if not isinstance(method, Method):
+            raise TypeError(
+                f"method must be a hypergradient method (metaddp.Unrolled(), ImplicitCG(), "
+                f"...), got {type(method).__name__}"
+            )
+        if memory == "low" and not isinstance(method, Unrolled):
+            raise ValueError(
+                f"memory='low' rebuilds unrolled steps; {type(method).__name__} has none"
+            )
+        built = optimizer if isinstance(optimizer, InnerOptimizer) or optimizer is None else None
+        super().__init__(model, inner_lr=inner_lr, steps=steps, optimizer=built, memory=memory)
+        if optimizer is not None and built is None:
+            if not callable(optimizer):
+                raise TypeError(
+                    f"optimizer must be an InnerOptimizer or a function, got {optimizer!r}"
+                )
+            self._build = optimizer
+        if start == "outer" and penalty is None and not method.reaches_start(self.steps):
+            raise ValueError(
+                f"start='outer' with {type(method).__name__}: that method has no path to the "
+                "inner steps' start, so the model's weights would get no gradient. Give a "
+                "penalty that reads them (iMAML's proximal term, lam/2 ||fast - theta||^2), use "
+                "Unrolled(), or start='current'"
+            )
+        self.outer = outer
+        self.inner_loss, self.outer_loss, self.penalty = inner_loss, outer_loss, penalty
+        self.start, self.method = start, method
+        # Its own rates it learns through optimizer= (no learn_lr here): they must be ours.
+        self._check_rates()
+
+    _build: Callable[[], InnerOptimizer] | None = None
+
+    def _check_rates(self) -> None:
+        if self._build is not None:
+            return  # built at every meta-loss: MetaDDP's search of the loss finds outsiders
+        assert self.optimizer is not None
+        ours = {id(p) for p in self.parameters()}
+        outside = [r for r in learned_rates(self.optimizer) if id(r) not in ours]
+        if outside:
+            raise ValueError(
+                f"the inner optimizer learns {len(outside)} rate(s) that are not parameters of "
+                "this problem: pass the module that holds them as outer="
+            )
+
+    def inner_optimizer(self) -> InnerOptimizer:
+        if self._build is not None:
+            built = self._build()
+            if not isinstance(built, InnerOptimizer):
+                raise TypeError(f"optimizer() must return an InnerOptimizer, got {built!r}")
+            return built
+        return super().inner_optimizer()
+
+    def settings(self) -> dict[str, object]:
+        return dict(super().settings(), start=self.start, **self.method.settings())
+
+    def fast_weights(self) -> Params:
+        weights = params_of(self.model)
+        if self.start == "outer":
+            return weights
+        return {k: held({k: v}, v)[k] for k, v in weights.items()}
+
+    def not_reached(self) -> set[str]:
+        """The parameters the meta-loss does not reach by design (with ``start="current"``,
+        the model's): trained by the caller's own step, so a gradient SUM without them is
+        not a mistake."""
+        if self.start == "outer":
+            return set()
+        return {f"model.{k}" for k, _ in self.model.named_parameters()}
+
+    def problem(self, task: Task, loss_fn: LossFn | None, *, reduce: Reduce) -> InnerProblem:
+        """The inner problem of ``task``: its support is the inner batch, its query the outer."""
+        inner_loss = self.inner_loss or loss_fn
+        outer_loss = self.outer_loss or loss_fn
+        if inner_loss is None or outer_loss is None:
+            raise TypeError(
+                "this Bilevel has no inner_loss or outer_loss of its own: pass loss_fn to "
+                "meta_loss(tasks, loss_fn), or build it with both"
+            )
+        model, penalty, support = self.model, self.penalty, task.support
+
+        def inner(fast: Params) -> Tensor:
+            loss = batch_share(model, fast, support, inner_loss)
+            if penalty is None:
+                return loss
+            # Every rank computes the penalty in full; weighted by its fraction of the batch,
+            # the SUM over the ranks counts it once.
+            return loss + penalty(fast) * local_fraction(support)
+
+        def outer(fast: Params) -> Tensor:
+            return batch_share(model, fast, task.query, outer_loss)
+
+        return InnerProblem(
+            inner, outer, self.fast_weights(), self.steps, self.inner_optimizer(), reduce,
+            check_finite,
+        )  # fmt: skip
+
+    def task_loss(self, task: Task, loss_fn: LossFn | None, *, reduce: Reduce) -> Tensor:
+        p = self.problem(task, loss_fn, reduce=reduce)
+        if isinstance(self.method, Unrolled) and self._rematerialize():
+            return rematerialized_loss(
+                lambda fast, buffers: p.inner(fast),
+                lambda fast, buffers: p.outer(fast),
+                p.start,
+                steps=p.steps,
+                optimizer=p.optimizer,
+                reduce=reduce,
+                extras=self._outer_tensors(task, p.optimizer),
+                check=check_finite,
+            )
+        return self.method.loss(p)
+
+    def _outer_tensors(self, task: Task, optimizer: InnerOptimizer) -> list[Tensor]:
+        # What the rebuilt steps read besides the fast weights that needs a gradient.
+        mine = {id(p) for p in self.model.parameters()}
+        others = [p for p in self.parameters() if p.requires_grad and id(p) not in mine]
+        known = {id(p) for p in others}
+        rates = [r for r in learned_rates(optimizer) if id(r) not in known]
+        inputs = [b.x for b in (task.support, task.query) if b.x.requires_grad]
+        return others + rates + inputs
+
+    def meta_loss(
+        self, tasks: Sequence[Task], loss_fn: LossFn | None = None, *, reduce: Reduce | None = None
+    ) -> Tensor:
+        """This rank's share of the mean outer loss over the meta-batch's problems, whose
+        gradient is its share of the hypergradient. ``loss_fn`` is the default of both
+        levels' losses."""
+        return super().meta_loss(tasks, loss_fn or self._own_losses, reduce=reduce)
+
+    def _own_losses(self, prediction: Tensor, target: Tensor) -> Tensor:
+        raise TypeError("the inner and outer losses are the problem's own")  # never called
+
+    def task_losses(self, tasks: Sequence[Task], loss_fn: LossFn, reduce: Reduce) -> Tensor:
+        fn = None if loss_fn == self._own_losses else loss_fn
+        losses = [self.task_loss(task, fn, reduce=reduce) for task in tasks]
+        total = losses[0]
+        for loss in losses[1:]:
+            total = total + loss
+        return total
+
+    def adapt(
+        self,
+        support: Batch,
+        loss_fn: LossFn | None = None,
+        *,
+        steps: int | None = None,
+        reduce: Reduce | None = None,
+    ) -> Params:
+        """The fast weights after the inner steps (penalty included) on ``support``, the
+        inner batch, with their graph."""
+        c = self.collectives(reduce)
+        self.check_batches({"the support": support}, c)
+        p = self.problem(Task(support, support), loss_fn or self.outer_loss, reduce=c.reduce)
+        k = self.steps if steps is None else steps
+        with refusing_draws(c.split):
+            return unroll(p, p.start, p.optimizer.init(p.start), k)
+
+    def clone(self, *, reduce: Reduce | None = None) -> Learner:
+        if self.penalty is not None:
+            raise TypeError(
+                "a Bilevel with a penalty has no clone(): the learner's adapt(loss) would step "
+                "on the loss without it. Use meta_loss(...) or adapt(...)"
+            )
+        return super().clone(reduce=reduce)

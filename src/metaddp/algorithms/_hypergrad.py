@@ -1,0 +1,540 @@
+"""Hypergradient methods: how the gradient of an outer loss reaches the outer variables
+through an inner problem solved by K optimizer steps.
+
+The problem (:class:`InnerProblem`) is given as two functions of the fast weights, this
+rank's *share* of the inner objective and of the outer loss, with the start, the steps, the
+inner optimizer and ``reduce``, the differentiable SUM over the processes that split the
+batches. Every method returns one scalar per problem whose value is the outer share and whose
+gradient (``backward()``, then the wrapper's SUM of ``.grad``) is the method's hypergradient.
+
+None of them knows about ranks, and none computes a data-dependent quantity (a norm, a
+finite-difference step, a conjugate-gradient coefficient) from a rank's own part: every
+vector such a quantity is made of is a reduced gradient or Hessian-vector product, identical
+on every rank that shares the problem. The value is therefore the one-process value of the
+same method for any split, uneven and empty shards included. Terms each rank differentiates
+on its own (the mixed second derivative ``d/d lambda <grad_phi L_in, v>``) are taken of its
+share, so the final SUM counts each once.
+
+Costs, in units of one inner gradient (one forward and backward on the inner batch), for K
+inner steps; P is the number of inner weights:
+
+========================  ===============================  ======================================
+method                    cost per outer step              bias against unrolled
+========================  ===============================  ======================================
+``Unrolled()``            K forward + ~2K backward, memory  none (the exact gradient of the K-step
+                          K graphs (``memory="low"``: 1)    objective)
+``Truncated(T)``          K + ~2T, memory T graphs          drops the first K - T steps' paths
+``ImplicitCG(m)``         K + 2 + m Hessian-vector prod.    exact at an inner minimum, if CG
+                                                            converges; ignores the path from start
+``Neumann(m, alpha)``     K + 2 + m Hessian-vector prod.    as CG, plus the series' truncation
+                                                            ``(I - alpha H)^(m+1)``
+``T1T2(r)``               K + 3 (no second-order graph)     one-step (truncated, T = 1) gradient
+                                                            with the mixed term by central
+                                                            differences: O(r^2)
+``SAMA(r)``               K + 3 (no second-order graph)     identity base Jacobian at the adapted
+                                                            weights, the optimizer's own step
+                                                            Jacobian (Adam-aware): O(r^2) plus
+                                                            the dropped Hessian
+========================  ===============================  ======================================
+
+References: T1-T2, Luketina et al. 2016 (arXiv:1511.06727); DARTS's finite differences,
+Liu et al. 2019 (arXiv:1806.09055); the implicit function theorem with a Neumann series,
+Lorraine et al. 2020 (arXiv:1911.02590); conjugate gradient for implicit gradients,
+Rajeswaran et al. 2019 (arXiv:1909.04630); SAMA, Choe et al. 2023 (arXiv:2310.05674).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_map
+
+from .._adapt import grad
+from .._types import Params, Reduce
+from ..inner import InnerOptimizer, State, apply_updates, learned_rates
+
+Vectors = list[Tensor]
+
+
+class ConvergenceWarning(RuntimeWarning):
+    """An iterative solver stopped at its budget before reaching its tolerance."""
+
+
+class NotPositiveDefinite(FloatingPointError):
+    """Conjugate gradient met a direction of zero, negative or non-finite curvature: the
+    system is not positive definite (for iMAML, the support loss curves down more steeply
+    than the proximal term ``lam`` holds it up, or it is not finite)."""
+
+    def __init__(self, message: str, curvature: float) -> None:
+        super().__init__(message)
+        self.curvature = curvature
+
+
+def _dot(a: Vectors, b: Vectors) -> Tensor:
+    # A tensor for the non-empty vectors the solver works on (an empty right-hand side sums
+    # to 0, which conjugate_gradient only passes to float() before returning).
+    return cast(Tensor, sum((x * y).sum() for x, y in zip(a, b, strict=True)))
+
+
+def conjugate_gradient(
+    matvec: Callable[[Vectors], Vectors],
+    b: Vectors,
+    *,
+    max_iter: int,
+    tol: float,
+    what: str = "conjugate gradient",
+    advice: str = "increase the proximal strength lam or lower the inner learning rate so "
+    "that the inner solution is near a minimum",
+) -> tuple[Vectors, float, int]:
+    """Solve ``A x = b`` for symmetric positive definite ``A`` given by ``matvec``.
+
+    Args:
+        matvec: ``v -> A v`` over lists of tensors.
+        b: right-hand side.
+        max_iter: the budget of matrix-vector products.
+        tol: stop when ``||r|| <= tol * ||b||`` (0: always ``max_iter`` products).
+        what: named in the warning.
+        advice: what the error of a non-positive curvature suggests.
+
+    Returns:
+        ``(x, relative residual ||b - A x|| / ||b||, iterations used)``. Warns with
+        :class:`ConvergenceWarning` when the budget ends above a positive tolerance.
+    """
+    x = [torch.zeros_like(t) for t in b]
+    b_norm = float(_dot(b, b)) ** 0.5
+    if b_norm == 0.0:
+        return x, 0.0, 0
+    r = [t.clone() for t in b]
+    p = [t.clone() for t in b]
+    rr = _dot(r, r)
+    it = 0
+    while it < max_iter and float(rr) ** 0.5 > tol * b_norm:
+        ap = matvec(p)
+        pap = _dot(p, ap)
+        if not torch.isfinite(pap) or float(pap) <= 0:
+            raise NotPositiveDefinite(
+                f"{what}: the system matrix is not positive definite along a search direction "
+                f"(p^T A p = {float(pap):.3g}); {advice}",
+                float(pap),
+            )
+        alpha = rr / pap
+        x = [xi + alpha * pi for xi, pi in zip(x, p, strict=True)]
+        r = [ri - alpha * api for ri, api in zip(r, ap, strict=True)]
+        rr_new = _dot(r, r)
+        p = [ri + (rr_new / rr) * pi for ri, pi in zip(r, p, strict=True)]
+        rr = rr_new
+        it += 1
+    residual = float(rr) ** 0.5 / b_norm
+    if tol > 0 and residual > tol:
+        warnings.warn(
+            f"{what} did not converge in {max_iter} iterations: relative residual "
+            f"{residual:.3g} > tolerance {tol:.3g}; the implicit gradient is approximate. Raise "
+            "the iteration budget, or make the system better conditioned.",
+            ConvergenceWarning,
+            stacklevel=3,
+        )
+    return x, residual, it
+
+
+@dataclasses.dataclass(frozen=True)
+class InnerProblem:
+    """One inner problem as every method sees it.
+
+    Attributes:
+        inner: this rank's share of the inner objective at the given fast weights (a
+            function of the outer variables too, through whatever it closes over).
+        outer: this rank's share of the outer loss at the given fast weights.
+        start: the fast weights the inner steps start from.
+        steps: the number of inner optimizer steps, K.
+        optimizer: the differentiable inner optimizer.
+        reduce: the differentiable SUM over the processes that split the batches.
+        check: ``check(reduced_grads, step)``: refuses a non-finite inner gradient.
+    """
+
+    inner: Callable[[Params], Tensor]
+    outer: Callable[[Params], Tensor]
+    start: Params
+    steps: int
+    optimizer: InnerOptimizer
+    reduce: Reduce
+    check: Callable[[Params, int], None] = lambda grads, step: None
+
+
+class _Held(torch.autograd.Function):
+    """A copy of ``value`` that needs a gradient, through which none flows back.
+
+    The point a method differentiates at (the weights after steps taken without a graph, or
+    a lookahead's start) must need a gradient for ``torch.autograd.grad``, but must not pass
+    one on. A new leaf would do that, and the wrapper's search of the meta-loss's graph would
+    rightly refuse a leaf it does not know; this node hangs off ``anchor``, a tensor of the
+    graph already (a meta-parameter), and gives it nothing.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, value: Tensor, anchor: Tensor) -> Tensor:
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, None]:
+        return None, None
+
+
+def held(values: Params, anchor: Tensor) -> Params:
+    """``values`` as tensors that need a gradient with no path back (:class:`_Held`)."""
+    with torch.enable_grad():
+        return {k: cast(Tensor, _Held.apply(v.detach(), anchor)) for k, v in values.items()}
+
+
+def _anchor(p: InnerProblem) -> Tensor:
+    for t in p.start.values():
+        if t.requires_grad:
+            return t
+    raise ValueError("the inner problem's start has no weight that needs a gradient")
+
+
+def _detached(state: State) -> State:
+    return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, state)
+
+
+@dataclasses.dataclass
+class _Last:
+    """The last inner step's point, reduced gradient and optimizer state before it."""
+
+    point: Params
+    grads: Params
+    state: State
+
+
+def _first_order(
+    p: InnerProblem, fast: Params, state: State, steps: int, first: int = 0
+) -> tuple[Params, State, _Last | None]:
+    """``steps`` inner steps with no graph kept; returns the weights (new leaves), the state
+    and the last step's :class:`_Last`."""
+    last, anchor = None, _anchor(p)
+    for k in range(first, first + steps):
+        with torch.enable_grad():
+            g = grad(p.inner(fast), fast, reduce=p.reduce, create_graph=False)
+        p.check(g, k)
+        with torch.no_grad():
+            updates, new_state = p.optimizer.update(g, state, fast)
+            last = _Last(fast, g, state)
+            after = apply_updates(fast, updates)
+        fast, state = held(after, anchor), _detached(new_state)
+    return fast, state, last
+
+
+def unroll(p: InnerProblem, fast: Params, state: State, steps: int, first: int = 0) -> Params:
+    """``steps`` inner steps whose graph is kept (second order); ``first`` numbers them."""
+    with torch.enable_grad():
+        for k in range(first, first + steps):
+            g = grad(p.inner(fast), fast, reduce=p.reduce, create_graph=True)
+            p.check(g, k)
+            updates, state = p.optimizer.update(g, state, fast)
+            fast = apply_updates(fast, updates)
+    return fast
+
+
+def _outer_gradient(p: InnerProblem, fast: Params) -> tuple[Tensor, Vectors]:
+    """The outer share at ``fast`` (with its graph to the outer variables) and the global
+    gradient of the outer loss with respect to the fast weights."""
+    with torch.enable_grad():
+        q = p.outer(fast)
+        g = torch.autograd.grad(
+            q, list(fast.values()), retain_graph=True, allow_unused=True, materialize_grads=True
+        )
+    return q, p.reduce(list(g))
+
+
+def _refuse_learned_rates(p: InnerProblem, method: str) -> None:
+    if learned_rates(p.optimizer):
+        raise ValueError(
+            f"{method} differentiates the inner objective, not the inner optimizer: learning "
+            "rates that require grad would get no gradient from it. Use Unrolled() or "
+            "Truncated(T), which differentiate through the steps"
+        )
+
+
+def _with_gradient_of(value: Tensor, term: Tensor) -> Tensor:
+    """``value``, with ``term``'s gradient added (``term``'s value is not)."""
+    return value + (term - term.detach())
+
+
+class Method:
+    """A hypergradient method: :meth:`loss` of an :class:`InnerProblem`."""
+
+    name: str = ""
+
+    def loss(self, problem: InnerProblem) -> Tensor:
+        """This rank's outer share, whose gradient is its share of the hypergradient."""
+        raise NotImplementedError
+
+    def reaches_start(self, steps: int) -> bool:
+        """Whether the hypergradient has a path to the inner steps' start (MAML's
+        meta-parameters); the implicit and one-step methods take the inner solution as
+        independent of it, and reach it only through the inner objective (a proximal term)."""
+        return False
+
+    def settings(self) -> dict[str, Any]:
+        """What defines the method's number (ranks compare it)."""
+        return {"method": self.name, **dataclasses.asdict(cast(Any, self))}
+
+
+@dataclasses.dataclass(frozen=True)
+class Unrolled(Method):
+    """Backpropagation through all K inner steps, second order: the exact gradient of the
+    outer loss after K steps (what MAML computes). ``memory="low"`` on the algorithm rebuilds
+    one step's graph at a time."""
+
+    name = "unrolled"
+
+    def reaches_start(self, steps: int) -> bool:
+        return True
+
+    def loss(self, problem: InnerProblem) -> Tensor:
+        fast = unroll(problem, problem.start, problem.optimizer.init(problem.start), problem.steps)
+        return problem.outer(fast)
+
+
+@dataclasses.dataclass(frozen=True)
+class Truncated(Method):
+    """Backpropagation through the last ``last`` inner steps only (Shaban et al. 2019,
+    arXiv:1810.10667): the first K - T steps run without a graph, so memory holds T steps.
+
+    Args:
+        last: T, the steps differentiated through (1 <= T <= K; T = K is :class:`Unrolled`).
+    """
+
+    last: int = 1
+    name = "truncated"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.last, bool) or not isinstance(self.last, int) or self.last < 1:
+            raise ValueError(f"Truncated(last=) needs a whole number >= 1, got {self.last!r}")
+
+    def reaches_start(self, steps: int) -> bool:
+        return self.last >= steps
+
+    def loss(self, problem: InnerProblem) -> Tensor:
+        if self.last > problem.steps:
+            raise ValueError(
+                f"Truncated(last={self.last}) differentiates more steps than the {problem.steps} "
+                "inner steps the problem takes"
+            )
+        skip = problem.steps - self.last
+        fast, state = problem.start, problem.optimizer.init(problem.start)
+        if skip:
+            fast, state, _ = _first_order(problem, fast, state, skip)
+        return problem.outer(unroll(problem, fast, state, self.last, skip))
+
+
+class _Implicit(Method):
+    """The implicit function theorem at the inner solution phi (the weights after K steps,
+    taken as a minimum of the inner objective): the hypergradient is
+    ``d_lambda L_out - d_lambda <grad_phi L_in, v>`` with ``H v = grad_phi L_out``, H the
+    inner objective's Hessian at phi. Subclasses solve for v."""
+
+    def solve(self, hvp: Callable[[Vectors], Vectors], b: Vectors) -> Vectors:
+        raise NotImplementedError
+
+    def loss(self, problem: InnerProblem) -> Tensor:
+        _refuse_learned_rates(problem, type(self).__name__)
+        start = held(problem.start, _anchor(problem))
+        phi, _, _ = _first_order(problem, start, problem.optimizer.init(start), problem.steps)
+        q, b = _outer_gradient(problem, phi)
+        weights = list(phi.values())
+        with torch.enable_grad():
+            # This rank's share's gradient, with its graph: to phi for the Hessian-vector
+            # products, to the outer variables for the mixed term.
+            g_in = torch.autograd.grad(
+                problem.inner(phi), weights, create_graph=True, allow_unused=True,
+                materialize_grads=True,
+            )  # fmt: skip
+        live = [i for i, g in enumerate(g_in) if g.requires_grad]
+
+        def hvp(v: Vectors) -> Vectors:
+            local = [torch.zeros_like(t) for t in v]
+            if live:  # a rank with no inner samples contributes a zero product
+                with torch.enable_grad():
+                    local = list(
+                        torch.autograd.grad(
+                            [g_in[i] for i in live],
+                            weights,
+                            grad_outputs=[v[i] for i in live],
+                            retain_graph=True,
+                            allow_unused=True,
+                            materialize_grads=True,
+                        )  # fmt: skip
+                    )
+            return problem.reduce(local)  # the global product: the same on every rank
+
+        with torch.no_grad():
+            v = self.solve(hvp, [t.detach() for t in b])
+        mixed = -_dot([g_in[i] for i in live], [v[i] for i in live]) if live else None
+        return q if mixed is None else _with_gradient_of(q, mixed)
+
+
+@dataclasses.dataclass(frozen=True)
+class ImplicitCG(_Implicit):
+    """Implicit differentiation with v from conjugate gradient on ``(H + damping I) v = g``
+    (iMAML's solve, for any inner objective; Rajeswaran et al. 2019).
+
+    Args:
+        iterations: the budget of Hessian-vector products.
+        tol: stop at this relative residual; 0 (the default) always runs ``iterations``, so
+            every run takes the same iterate.
+        damping: added to the Hessian's diagonal, for inner solutions that are not minima
+            (CG needs a positive definite system and says so when it is not).
+    """
+
+    iterations: int = 10
+    tol: float = 0.0
+    damping: float = 0.0
+    name = "implicit-cg"
+
+    def __post_init__(self) -> None:
+        _whole(self.iterations, "ImplicitCG(iterations=)")
+        if not (self.tol >= 0 and self.damping >= 0):
+            raise ValueError(
+                f"ImplicitCG needs tol and damping >= 0, got {self.tol}, {self.damping}"
+            )
+
+    def solve(self, hvp: Callable[[Vectors], Vectors], b: Vectors) -> Vectors:
+        damping = self.damping
+
+        def matvec(v: Vectors) -> Vectors:
+            return [h + damping * x for h, x in zip(hvp(v), v, strict=True)] if damping else hvp(v)
+
+        v, _, _ = conjugate_gradient(
+            matvec, b, max_iter=self.iterations, tol=self.tol, what="ImplicitCG",
+            advice="the inner weights are not at a minimum of the inner objective: add "
+            "ImplicitCG(damping=...), take more inner steps, or use Neumann or T1T2",
+        )  # fmt: skip
+        return v
+
+
+@dataclasses.dataclass(frozen=True)
+class Neumann(_Implicit):
+    """Implicit differentiation with ``H^-1 g ~ alpha sum_{j=0..m} (I - alpha H)^j g``
+    (Lorraine et al. 2020): m Hessian-vector products, no host read.
+
+    Args:
+        iterations: m, the terms of the series after the first.
+        alpha: the series' step; it converges when ``alpha < 2 / lambda_max(H)``, and the
+            inner learning rate of SGD is the usual choice.
+    """
+
+    iterations: int = 5
+    alpha: float = 0.1
+    name = "neumann"
+
+    def __post_init__(self) -> None:
+        _whole(self.iterations, "Neumann(iterations=)", least=0)
+        if not self.alpha > 0:
+            raise ValueError(f"Neumann(alpha=) must be positive, got {self.alpha!r}")
+
+    def solve(self, hvp: Callable[[Vectors], Vectors], b: Vectors) -> Vectors:
+        term, total = list(b), list(b)
+        for _ in range(self.iterations):
+            term = [t - self.alpha * h for t, h in zip(term, hvp(term), strict=True)]
+            total = [s + t for s, t in zip(total, term, strict=True)]
+        return [self.alpha * s for s in total]
+
+
+class _FiniteDifference(Method):
+    """One inner step's Jacobian, applied by central differences: for the step
+    ``phi' = phi + u(g(phi, lambda))`` the hypergradient is ``d_lambda L_out(phi') +
+    d_lambda <g(phi, lambda), J_u^T v>`` with ``v = grad L_out(phi')`` and ``J_u`` the
+    update's Jacobian in the gradient (``-lr`` for SGD; Adam's own diagonal otherwise). The
+    mixed term is ``[L_in(phi + e p) - L_in(phi - e p)] / 2e`` with ``p = J_u^T v`` and
+    ``e = r / ||p||``: no second-order graph. ``p`` is reduced, so ``||p||`` is the whole
+    batch's on every rank."""
+
+    r: float
+    at_end: bool  # the differences at the adapted weights (SAMA) or before the last step
+
+    def loss(self, problem: InnerProblem) -> Tensor:
+        _refuse_learned_rates(problem, type(self).__name__)
+        start = held(problem.start, _anchor(problem))
+        fast, _, last = _first_order(problem, start, problem.optimizer.init(start), problem.steps)
+        assert last is not None  # steps >= 1
+        q, v = _outer_gradient(problem, fast)
+        names = list(fast)
+        # J_u^T v: the optimizer's update is a function of the gradient; its vector-Jacobian
+        # product at the last step's gradient and state.
+        g = {k: t.detach().requires_grad_() for k, t in last.grads.items()}
+        with torch.enable_grad():
+            updates, _ = problem.optimizer.update(g, last.state, last.point)
+            vjp = torch.autograd.grad(
+                [updates[k] for k in names], [g[k] for k in names], grad_outputs=v,
+                allow_unused=True, materialize_grads=True,
+            )  # fmt: skip
+        point = fast if self.at_end else last.point
+        with torch.no_grad():
+            norm = torch.sqrt(_dot(list(vjp), list(vjp)))
+            # p = 0 gives equal points and a zero difference: the term is 0, not 0/0.
+            e = self.r / norm.clamp_min(torch.finfo(norm.dtype).tiny)
+            plus = {k: point[k].detach() + e * d for k, d in zip(names, vjp, strict=True)}
+            minus = {k: point[k].detach() - e * d for k, d in zip(names, vjp, strict=True)}
+        with torch.enable_grad():
+            mixed = (problem.inner(plus) - problem.inner(minus)) / (2 * e)
+        return _with_gradient_of(q, mixed)
+
+
+@dataclasses.dataclass(frozen=True)
+class T1T2(_FiniteDifference):
+    """The one-step hypergradient (T1-T2, Luketina et al. 2016) with DARTS's central
+    differences (Liu et al. 2019): the gradient through the last inner step only, as
+    ``Truncated(1)`` without its second-order graph, equal to it to O(r^2).
+
+    Args:
+        r: the difference's radius in weight space (DARTS: 0.01).
+    """
+
+    r: float = 0.01
+    at_end: bool = dataclasses.field(default=False, init=False)
+    name = "t1t2"
+
+    def __post_init__(self) -> None:
+        if not self.r > 0:
+            raise ValueError(f"T1T2(r=) must be positive, got {self.r!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SAMA(_FiniteDifference):
+    """SAMA (Choe et al. 2023): the base Jacobian ``d phi / d lambda`` taken as ``-J_u
+    d_lambda g`` at the adapted weights, the inner Hessian dropped (identity), and ``J_u``
+    the inner optimizer's own update Jacobian, so Adam's per-entry scaling is kept
+    ("Adam-aware"). Central differences as in :class:`T1T2`.
+
+    Args:
+        r: the difference's radius in weight space.
+    """
+
+    r: float = 0.01
+    at_end: bool = dataclasses.field(default=True, init=False)
+    name = "sama"
+
+    def __post_init__(self) -> None:
+        if not self.r > 0:
+            raise ValueError(f"SAMA(r=) must be positive, got {self.r!r}")
+
+
+def _whole(value: object, what: str, least: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{what} needs a whole number >= {least}, got {value!r}")
+
+
+METHODS: dict[str, Callable[..., Method]] = {
+    "unrolled": Unrolled,
+    "truncated": Truncated,
+    "implicit-cg": ImplicitCG,
+    "neumann": Neumann,
+    "t1t2": T1T2,
+    "sama": SAMA,
+}
+"""The methods by the names ``metaddp verify`` and ``metaddp train`` use."""
