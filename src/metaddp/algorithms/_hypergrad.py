@@ -452,7 +452,11 @@ class _FiniteDifference(Method):
     update's Jacobian in the gradient (``-lr`` for SGD; Adam's own diagonal otherwise). The
     mixed term is ``[L_in(phi + e p) - L_in(phi - e p)] / 2e`` with ``p = J_u^T v`` and
     ``e = r / ||p||``: no second-order graph. ``p`` is reduced, so ``||p||`` is the whole
-    batch's on every rank."""
+    batch's on every rank.
+
+    The differences see the inner objective's *value*: where the inner loss detaches part of
+    itself (Meta-Weight-Net's weights computed from detached losses), they differentiate
+    through that part too, which the other methods' gradients do not."""
 
     r: float
     at_end: bool  # the differences at the adapted weights (SAMA) or before the last step

@@ -295,16 +295,21 @@ class BilevelProblem:
     seed: int = 0
     memory: str = "default"
 
-    # The methods' own settings: fixed iterations, so every run takes the same iterate.
-    def build_method(self) -> Any:
-        from ..algorithms import METHODS
-
-        options: dict[str, dict[str, Any]] = {
+    def method_options(self) -> dict[str, Any]:
+        """The method's own settings: fixed iterations, so every run takes the same iterate
+        (and the CG damping keeps its system positive definite away from a minimum)."""
+        return {
             "truncated": {"last": 2},
             "implicit-cg": {"iterations": 6, "damping": 1.0},
             "neumann": {"iterations": 6, "alpha": self.inner_lr},
-        }
-        return METHODS[self.method](**options.get(self.method, {}))
+            "t1t2": {"r": 0.01},
+            "sama": {"r": 0.01},
+        }.get(self.method, {})
+
+    def build_method(self) -> Any:
+        from ..algorithms import METHODS
+
+        return METHODS[self.method](**self.method_options())
 
     def build_model(self) -> tuple[nn.Module, Weighting]:
         torch.manual_seed(self.seed)
