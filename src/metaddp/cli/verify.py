@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from ..algorithms import METHODS
 from ..distributed import set_strict
 from ..distributed.launch import run_local
 from ..testing import scenarios as S
@@ -25,7 +26,7 @@ from ..testing import scenarios as S
 class Check:
     name: str
     layout: str
-    problem: S.Problem | S.SeedProblem
+    problem: S.Problem | S.SeedProblem | S.BilevelProblem
     # Float64 scenarios: changing the world size only reorders floating-point sums (the
     # per-rank partial sums are added in a different order), which moves results by a few
     # ulps times the inner steps; 1e-10 is far below any real error (a missing reduction
@@ -69,6 +70,25 @@ def checks(scenario: str) -> list[Check]:
             )
             for layout in S.LAYOUTS
         ]
+    if scenario in BILEVEL_SCENARIOS:
+        # A reweighting lookahead (one problem, samples split) and three problems started
+        # from the meta-parameters with a proximal term (hybrid); same float64 tolerance (the
+        # methods' iterations are fixed, and finite differences stay below 1e-12 relative).
+        method = scenario.removeprefix("bilevel-")
+        opt = "adam" if method == "sama" else "sgd"
+        return [
+            Check(
+                scenario, "sample, lookahead", S.BilevelProblem(method=method, optimizer=opt), 1e-10
+            ),
+            Check(
+                scenario,
+                "hybrid, 3 from the start",
+                S.BilevelProblem(
+                    method=method, optimizer=opt, start="outer", n_problems=3, layout="hybrid"
+                ),
+                1e-10,
+            ),
+        ]
     raise ValueError(f"unknown scenario {scenario!r}")
 
 
@@ -86,7 +106,8 @@ def deterministic(c: Check) -> Check | None:
 
 DETERMINISTIC = ("maml", "fomaml", "metasgd")
 ALGORITHM_SCENARIOS = ("fomaml", "metasgd", "anil", "reptile", "imaml")
-SCENARIOS = ("seed", "conv", "mlp") + ALGORITHM_SCENARIOS + ("bn",)
+BILEVEL_SCENARIOS = tuple(f"bilevel-{m}" for m in METHODS)
+SCENARIOS = ("seed", "conv", "mlp") + ALGORITHM_SCENARIOS + ("bn",) + BILEVEL_SCENARIOS
 
 
 def run_checks(todo: list[Check]) -> list[dict]:
@@ -103,7 +124,11 @@ def run_checks(todo: list[Check]) -> list[dict]:
                 {"loss": r["loss1"][-1] + r["loss2"][-1], "vec": vec, "norm": abs(r["grad2"][-1])}
             )
         else:
-            r = S.run(c.problem)
+            r = (
+                S.run_bilevel(c.problem)
+                if isinstance(c.problem, S.BilevelProblem)
+                else S.run(c.problem)
+            )
             vec = torch.cat([g.double().flatten() for g in r["grads"].values()])
             out.append({"loss": r["loss"], "vec": vec, "norm": float(vec.norm())})
     return out
@@ -195,7 +220,7 @@ def main(args: argparse.Namespace) -> int:
         results[w] = run_local(run_checks, w, todo, threads=threads)[0]
         print(f"  {w} process(es) done in {time.perf_counter() - t0:.1f} s", flush=True)
     header = (
-        f"{'scenario':<8} {'layout':<22} {'world':>5} {'outer loss':>22} {'grad norm':>14} "
+        f"{'scenario':<19} {'layout':<24} {'world':>5} {'outer loss':>22} {'grad norm':>14} "
         f"{'max abs diff':>12} {'max rel diff':>12}"
     )
     print(header)
@@ -216,7 +241,7 @@ def main(args: argparse.Namespace) -> int:
                 failed.append(f"{c.name}/{c.layout}@{w}")
             verdict = "" if ok else f"  FAIL (tolerance {c.tolerance:.0e})"
             print(
-                f"{c.name:<8} {c.layout:<22} {w:>5} {r['loss']:>22.15g} {r['norm']:>14.6g} "
+                f"{c.name:<19} {c.layout:<24} {w:>5} {r['loss']:>22.15g} {r['norm']:>14.6g} "
                 f"{abs_diff:>12.3g} {rel:>12.3g}{verdict}"
             )
     if args.deterministic:

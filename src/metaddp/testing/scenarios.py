@@ -298,13 +298,14 @@ class BilevelProblem:
     def method_options(self) -> dict[str, Any]:
         """The method's own settings: fixed iterations, so every run takes the same iterate
         (and the CG damping keeps its system positive definite away from a minimum)."""
-        return {
+        table: dict[str, dict[str, Any]] = {
             "truncated": {"last": 2},
             "implicit-cg": {"iterations": 6, "damping": 1.0},
             "neumann": {"iterations": 6, "alpha": self.inner_lr},
             "t1t2": {"r": 0.01},
             "sama": {"r": 0.01},
-        }.get(self.method, {})
+        }
+        return table.get(self.method, {})
 
     def build_method(self) -> Any:
         from ..algorithms import METHODS
