@@ -195,6 +195,10 @@ def test_refusals():
         md.Truncated(last=0)
     with pytest.raises(ValueError, match="positive"):
         md.Neumann(alpha=0)
+    with pytest.raises(ValueError, match="nothing for the hypergradient to reach"):
+        md.Bilevel(net, start="current")  # a lookahead with no outer variable
+    with pytest.raises(ValueError, match="train_inner .* needs start='current'"):
+        md.Bilevel(net, train_inner=True)
     with pytest.raises(TypeError, match="no clone"):
         md.Bilevel(net, penalty=lambda fast: fast["weight"].sum()).clone()
 
@@ -225,7 +229,9 @@ def test_an_outer_network_not_given_as_outer_is_refused():
         losses = F.cross_entropy(pred, y, reduction="none")
         return weighting(losses) * losses
 
-    learner = md.MetaDDP(md.Bilevel(net, inner_loss=weighted, outer_loss=S.ce_per_sample, start="current"))
+    # From the start: nothing is refused when the problem is built (the model's weights are
+    # outer variables), so the wrapper's search of the meta-loss finds the network.
+    learner = md.MetaDDP(md.Bilevel(net, inner_loss=weighted, outer_loss=S.ce_per_sample, start="outer"))
     with pytest.raises(ValueError, match="not parameters of the wrapped module"):
         learner.meta_loss(learner.shard(1, p.task))
 

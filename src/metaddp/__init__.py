@@ -41,6 +41,7 @@ from .algorithms import (
     Reptile,
     Truncated,
     Unrolled,
+    WeightNet,
     conjugate_gradient,
 )
 from .distributed import (
@@ -101,6 +102,7 @@ __all__ = [
     "Task",
     "Truncated",
     "Unrolled",
+    "WeightNet",
     "adam",
     "all_reduce_counts",
     "all_reduce_sum",

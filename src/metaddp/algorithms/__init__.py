@@ -2,7 +2,7 @@
 
 from ._anil import ANIL, BodyHead
 from ._base import Algorithm
-from ._bilevel import Bilevel
+from ._bilevel import Bilevel, WeightNet
 from ._hypergrad import (
     METHODS,
     SAMA,
@@ -48,6 +48,7 @@ __all__ = [
     "T1T2",
     "Truncated",
     "Unrolled",
+    "WeightNet",
     "build",
     "conjugate_gradient",
     "having",

@@ -18,8 +18,9 @@ reduced vectors, so the hypergradient is the one-process value for any split.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import ClassVar
+from typing import ClassVar, cast
 
+import torch
 from torch import Tensor, nn
 
 from .._adapt import batch_share, check_finite
@@ -65,9 +66,20 @@ class Bilevel(Algorithm):
         method: the hypergradient method (:class:`metaddp.Unrolled` by default;
             ``Truncated``, ``ImplicitCG``, ``Neumann``, ``T1T2``, ``SAMA``).
         memory: ``"low"`` rebuilds one inner step's graph at a time (``Unrolled`` only).
+        weights: a module from per-sample losses (detached) to per-sample weights: the inner
+            loss is then ``weights(losses) * losses`` of ``inner_loss`` (Meta-Weight-Net,
+            Shu et al. 2019; learning to reweight, Ren et al. 2018). It is an outer variable
+            (kept as :attr:`weights`).
+        train_inner: with ``start="current"``, the meta-loss also carries the gradient of the
+            inner objective at the model's current weights, the outer variables held: one
+            backward and one optimizer step train both levels (simultaneous updates, where
+            Meta-Weight-Net alternates). Without outer variables this is plain training on
+            the inner loss.
     """
 
-    supports: ClassVar[Supports] = Supports(low_memory=True)
+    # The implicit methods' conjugate gradient reads its residual on the host; the others
+    # are not yet recorded in a CUDA graph by any test.
+    supports: ClassVar[Supports] = Supports(low_memory=True, capture=False)
 
     def __init__(
         self,
@@ -83,6 +95,8 @@ class Bilevel(Algorithm):
         optimizer: InnerOptimizer | Callable[[], InnerOptimizer] | None = None,
         method: Method | None = None,
         memory: str = "default",
+        weights: nn.Module | None = None,
+        train_inner: bool = False,
     ) -> None:
         if start not in STARTS:
             raise ValueError(f"start must be one of {', '.join(STARTS)}, got {start!r}")
@@ -111,7 +125,21 @@ class Bilevel(Algorithm):
                 "penalty that reads them (iMAML's proximal term, lam/2 ||fast - theta||^2), use "
                 "Unrolled(), or start='current'"
             )
+        if train_inner and start != "current":
+            raise ValueError(
+                "train_inner trains the model on the inner loss at its current weights: it "
+                "needs start='current' (with start='outer' the weights are outer variables)"
+            )
+        if weights is not None and not isinstance(weights, nn.Module):
+            raise TypeError(f"weights must be an nn.Module, got {type(weights).__name__}")
+        if start == "current" and outer is None and weights is None and not train_inner:
+            raise ValueError(
+                "nothing for the hypergradient to reach: with start='current' give the outer "
+                "variables (outer=, weights=), or train_inner=True for plain training"
+            )
         self.outer = outer
+        self.weights = weights
+        self.train_inner = bool(train_inner)
         self.inner_loss, self.outer_loss, self.penalty = inner_loss, outer_loss, penalty
         self.start, self.method = start, method
         # Its own rates it learns through optimizer= (no learn_lr here): they must be ours.
@@ -140,7 +168,13 @@ class Bilevel(Algorithm):
         return super().inner_optimizer()
 
     def settings(self) -> dict[str, object]:
-        return dict(super().settings(), start=self.start, **self.method.settings())
+        return dict(
+            super().settings(),
+            start=self.start,
+            weighted=self.weights is not None,
+            train_inner=self.train_inner,
+            **self.method.settings(),
+        )
 
     def fast_weights(self) -> Params:
         weights = params_of(self.model)
@@ -152,20 +186,21 @@ class Bilevel(Algorithm):
         """The parameters the meta-loss does not reach by design (with ``start="current"``,
         the model's): trained by the caller's own step, so a gradient SUM without them is
         not a mistake."""
-        if self.start == "outer":
+        if self.start == "outer" or self.train_inner:
             return set()
         return {f"model.{k}" for k, _ in self.model.named_parameters()}
 
     def problem(self, task: Task, loss_fn: LossFn | None, *, reduce: Reduce) -> InnerProblem:
         """The inner problem of ``task``: its support is the inner batch, its query the outer."""
-        inner_loss = self.inner_loss or loss_fn
+        per_sample = self.inner_loss or loss_fn
         outer_loss = self.outer_loss or loss_fn
-        if inner_loss is None or outer_loss is None:
+        if per_sample is None or outer_loss is None:
             raise TypeError(
                 "this Bilevel has no inner_loss or outer_loss of its own: pass loss_fn to "
                 "meta_loss(tasks, loss_fn), or build it with both"
             )
-        model, penalty, support = self.model, self.penalty, task.support
+        model, penalty, support, weights = self.model, self.penalty, task.support, self.weights
+        inner_loss = per_sample if weights is None else _weighted(per_sample, weights)
 
         def inner(fast: Params) -> Tensor:
             loss = batch_share(model, fast, support, inner_loss)
@@ -185,6 +220,24 @@ class Bilevel(Algorithm):
 
     def task_loss(self, task: Task, loss_fn: LossFn | None, *, reduce: Reduce) -> Tensor:
         p = self.problem(task, loss_fn, reduce=reduce)
+        loss = self._hypergradient(p, task, reduce)
+        if not self.train_inner:
+            return loss
+        # The inner objective's gradient in the model's own weights, the outer variables
+        # held: a share's gradient (the wrapper's SUM makes it the batch's).
+        theta = params_of(self.model)
+        with torch.enable_grad():
+            g = torch.autograd.grad(
+                p.inner(theta), list(theta.values()), allow_unused=True, materialize_grads=True
+            )
+        step = cast(
+            Tensor, sum((w * d.detach()).sum() for w, d in zip(theta.values(), g, strict=True))
+        )
+        return loss + (step - step.detach())
+
+    def _hypergradient(self, p: InnerProblem, task: Task, reduce: Reduce) -> Tensor:
+        if self.start == "current" and not any(t.requires_grad for t in self._outer_params()):
+            return p.outer(p.start).detach()  # no outer variable to reach: the loss alone
         if isinstance(self.method, Unrolled) and self._rematerialize():
             return rematerialized_loss(
                 lambda fast, buffers: p.inner(fast),
@@ -198,10 +251,13 @@ class Bilevel(Algorithm):
             )
         return self.method.loss(p)
 
+    def _outer_params(self) -> list[Tensor]:
+        mine = {id(p) for p in self.model.parameters()}
+        return [p for p in self.parameters() if p.requires_grad and id(p) not in mine]
+
     def _outer_tensors(self, task: Task, optimizer: InnerOptimizer) -> list[Tensor]:
         # What the rebuilt steps read besides the fast weights that needs a gradient.
-        mine = {id(p) for p in self.model.parameters()}
-        others = [p for p in self.parameters() if p.requires_grad and id(p) not in mine]
+        others = self._outer_params()
         known = {id(p) for p in others}
         rates = [r for r in learned_rates(optimizer) if id(r) not in known]
         inputs = [b.x for b in (task.support, task.query) if b.x.requires_grad]
@@ -250,3 +306,27 @@ class Bilevel(Algorithm):
                 "on the loss without it. Use meta_loss(...) or adapt(...)"
             )
         return super().clone(reduce=reduce)
+
+
+def _weighted(per_sample: LossFn, weights: nn.Module) -> LossFn:
+    def loss(prediction: Tensor, target: Tensor) -> Tensor:
+        losses = per_sample(prediction, target)
+        return weights(losses.detach()).reshape(losses.shape) * losses
+
+    return loss
+
+
+class WeightNet(nn.Module):
+    """Meta-Weight-Net's weighting function (Shu et al. 2019): one hidden layer from a
+    sample's loss to its weight in (0, 1).
+
+    Args:
+        hidden: the hidden layer's width (the paper's 100).
+    """
+
+    def __init__(self, hidden: int = 100) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(1, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+
+    def forward(self, losses: Tensor) -> Tensor:
+        return torch.sigmoid(self.net(losses.reshape(-1, 1))).reshape(losses.shape)

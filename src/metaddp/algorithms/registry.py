@@ -14,6 +14,8 @@ from .._types import Supports
 from ..inner import adam, sgd
 from ._anil import ANIL
 from ._base import Algorithm, OptimizerFactory
+from ._bilevel import Bilevel, WeightNet
+from ._hypergrad import METHODS
 from ._imaml import IMAML
 from ._maml import MAML
 from ._metasgd import MetaSGD
@@ -37,6 +39,7 @@ class Settings:
             ``inner_lr`` (MAML, Meta-SGD, ANIL).
         autocast: ``"bf16"`` or ``"fp16"``: forward passes in that precision (MAML, Meta-SGD,
             ANIL; see :class:`MAML`), or ``None``.
+        method: the hypergradient method of ``reweight`` by name (:data:`METHODS`).
     """
 
     inner_lr: float = 0.01
@@ -48,6 +51,7 @@ class Settings:
     memory: str = "default"
     optimizer: str = "sgd"
     autocast: str | None = None
+    method: str = "unrolled"
 
     def autocast_dtype(self) -> torch.dtype | None:
         dtypes = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -105,6 +109,23 @@ ALGORITHMS: dict[str, Builder] = {
         cg_tol=s.cg_tol,
         optimizer=s.inner_optimizer(),
     ),
+    # Shu et al. 2019 (Meta-Weight-Net): a network of each support sample's loss weighs it in
+    # the model's training loss, trained by the hypergradient of a one-step lookahead scored
+    # on the query (clean) batch; the model trains on the weighted loss in the same step.
+    "reweight": lambda m, s: Bilevel(
+        m,
+        weights=WeightNet(),
+        start="current",
+        train_inner=True,
+        steps=s.steps,
+        optimizer=s.inner_optimizer()(s.inner_lr),
+        method=METHODS[s.method](),
+        memory=s.memory,
+    ),
+    # Plain training on the support batches (the baseline reweighting is measured against).
+    "erm": lambda m, s: Bilevel(
+        m, start="current", train_inner=True, steps=s.steps, inner_lr=s.inner_lr
+    ),
 }
 
 
@@ -117,6 +138,8 @@ SUPPORTS: dict[str, Supports] = {
     "anil": ANIL.supports,
     "reptile": Reptile.supports,
     "imaml": IMAML.supports,
+    "reweight": Bilevel.supports,
+    "erm": dataclasses.replace(Bilevel.supports, low_memory=False),  # no lookahead to rebuild
 }
 
 

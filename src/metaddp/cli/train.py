@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ..algorithms import build
 from ..distributed import DEFAULT_TIMEOUT
 from ..distributed.launch import oversubscribed
 from ..tasks import FAMILIES, family_class
@@ -97,6 +98,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--fonts",
         default=S,
         help="glyphs: all (default: matplotlib's and the system's fonts) or matplotlib",
+    )
+    g.add_argument(
+        "--noise", type=float, default=S, help="noisy-digits: fraction of flipped labels (0.4)"
+    )
+    g.add_argument(
+        "--keep",
+        choices=("all", "clean"),
+        default=S,
+        help="noisy-digits: train on all images (default) or on the clean ones only (the oracle)",
+    )
+    g.add_argument(
+        "--method",
+        choices=("unrolled", "truncated", "implicit-cg", "neumann", "t1t2", "sama"),
+        default=S,
+        help="reweight: the hypergradient method (default unrolled)",
     )
     g.add_argument(
         "--memory",
@@ -280,7 +296,9 @@ def settings(args: argparse.Namespace, world: int) -> tuple[TrainConfig, Path, b
             args.force = True
         check_folder(out, resume=False, force=args.force)
     family_class(cfg.task).check_data(cfg.data)
-    cfg.family()  # building it runs the family's own checks (e.g. enough classes for --ways)
+    family = cfg.family()  # building it runs the family's checks (e.g. enough classes for --ways)
+    # ... and building the algorithm its constructor's (a method that cannot rebuild its steps).
+    build(cfg.algorithm, family.model(), cfg.algorithm_settings())
     if resume:
         # A run still going in the folder rotates its checkpoints under us: say that the
         # folder is busy before reading them (begin() takes the lock for good).
@@ -296,6 +314,14 @@ def settings(args: argparse.Namespace, world: int) -> tuple[TrainConfig, Path, b
 
 def report(summary: dict, cfg: TrainConfig, out: Path) -> None:
     n, k = summary["eval_tasks"], summary["eval_steps"]
+    if k == 0 and "test_acc_after" in summary:  # a network scored as trained (noisy-digits)
+        print(f"\ntest on {n} held-out batches, mean and 95% CI:")
+        print(
+            f"  accuracy {summary['test_acc_after']:.4f} ± {summary['test_acc_after_ci']:.4f}, "
+            f"loss {summary['test_after']:.4f} ± {summary['test_after_ci']:.4f}"
+        )
+        _files(summary, out)
+        return
     what = "tasks of held-out classes" if "test_acc_after" in summary else "held-out tasks"
     print(f"\nmeta-test on {n} {what}, {k} adaptation step(s), mean and 95% CI:")
     if "test_acc_after" in summary:
@@ -313,6 +339,10 @@ def report(summary: dict, cfg: TrainConfig, out: Path) -> None:
         f"  query {name} before adaptation {summary['test_before']:.4f}, after "
         f"{summary['test_after']:.4f} ± {summary['test_after_ci']:.4f}"
     )
+    _files(summary, out)
+
+
+def _files(summary: dict, out: Path) -> None:
     for p in summary.get("plots", []):
         print(f"  plot: {p}")
     print(

@@ -13,7 +13,7 @@ from ._fonts import FontSetError
 from .omniglot import LayoutError
 from .sinusoid import Sinusoid
 
-FAMILIES = ("sinusoid", "digits", "glyphs", "omniglot", "miniimagenet")
+FAMILIES = ("sinusoid", "digits", "glyphs", "omniglot", "miniimagenet", "noisy-digits")
 
 
 def family_class(name: str) -> type[TaskFamily]:
@@ -32,6 +32,10 @@ def family_class(name: str) -> type[TaskFamily]:
         from .omniglot import Omniglot
 
         return Omniglot
+    if name == "noisy-digits":
+        from .noisy import NoisyDigits
+
+        return NoisyDigits
     if name == "miniimagenet":
         from .miniimagenet import MiniImageNet
 
@@ -49,9 +53,11 @@ def make(
     data: str | None = None,
     norm: str | None = None,
     fonts: str | None = None,
+    noise: float | None = None,
+    keep: str | None = None,
 ) -> TaskFamily:
-    """Build family ``name`` with the given sizes (``ways``, ``data``, ``norm`` and ``fonts``
-    where they apply; ``None``: the family's default)."""
+    """Build family ``name`` with the given sizes (``ways``, ``data``, ``norm``, ``fonts``,
+    ``noise`` and ``keep`` where they apply; ``None``: the family's default)."""
     cls = family_class(name)
     opts: dict[str, Any] = {"shots": shots, "query": query}
     if hidden is not None:
@@ -65,6 +71,11 @@ def make(
     if fonts is not None:
         cls.font_set(fonts)  # a family without fonts says so
         opts["fonts"] = fonts
+    for k, v in (("noise", noise), ("keep", keep)):
+        if v is not None:
+            if k not in cls.defaults:
+                raise ValueError(f"{k} is a setting of noisy-digits, not of {name}")
+            opts[k] = v
     return cls(**opts)
 
 

@@ -35,6 +35,8 @@ class TaskFamily(abc.ABC):
     """Whether the family reads a dataset folder (``--data``)."""
     data_option: ClassVar[bool] = False
     """Whether the family takes a folder (``--data``) that it can also do without."""
+    test_tasks: ClassVar[int | None] = None
+    """How many held-out tasks the family has (``None``: as many as asked)."""
     metric: ClassVar[str] = "loss"
     """What :meth:`loss` measures, as the run's metrics and plots name it ("MSE", "loss")."""
 

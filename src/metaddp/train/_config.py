@@ -47,7 +47,8 @@ class TrainConfig:
         seed: seeds the network's initialisation and the task stream.
         dtype: "float32" or "float64".
         eval_every: evaluate on held-out tasks every this many steps (0: only at the end).
-        eval_tasks: held-out tasks per evaluation.
+        eval_tasks: held-out tasks per evaluation (default 100; noisy-digits: its 12 test
+            batches).
         eval_steps: adaptation steps at evaluation.
         checkpoint_every: write a checkpoint every this many steps (and at the end).
         data: dataset folder (omniglot, miniimagenet), or the glyph cache folder (glyphs).
@@ -64,6 +65,10 @@ class TrainConfig:
         deterministic: the same bits at any number of processes and layout (MAML, FOMAML,
             Meta-SGD): weights, losses and evaluations (``MetaDDP(deterministic=True)``).
         chunks: with ``deterministic``, the most chunks a batch is cut into.
+        noise: noisy-digits: the fraction of training labels flipped (default 0.4).
+        keep: noisy-digits: "all" training images, or only the "clean" ones (the oracle).
+        method: reweight: the hypergradient method (metaddp.algorithms.METHODS; default
+            "unrolled").
         cuda_graphs: record the meta-step once in a CUDA graph and replay it
             (``metaddp.CapturedStep``; every algorithm but iMAML, on CUDA). The same
             numbers, so not part of the identity: a resume may switch it.
@@ -85,7 +90,7 @@ class TrainConfig:
     seed: int = 0
     dtype: str = "float32"
     eval_every: int = 100
-    eval_tasks: int = 100
+    eval_tasks: int | None = None
     eval_steps: int | None = None
     checkpoint_every: int = 100
     data: str | None = None
@@ -97,6 +102,9 @@ class TrainConfig:
     deterministic: bool = False
     chunks: int = 8
     cuda_graphs: bool = False
+    noise: float | None = None
+    keep: str | None = None
+    method: str | None = None
 
     # Settings that define the trajectory: a checkpoint resumes only under the same ones.
     # The number of processes, the layout, the length of the run and evaluation may change.
@@ -121,6 +129,9 @@ class TrainConfig:
         "autocast",
         "deterministic",
         "chunks",
+        "noise",
+        "keep",
+        "method",
     )
 
     def __post_init__(self) -> None:
@@ -155,7 +166,7 @@ class TrainConfig:
         """Fill the unset settings with the task family's defaults and check every value."""
         cls = family_class(self.task)
         filled: dict[str, Any] = {
-            k: cls.defaults.get(k) if v is None and k not in ("data", "fonts") else v
+            k: cls.defaults.get(k) if v is None and k not in ("data", "fonts", "method") else v
             for k, v in dataclasses.asdict(self).items()
         }
         if not cls.classification:
@@ -167,14 +178,23 @@ class TrainConfig:
             raise ValueError(f"norm is a setting of the image tasks, not of {self.task}")
         # The fonts' identity replaces "all" or "matplotlib"; a recorded one must be found here.
         filled["fonts"] = cls.font_set(self.fonts)
+        if self.algorithm == "reweight" and filled["method"] is None:
+            filled["method"] = "unrolled"
+        if filled["eval_tasks"] is None:
+            filled["eval_tasks"] = cls.defaults.get("eval_tasks", 100)
         if filled["eval_steps"] is None:
             filled["eval_steps"] = filled["inner_steps"]
         cfg = TrainConfig(**filled)
         cfg.check()
+        if cls.test_tasks is not None and filled["eval_tasks"] > cls.test_tasks:
+            raise ValueError(
+                f"{self.task} has {cls.test_tasks} test batches of held-out data: eval_tasks at "
+                f"most {cls.test_tasks}, got {filled['eval_tasks']}"
+            )
         return cfg
 
     def check(self) -> None:
-        from ..algorithms import ALGORITHMS
+        from ..algorithms import ALGORITHMS, METHODS
 
         if self.algorithm not in ALGORITHMS:
             raise ValueError(
@@ -197,6 +217,20 @@ class TrainConfig:
             )
         if self.norm is not None and self.norm not in NORMS:
             raise ValueError(f"unknown norm {self.norm!r}; choose from {', '.join(NORMS)}")
+        if self.method is not None:
+            if self.algorithm != "reweight":
+                raise ValueError(
+                    f"method is the hypergradient of reweight, not of {self.algorithm}"
+                )
+            if self.method not in METHODS:
+                raise ValueError(
+                    f"unknown method {self.method!r}; choose from {', '.join(METHODS)}"
+                )
+        if self.task == "noisy-digits" and self.eval_steps:
+            raise ValueError(
+                "noisy-digits scores the trained network as it is: eval_steps must be 0, got "
+                f"{self.eval_steps}"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose from {', '.join(DTYPES)}")
         positive = (
@@ -292,6 +326,8 @@ class TrainConfig:
             data=self.data,
             norm=self.norm,
             fonts=self.fonts,
+            noise=self.noise,
+            keep=self.keep,
         )
 
     def algorithm_settings(self) -> Settings:
@@ -309,6 +345,7 @@ class TrainConfig:
             memory=self.memory,
             optimizer=self.inner_optimizer,
             autocast=self.autocast,
+            method=self.method or "unrolled",
         )
 
     def identity(self) -> dict[str, Any]:

@@ -68,6 +68,7 @@ class Trainer:
     ) -> None:
         # Set by TrainConfig.resolved() (the family's defaults), which check() enforces.
         assert cfg.shots is not None and cfg.query is not None and cfg.outer_lr is not None
+        assert cfg.eval_tasks is not None
         self.cfg, self.out = cfg, Path(out)
         self.device = device_for(backend)
         self.dtype: torch.dtype = getattr(torch, cfg.dtype)
@@ -194,7 +195,7 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Meta-test on held-out tasks (mean query loss and accuracy, with 95% intervals)."""
         cfg = self.cfg
-        assert cfg.eval_steps is not None
+        assert cfg.eval_steps is not None and cfg.eval_tasks is not None
         run = lambda whole: evaluate(  # noqa: E731
             self.algorithm,
             self.family,
@@ -373,6 +374,7 @@ class Trainer:
     def _finish(self, last_eval: dict[str, float]) -> dict[str, Any]:
         """The summary (written and plotted by rank 0, once every rank finished)."""
         cfg = self.cfg
+        assert cfg.eval_tasks is not None
         summary: dict[str, Any] = {
             "step": cfg.steps,
             "eval_tasks": cfg.eval_tasks,
