@@ -88,17 +88,23 @@ def metaddp_worker(probs: list[S.BilevelProblem], repeats: int) -> list[dict]:
 class BettyConfig:
     type: str
     darts_alpha: float = 0.01
-    darts_adam_alpha: float = 0.01  # what betty.hypergradient.sama reads
+    sama_adam_alpha: float = 1.0  # Betty's default
     neumann_iterations: int = ITERATIONS
     neumann_alpha: float = LR
     cg_iterations: int = ITERATIONS
     cg_alpha: float = 1.0
+    darts_multitask: bool = False
+    sama_multitask: bool = False
 
 
 class Lower:
     """The inner problem as Betty's hypergradient functions read it (``curr``)."""
 
     paths: list = []
+    _strategy = "distributed"  # its DDP strategy: what N ranks would run
+
+    def synchronize_params(self, params, all_reduce=False):
+        pass  # one set of weights here
 
     def __init__(self, net, weighting, batch, config, optimizer=None):
         self.net, self.weighting, self.cur_batch, self.config = net, weighting, batch, config
@@ -175,7 +181,6 @@ def main() -> None:
         import betty  # noqa: F401
     except ImportError:
         sys.exit("needs Betty: pip install --no-deps --ignore-requires-python betty-ml==0.2.1")
-    torch.set_default_dtype(torch.float64)
     rows = []
     for batch in a.batch:
         probs = [problem(m, opt, batch) for m, _, opt in PAIRS]

@@ -75,8 +75,10 @@ def test_deterministic_and_chunks_are_part_of_the_identity():
 
 
 @pytest.mark.parametrize("option, message", [
-    (dict(algorithm="imaml"), "cuda_graphs records maml, fomaml, metasgd, anil, reptile steps, not imaml"),
+    (dict(algorithm="imaml"),
+     "cuda_graphs records maml, fomaml, metasgd, anil, reptile, reweight, erm steps, not imaml"),
     (dict(deterministic=True), "drop cuda_graphs"),
+    (dict(algorithm="reweight", method="implicit-cg"), "reads its residual on the host"),
 ])
 def test_cuda_graph_runs_refuse_what_they_cannot_record(option, message):
     with pytest.raises(ValueError, match=message):

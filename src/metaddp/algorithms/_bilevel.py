@@ -77,9 +77,9 @@ class Bilevel(Algorithm):
             the inner loss.
     """
 
-    # The implicit methods' conjugate gradient reads its residual on the host; the others
-    # are not yet recorded in a CUDA graph by any test.
-    supports: ClassVar[Supports] = Supports(low_memory=True, capture=False)
+    # Capture: every method but ImplicitCG, whose conjugate gradient reads its residual on
+    # the host (recording it raises CaptureError, naming the read).
+    supports: ClassVar[Supports] = Supports(low_memory=True)
 
     def __init__(
         self,

@@ -288,6 +288,11 @@ class TrainConfig:
                 raise ValueError(
                     "deterministic runs keep per-step state on the host: drop cuda_graphs"
                 )
+            if self.method == "implicit-cg":
+                raise ValueError(
+                    "implicit-cg's conjugate gradient reads its residual on the host, which a "
+                    "CUDA graph cannot record: drop cuda_graphs or use another --method"
+                )
             import torch
 
             if not torch.cuda.is_available():
