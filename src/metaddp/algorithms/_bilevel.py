@@ -275,12 +275,8 @@ class Bilevel(Algorithm):
         raise TypeError("the inner and outer losses are the problem's own")  # never called
 
     def task_losses(self, tasks: Sequence[Task], loss_fn: LossFn, reduce: Reduce) -> Tensor:
-        fn = None if loss_fn == self._own_losses else loss_fn
-        losses = [self.task_loss(task, fn, reduce=reduce) for task in tasks]
-        total = losses[0]
-        for loss in losses[1:]:
-            total = total + loss
-        return total
+        own = loss_fn == self._own_losses  # meta_loss without a loss_fn: the problem's own
+        return super().task_losses(tasks, cast(LossFn, None) if own else loss_fn, reduce)
 
     def adapt(
         self,

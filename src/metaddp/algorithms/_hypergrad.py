@@ -250,6 +250,32 @@ def _outer_gradient(p: InnerProblem, fast: Params) -> tuple[Tensor, Vectors]:
     return q, p.reduce(list(g))
 
 
+def hessian_products(
+    share: Tensor, weights: Vectors, reduce: Reduce
+) -> tuple[Vectors, Callable[[Vectors], Vectors]]:
+    """The gradient of this rank's ``share`` in ``weights`` (with its graph), and ``v -> H v``
+    for the *global* objective: each rank's product of its share, through ``reduce``, so the
+    same vector on every rank that shares the batch."""
+    with torch.enable_grad():
+        g = torch.autograd.grad(
+            share, weights, create_graph=True, allow_unused=True, materialize_grads=True
+        )
+    live = [i for i, t in enumerate(g) if t.requires_grad]
+
+    def hvp(v: Vectors) -> Vectors:
+        local = [torch.zeros_like(t) for t in v]
+        if live:  # a rank with no samples contributes a zero product
+            with torch.enable_grad():
+                got = torch.autograd.grad(
+                    [g[i] for i in live], weights, grad_outputs=[v[i] for i in live],
+                    retain_graph=True, allow_unused=True, materialize_grads=True,
+                )  # fmt: skip
+            local = list(got)
+        return reduce(local)
+
+    return list(g), hvp
+
+
 def _refuse_learned_rates(p: InnerProblem, method: str) -> None:
     if learned_rates(p.optimizer):
         raise ValueError(
@@ -346,36 +372,14 @@ class _Implicit(Method):
         start = held(problem.start, _anchor(problem))
         phi, _, _ = _first_order(problem, start, problem.optimizer.init(start), problem.steps)
         q, b = _outer_gradient(problem, phi)
-        weights = list(phi.values())
+        # This rank's share's gradient, with its graph: to phi for the Hessian-vector
+        # products, to the outer variables for the mixed term.
         with torch.enable_grad():
-            # This rank's share's gradient, with its graph: to phi for the Hessian-vector
-            # products, to the outer variables for the mixed term.
-            g_in = torch.autograd.grad(
-                problem.inner(phi), weights, create_graph=True, allow_unused=True,
-                materialize_grads=True,
-            )  # fmt: skip
-        live = [i for i, g in enumerate(g_in) if g.requires_grad]
-
-        def hvp(v: Vectors) -> Vectors:
-            local = [torch.zeros_like(t) for t in v]
-            if live:  # a rank with no inner samples contributes a zero product
-                with torch.enable_grad():
-                    local = list(
-                        torch.autograd.grad(
-                            [g_in[i] for i in live],
-                            weights,
-                            grad_outputs=[v[i] for i in live],
-                            retain_graph=True,
-                            allow_unused=True,
-                            materialize_grads=True,
-                        )  # fmt: skip
-                    )
-            return problem.reduce(local)  # the global product: the same on every rank
-
+            share = problem.inner(phi)
+        g_in, hvp = hessian_products(share, list(phi.values()), problem.reduce)
         with torch.no_grad():
             v = self.solve(hvp, [t.detach() for t in b])
-        mixed = -_dot([g_in[i] for i in live], [v[i] for i in live]) if live else None
-        return q if mixed is None else _with_gradient_of(q, mixed)
+        return _with_gradient_of(q, -_dot(g_in, v))
 
 
 @dataclasses.dataclass(frozen=True)

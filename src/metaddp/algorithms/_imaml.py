@@ -30,7 +30,7 @@ from .._data import Task, positive
 from .._types import LossFn, Params, Reduce, Supports
 from ..inner import InnerOptimizer
 from ._base import Algorithm, OptimizerFactory, local_fraction
-from ._hypergrad import Vectors, conjugate_gradient
+from ._hypergrad import Vectors, conjugate_gradient, hessian_products
 
 
 class IMAML(Algorithm):
@@ -104,26 +104,10 @@ class IMAML(Algorithm):
                 list(torch.autograd.grad(q, phis, allow_unused=True, materialize_grads=True))
             )
             s = batch_share(self.model, phi, task.support, loss_fn)
-            g_s = torch.autograd.grad(
-                s, phis, create_graph=True, allow_unused=True, materialize_grads=True
-            )
-        live = [i for i, g in enumerate(g_s) if g.requires_grad]
+        _, hvp = hessian_products(s, phis, reduce)  # the global Hessian's products
 
         def matvec(v: Vectors) -> Vectors:
-            hv = [torch.zeros_like(t) for t in v]
-            if live:  # a rank with no support samples contributes a zero product
-                with torch.enable_grad():
-                    got = torch.autograd.grad(
-                        [g_s[i] for i in live],
-                        phis,
-                        grad_outputs=[v[i] for i in live],
-                        retain_graph=True,
-                        allow_unused=True,
-                        materialize_grads=True,
-                    )
-                hv = list(got)
-            hv = reduce(hv)  # the global Hessian-vector product
-            return [vi + h / lam for vi, h in zip(v, hv, strict=True)]
+            return [vi + h / lam for vi, h in zip(v, hvp(v), strict=True)]
 
         v, residual, iters = conjugate_gradient(
             matvec,
