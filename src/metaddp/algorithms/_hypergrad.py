@@ -465,6 +465,10 @@ class _FiniteDifference(Method):
     r: float
     at_end: bool  # the differences at the adapted weights (SAMA) or before the last step
 
+    def __post_init__(self) -> None:
+        if not self.r > 0:
+            raise ValueError(f"{type(self).__name__}(r=) must be positive, got {self.r!r}")
+
     def loss(self, problem: InnerProblem) -> Tensor:
         _refuse_learned_rates(problem, type(self).__name__)
         start = held(problem.start, _anchor(problem))
@@ -507,10 +511,6 @@ class T1T2(_FiniteDifference):
     at_end: bool = dataclasses.field(default=False, init=False)
     name = "t1t2"
 
-    def __post_init__(self) -> None:
-        if not self.r > 0:
-            raise ValueError(f"T1T2(r=) must be positive, got {self.r!r}")
-
 
 @dataclasses.dataclass(frozen=True)
 class SAMA(_FiniteDifference):
@@ -526,10 +526,6 @@ class SAMA(_FiniteDifference):
     r: float = 0.01
     at_end: bool = dataclasses.field(default=True, init=False)
     name = "sama"
-
-    def __post_init__(self) -> None:
-        if not self.r > 0:
-            raise ValueError(f"SAMA(r=) must be positive, got {self.r!r}")
 
 
 def _whole(value: object, what: str, least: int = 1) -> None:
