@@ -256,3 +256,17 @@ def test_the_lookahead_leaves_the_model_to_the_callers_step():
     learner.sync_grads()
     assert all(q.grad is None for q in model.parameters())
     assert learner.module.outer.log_decay.grad is not None
+
+
+def test_optimizer_forms():
+    """A built optimizer, a factory of the rate (md.adam, as MAML takes it) and a function of
+    nothing built at every meta-loss give the same problem."""
+    p = S.Problem(steps=2)
+    outs = []
+    for optimizer in (md.adam(0.05), md.adam, lambda: md.adam(0.05)):
+        bilevel = md.Bilevel(p.build_model(), start="outer", steps=2, inner_lr=0.05, optimizer=optimizer)
+        bilevel.meta_loss(_sinusoid_tasks(2), S.mse_per_sample).backward()
+        outs.append(_grads(bilevel))
+    assert all(torch.equal(outs[0][k], o[k]) for o in outs[1:] for k in outs[0])
+    with pytest.raises(TypeError, match="nn.Module"):
+        md.Bilevel(nn.Linear(2, 2), outer={"w": torch.zeros(2)}, start="current")

@@ -17,6 +17,7 @@ reduced vectors, so the hypergradient is the one-process value for any split.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import ClassVar, cast
 
@@ -62,7 +63,8 @@ class Bilevel(Algorithm):
         inner_lr: the inner SGD step, when ``optimizer`` is not given.
         optimizer: a differentiable inner optimizer (``metaddp.sgd``, ``metaddp.adam``), or a
             function of nothing that builds one at every meta-loss (for rates computed from
-            outer variables, ``lambda: md.sgd({k: v.exp() for k, v in log_lrs.items()})``).
+            outer variables, ``lambda: md.sgd({k: v.exp() for k, v in log_lrs.items()})``),
+            or a factory of the rate (``md.adam``), called with ``inner_lr``.
         method: the hypergradient method (:class:`metaddp.Unrolled` by default;
             ``Truncated``, ``ImplicitCG``, ``Neumann``, ``T1T2``, ``SAMA``).
         memory: ``"low"`` rebuilds one inner step's graph at a time (``Unrolled`` only).
@@ -92,7 +94,7 @@ class Bilevel(Algorithm):
         start: str = "outer",
         steps: int = 1,
         inner_lr: float = 0.01,
-        optimizer: InnerOptimizer | Callable[[], InnerOptimizer] | None = None,
+        optimizer: InnerOptimizer | Callable[..., InnerOptimizer] | None = None,
         method: Method | None = None,
         memory: str = "default",
         weights: nn.Module | None = None,
@@ -110,14 +112,23 @@ class Bilevel(Algorithm):
             raise ValueError(
                 f"memory='low' rebuilds unrolled steps; {type(method).__name__} has none"
             )
-        built = optimizer if isinstance(optimizer, InnerOptimizer) or optimizer is None else None
-        super().__init__(model, inner_lr=inner_lr, steps=steps, optimizer=built, memory=memory)
-        if optimizer is not None and built is None:
+        if outer is not None and not isinstance(outer, nn.Module):
+            raise TypeError(
+                f"outer must be an nn.Module (an nn.ParameterDict for loose tensors), got "
+                f"{type(outer).__name__}: its parameters are what the wrapper keeps alike and sums"
+            )
+        builder: Callable[[], InnerOptimizer] | None = None
+        if optimizer is not None and not isinstance(optimizer, InnerOptimizer):
             if not callable(optimizer):
                 raise TypeError(
                     f"optimizer must be an InnerOptimizer or a function, got {optimizer!r}"
                 )
-            self._build = optimizer
+            if _takes_an_argument(optimizer):  # md.sgd, md.adam: a factory of the rate
+                optimizer = optimizer(inner_lr)
+            else:
+                builder, optimizer = cast(Callable[[], InnerOptimizer], optimizer), None
+        super().__init__(model, inner_lr=inner_lr, steps=steps, optimizer=optimizer, memory=memory)
+        self._build = builder
         if start == "outer" and penalty is None and not method.reaches_start(self.steps):
             raise ValueError(
                 f"start='outer' with {type(method).__name__}: that method has no path to the "
@@ -144,8 +155,6 @@ class Bilevel(Algorithm):
         self.start, self.method = start, method
         # Its own rates it learns through optimizer= (no learn_lr here): they must be ours.
         self._check_rates()
-
-    _build: Callable[[], InnerOptimizer] | None = None
 
     def _check_rates(self) -> None:
         if self._build is not None:
@@ -326,3 +335,15 @@ class WeightNet(nn.Module):
 
     def forward(self, losses: Tensor) -> Tensor:
         return torch.sigmoid(self.net(losses.reshape(-1, 1))).reshape(losses.shape)
+
+
+def _takes_an_argument(fn: Callable[..., object]) -> bool:
+    """Whether ``fn`` needs a positional argument (a factory of the learning rate)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(
+        p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        for p in params
+    )
