@@ -54,7 +54,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-from .._adapt import grad
+from .._adapt import grad, inner_step
 from .._types import Params, Reduce
 from ..inner import InnerOptimizer, State, apply_updates, learned_rates
 
@@ -229,13 +229,13 @@ def _first_order(
 
 
 def unroll(p: InnerProblem, fast: Params, state: State, steps: int, first: int = 0) -> Params:
-    """``steps`` inner steps whose graph is kept (second order); ``first`` numbers them."""
+    """``steps`` inner steps whose graph is kept (second order); ``first`` numbers them. Each
+    is :func:`metaddp.inner_step`, the step MAML's loop takes."""
     with torch.enable_grad():
         for k in range(first, first + steps):
-            g = grad(p.inner(fast), fast, reduce=p.reduce, create_graph=True)
-            p.check(g, k)
-            updates, state = p.optimizer.update(g, state, fast)
-            fast = apply_updates(fast, updates)
+            fast, state = inner_step(
+                p.inner(fast), fast, state, p.optimizer, step=k, reduce=p.reduce
+            )
     return fast
 
 
