@@ -194,9 +194,42 @@ def test_a_cut_metrics_row_is_left_out_on_resume(tmp_path, run_dir):
     out = copy_of(run_dir, tmp_path / "cut")
     with open(out / "metrics.csv", "a") as f:
         f.write("4,5.1e")
-    with pytest.warns(UserWarning, match=r"metrics.csv, line 5, is damaged \(cut short\?\)"):
+    cut = r"metrics.csv disagreed with the checkpoint at step 3 \(1 row\(s\) not whole\)"
+    with pytest.warns(UserWarning, match=cut):
         assert main(["train", "--resume", str(out), "--steps", "4", "--no-progress"]) == 0
     assert [int(r["step"]) for r in rows(out)] == [1, 2, 3, 4]
+
+
+def test_a_row_cut_to_its_first_digit_is_not_kept_as_a_step(tmp_path, run_dir):
+    """A row whose first digits still parse ("301,..." cut to "3") was once kept as a bogus
+    row for step 3: every row must hold every column and the next step."""
+    out = copy_of(run_dir, tmp_path / "digit")
+    with open(out / "metrics.csv", "a") as f:
+        f.write("3")
+    from metaddp.train._metrics import parse
+
+    whole, bad = parse(out / "metrics.csv")
+    assert [int(r["step"]) for r in whole] == [1, 2, 3] and bad == [5]
+    with pytest.warns(UserWarning, match="1 row\\(s\\) not whole"):
+        assert main(["train", "--resume", str(out), "--steps", "5", "--no-progress"]) == 0
+    got = rows(out)
+    assert [int(r["step"]) for r in got] == [1, 2, 3, 4, 5]
+    seconds = [float(r["seconds"]) for r in got]
+    assert seconds == sorted(seconds), "the clock continues, it does not restart at 0"
+
+
+def test_a_metrics_file_cut_in_the_middle_is_rebuilt_from_the_checkpoint(tmp_path, run_dir):
+    """Rows lost and a row doubled in the middle of the file: the checkpoint's copy rebuilds
+    it, and one warning names what was wrong."""
+    out = copy_of(run_dir, tmp_path / "middle")
+    before = (out / "metrics.csv").read_text().splitlines()
+    damaged = [before[0], before[2], before[2]]  # step 1 lost, step 2 twice, step 3 lost
+    (out / "metrics.csv").write_text("\n".join(damaged) + "\n")
+    with pytest.warns(UserWarning, match=r"disagreed with the checkpoint at step 3 .*rewritten") as got:
+        assert main(["train", "--resume", str(out), "--steps", "4", "--no-progress"]) == 0
+    assert len([w for w in got if "metrics.csv" in str(w.message)]) == 1
+    after = (out / "metrics.csv").read_text().splitlines()
+    assert after[:4] == before[:4] and [int(r["step"]) for r in rows(out)] == [1, 2, 3, 4]
 
 
 def test_config_file_and_flags_override(tmp_path, capsys):

@@ -52,6 +52,7 @@ def save(
     model: Mapping[str, Any],
     optimizer: Mapping[str, Any],
     evaluation_due: bool = False,
+    metrics: torch.Tensor | None = None,
 ) -> None:
     """Write a checkpoint atomically, keeping the :data:`KEEP` - 1 before it.
 
@@ -67,6 +68,8 @@ def save(
         optimizer: the outer optimizer's ``state_dict()``.
         evaluation_due: the run stopped at this step before its due evaluation, which the
             resume runs first.
+        metrics: the rows of ``metrics.csv`` so far (``MetricsLog.history``), from which a
+            resume rebuilds a file that a full disk or a kill damaged.
     """
     state = {
         "format": FORMAT,
@@ -76,6 +79,8 @@ def save(
         "optimizer": optimizer,
         "evaluation_due": bool(evaluation_due),
     }
+    if metrics is not None:
+        state["metrics"] = metrics
     older = history(Path(path))
     for new, old in zip(older[:0:-1], older[-2::-1], strict=True):
         if old.is_file():

@@ -9,6 +9,8 @@ import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import torch
+
 from ._checkpoint import atomic_write
 
 COLUMNS = (
@@ -40,42 +42,106 @@ def mean_ci95(values: Sequence[float]) -> tuple[float, float]:
     return mean, 1.96 * math.sqrt(var / n)
 
 
-def read(path: Path) -> list[dict[str, float]]:
-    """The rows of a metrics file as floats (``nan`` where a column is empty). A row that
-    does not read as numbers (the last one, cut short by a full disk or a kill) is left out,
-    with a warning."""
-    rows = []
+Row = dict[str, float]
+
+
+def parse(path: Path) -> tuple[list[Row], list[int]]:
+    """The rows of a metrics file as floats (``nan`` where a column is empty), and the line
+    numbers of the rows that are not whole: a row must hold every column, its step a whole
+    number above the row before's (a row cut short by a full disk or a kill, or written by
+    another run, is not)."""
+    rows: list[Row] = []
+    bad: list[int] = []
     with open(path, newline="") as f:
-        for i, row in enumerate(csv.DictReader(f), 2):
+        lines = csv.reader(f)
+        header = next(lines, None)
+        if header is None:
+            return rows, bad
+        if tuple(header) != COLUMNS:
+            return rows, [1]
+        for i, fields in enumerate(lines, 2):
             try:
-                rows.append(
-                    {k: float(v) if v not in ("", None) else math.nan for k, v in row.items()}
-                )
-            except (TypeError, ValueError):
-                warnings.warn(f"{path}, line {i}, is damaged (cut short?): left out", stacklevel=2)
+                if len(fields) != len(COLUMNS):
+                    raise ValueError("not every column")
+                row = {
+                    k: float(v) if v != "" else math.nan
+                    for k, v in zip(COLUMNS, fields, strict=True)
+                }
+                if not fields[0].isdigit() or (rows and row["step"] <= rows[-1]["step"]):
+                    raise ValueError("not the next step")
+            except ValueError:
+                bad.append(i)
+                continue
+            rows.append(row)
+    return rows, bad
+
+
+def read(path: Path) -> list[Row]:
+    """The whole rows of a metrics file (:func:`parse`); the others are left out, named in
+    one warning."""
+    rows, bad = parse(path)
+    if bad:
+        warnings.warn(_damaged(path, bad), stacklevel=2)
     return rows
 
 
+def _damaged(path: Path, lines: Sequence[int]) -> str:
+    shown = ", ".join(map(str, lines[:5])) + (
+        f" and {len(lines) - 5} more" if len(lines) > 5 else ""
+    )
+    return (
+        f"{path}: {len(lines)} row(s) not whole, left out (line {shown}: cut short, or not "
+        "this run's)"
+    )
+
+
 class MetricsLog:
-    """Append rows to ``metrics.csv``; on resume, first drop rows after the checkpoint's step.
+    """Append rows to ``metrics.csv``, each written whole; on resume, make the file agree with
+    the checkpoint first.
 
     Args:
         folder: the run's output folder.
         start_step: the step training starts from (0, or the checkpoint's step).
+        saved: the rows the checkpoint holds (:meth:`history`), or ``None`` (a new run, or a
+            checkpoint written before checkpoints kept them). With them the file is rebuilt
+            from the checkpoint's copy, and a file that disagreed (rows cut, lost, doubled or
+            foreign) is named in one warning; without them the file's whole rows up to
+            ``start_step`` are kept.
         tensorboard: also write TensorBoard event files when ``torch.utils.tensorboard`` works.
     """
 
-    def __init__(self, folder: Path, start_step: int, tensorboard: bool = True) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        start_step: int,
+        tensorboard: bool = True,
+        saved: torch.Tensor | None = None,
+    ) -> None:
         self.path = Path(folder) / "metrics.csv"
-        kept: list[dict[str, float]] = []
+        kept: list[Row] = []
+        on_disk: list[Row] = []
+        bad: list[int] = []
         if start_step > 0 and self.path.exists():
-            kept = [r for r in read(self.path) if r["step"] <= start_step]
+            on_disk, bad = parse(self.path)
+            on_disk = [r for r in on_disk if r["step"] <= start_step]
+        if saved is not None and start_step > 0:
+            kept = [dict(zip(COLUMNS, r, strict=True)) for r in saved.tolist()]
+            kept = [r for r in kept if r["step"] <= start_step]
+            if not _same(on_disk, kept) or bad:
+                warnings.warn(
+                    f"{self.path} disagreed with the checkpoint at step {start_step} "
+                    f"({_difference(on_disk, kept, bad)}): rewritten from the checkpoint's copy",
+                    stacklevel=2,
+                )
+        else:
+            kept = on_disk
+            if bad:
+                warnings.warn(_damaged(self.path, bad), stacklevel=2)
         self.kept = kept
         self._rewrite()
         # Seconds elapsed by the end of the kept rows: a resumed run's clock continues there.
         self.seconds = kept[-1]["seconds"] if kept and not math.isnan(kept[-1]["seconds"]) else 0.0
         self.file = open(self.path, "a", newline="")
-        self.writer = csv.DictWriter(self.file, COLUMNS)
         self.tb = None
         if tensorboard:
             try:
@@ -86,6 +152,12 @@ class MetricsLog:
                 )
             except Exception:  # tensorboard is optional; without it the CSV is the record
                 self.tb = None
+
+    def history(self) -> torch.Tensor:
+        """Every row so far, one per line of a float64 tensor in :data:`COLUMNS`' order (for
+        the checkpoint, which can rebuild the file from it)."""
+        rows = [[float(r.get(k, math.nan)) for k in COLUMNS] for r in self.kept]
+        return torch.tensor(rows, dtype=torch.float64).reshape(len(rows), len(COLUMNS))
 
     def _rewrite(self) -> None:
         """The header and the kept rows, written atomically."""
@@ -109,7 +181,6 @@ class MetricsLog:
         self.file.close()
         self._rewrite()
         self.file = open(self.path, "a", newline="")
-        self.writer = csv.DictWriter(self.file, COLUMNS)
         if self.tb is not None:
             for k, v in values.items():
                 self.tb.add_scalar(k, float(v), step)
@@ -126,8 +197,13 @@ class MetricsLog:
             raise KeyError(f"unknown metric(s): {', '.join(sorted(unknown))}")
         out = {k: self.format(float(row[k])) if k in row else "" for k in COLUMNS}
         out["step"] = str(int(row["step"]))
-        self.writer.writerow(out)
+        line = io.StringIO()
+        csv.DictWriter(line, COLUMNS).writerow(out)
+        # One write of the whole row, then to the file: a full disk or a kill cuts at most
+        # this row, which the next read leaves out and a resume rebuilds.
+        self.file.write(line.getvalue())
         self.file.flush()
+        self.kept.append({k: float(row[k]) if k in row else math.nan for k in COLUMNS})
         if self.tb is not None:
             for k, v in row.items():
                 if k != "step" and not math.isnan(float(v)):
@@ -137,3 +213,26 @@ class MetricsLog:
         self.file.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def _same(a: Sequence[Row], b: Sequence[Row]) -> bool:
+    def key(rows: Sequence[Row]) -> list[tuple[float, ...]]:
+        return [
+            tuple(-1.0 if math.isnan(r[k]) else r[k] for k in COLUMNS if k != "seconds")
+            for r in rows
+        ]
+
+    return key(a) == key(b)
+
+
+def _difference(on_disk: Sequence[Row], saved: Sequence[Row], bad: Sequence[int]) -> str:
+    disk = {int(r["step"]) for r in on_disk}
+    kept = {int(r["step"]) for r in saved}
+    parts = []
+    if bad:
+        parts.append(f"{len(bad)} row(s) not whole")
+    if kept - disk:
+        parts.append(f"{len(kept - disk)} row(s) missing")
+    if disk - kept:
+        parts.append(f"{len(disk - kept)} row(s) foreign")
+    return ", ".join(parts) or "rows that differ"

@@ -79,6 +79,8 @@ class Trainer:
         self.optimizer = torch.optim.Adam(self.algorithm.parameters(), lr=cfg.outer_lr)
         self.start = 0
         self.evaluate_first = False
+        self.saved_metrics: torch.Tensor | None = None  # the checkpoint's copy of metrics.csv
+        self.log: MetricsLog | None = None
         if resume:
             state = _checkpoint.load_latest(
                 self.out / CHECKPOINT, cfg.identity(), map_location=self.device
@@ -88,6 +90,7 @@ class Trainer:
             self.start = state["step"]
             # A stop at a step whose evaluation was due skipped it: the resume runs it first.
             self.evaluate_first = bool(state.get("evaluation_due", False))
+            self.saved_metrics = state.get("metrics")
             if self.start > cfg.steps:
                 raise _checkpoint.CheckpointError(
                     f"the checkpoint is at step {self.start}, beyond --steps {cfg.steps}: "
@@ -226,6 +229,7 @@ class Trainer:
                 model=self.algorithm.state_dict(),
                 optimizer=self.optimizer.state_dict(),
                 evaluation_due=evaluation_due,
+                metrics=None if self.log is None else self.log.history(),
             )
 
     def _evaluation_due(self, done: int) -> bool:
@@ -274,7 +278,8 @@ class Trainer:
             (``{"signal": name, "step": checkpoint step}``) and no summary.
         """
         cfg, me = self.cfg, rank()
-        log = MetricsLog(self.out, self.start) if me == 0 else None
+        log = MetricsLog(self.out, self.start, saved=self.saved_metrics) if me == 0 else None
+        self.log = log
         bar = progress_bar(cfg, self.start) if me == 0 and progress else None
         losses: list[float] = []
         last_eval: dict[str, float] = {}
