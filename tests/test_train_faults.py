@@ -47,3 +47,19 @@ def test_a_diverging_run_stops_at_once_and_names_the_cause(tmp_path, setting, va
         assert f"the last checkpoint holds step {state['step']}" in msg
         assert all(bool(torch.isfinite(v).all()) for v in state["model"].values())
     assert not (tmp_path / "summary.json").exists()  # no summary, no plot of a broken run
+
+
+def test_the_divergence_advice_works_as_printed(tmp_path, capsys):
+    """The message says how to try again; doing exactly that (the setting changed, --force,
+    the same folder, a path with a space) trains."""
+    from metaddp.cli import main
+
+    out = tmp_path / "a run"
+    common = ["train", "sinusoid", "--steps", "4", "--meta-batch", "2", "--shots", "4", "--query", "3",
+              "--hidden", "8", "--eval-every", "0", "--eval-tasks", "2", "--checkpoint-every", "2",
+              "--no-progress", "--out", str(out)]
+    assert main([*common, "--outer-lr", "1e30"]) == 3
+    err = capsys.readouterr().err
+    assert "run the same command with the setting changed and --force" in err, err
+    assert f"'{out}'" in err  # quoted: it has a space
+    assert main([*common, "--outer-lr", "0.001", "--force"]) == 0

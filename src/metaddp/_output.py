@@ -9,6 +9,13 @@ from pathlib import Path
 from typing import Any
 
 
+def quoted(path: object) -> str:
+    """A path as a shell reads it back (``shlex.quote``): printed commands run as printed."""
+    import shlex
+
+    return shlex.quote(str(path))
+
+
 def umask() -> int:
     """The process's umask (read by setting it, and at once setting it back)."""
     old = os.umask(0)

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from .._output import quoted
 from ..algorithms import build
 from ..distributed import DEFAULT_TIMEOUT
 from ..distributed.launch import oversubscribed
@@ -347,7 +348,7 @@ def _files(summary: dict, out: Path) -> None:
         print(f"  plot: {p}")
     print(
         f"  metrics: {out / 'metrics.csv'}; checkpoint: {out / CHECKPOINT} "
-        f"(continue with: metaddp train --resume {out} --steps N)"
+        f"(continue with: metaddp train --resume {quoted(out)} --steps N)"
     )
 
 
@@ -474,7 +475,7 @@ def stopped(by: str, step: int | None, out: Path, held: bool = False) -> int:
     if held and step is not None:
         print(
             f"metaddp train: stopped by {by}; the last checkpoint holds step {step}. "
-            f"Continue with: metaddp train --resume {out}",
+            f"Continue with: metaddp train --resume {quoted(out)}",
             file=sys.stderr,
         )
     elif step is None:
@@ -486,7 +487,7 @@ def stopped(by: str, step: int | None, out: Path, held: bool = False) -> int:
     else:
         print(
             f"metaddp train: stopped by {by} after step {step}; checkpoint written. Continue "
-            f"with: metaddp train --resume {out}",
+            f"with: metaddp train --resume {quoted(out)}",
             file=sys.stderr,
         )
     return EXIT_STOPPED
@@ -523,7 +524,8 @@ def failed_here(e: Exception, out: Path) -> int:
 
 def _kept(step: int | None, out: Path) -> str:
     return (
-        f"the last checkpoint holds step {step}. Continue with: metaddp train --resume {out}"
+        f"the last checkpoint holds step {step}. Continue with: metaddp train --resume "
+        f"{quoted(out)}"
         if step is not None
         else "no checkpoint was written: start it again with the same command"
     )

@@ -60,7 +60,8 @@ class Phase(enum.IntEnum):
 
 
 _PHASE_TEXT = {
-    Phase.FORWARD: "a differentiable all-reduce in a forward pass (inner step, BatchNorm)",
+    Phase.FORWARD: "a differentiable all-reduce in a forward pass (an inner step's gradients, "
+    "or a BatchNorm layer's statistics where the model has one)",
     Phase.BACKWARD: "the adjoint all-reduce in a backward pass",
     Phase.GRADIENTS: "the meta-gradient all-reduce (sync_grads; its tag also carries the "
     "algorithm's settings)",
@@ -151,6 +152,22 @@ def _guard(work_fn, what: str):
     except CollectiveError:
         raise
     except RuntimeError as e:  # gloo/NCCL timeouts and connection resets surface as RuntimeError
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        low = text.lower()
+        if "timed out" in low or "timeout" in low:
+            raise CollectiveError(
+                f"{what} timed out on rank {group_rank()}: this process waited for the others "
+                "and at least one never joined. Likely cause: a process stalled (stopped, "
+                "deadlocked, or lost its machine), another process raised an error and stopped, "
+                "or the processes run different collectives (different inner-step counts or "
+                f"meta-batch layouts). Look at the other processes' output first. ({text})"
+            ) from e
+        if "closed" in low or "reset" in low or "broken pipe" in low:
+            raise CollectiveError(
+                f"{what} lost its connection on rank {group_rank()}: another process ended "
+                f"(it failed or was killed) in the middle of the collective. Look at the other "
+                f"processes' output first. ({text})"
+            ) from e
         raise CollectiveError(
             f"{what} failed on rank {group_rank()}: {e}\n"
             "Likely cause: the ranks disagree on how many collectives to run (different "

@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from .._output import quoted
 from . import _checkpoint
 from ._config import TrainConfig, toml_text
 
@@ -49,7 +50,7 @@ def check_folder(out: Path, resume: bool, force: bool) -> None:
     held = sorted(p.name for p in out.iterdir() if p.name != LOCK) if out.is_dir() else []
     if held and not force:
         go_on = (
-            f"Continue that run with --resume {out}, choose"
+            f"Continue that run with --resume {quoted(out)}, choose"
             if _checkpoint.exists(out / CHECKPOINT)
             else "It holds no checkpoint (a run with other settings that stopped before its "
             "first): choose"

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from .. import _output
 from .._adapt import finite_flags
 from .._data import Task
+from .._output import quoted
 from .._share import share
 from ..algorithms import NotPositiveDefinite, build
 from ..distributed import CapturedStep, Mesh, MetaDDP, rank
@@ -155,13 +156,15 @@ class Trainer:
         return value, stops > 0
 
     def _kept(self) -> str:
-        """What a stopped run keeps, and how to go on."""
-        return (
-            f"the last checkpoint holds step {self.saved}: resume from it with --resume "
-            f"{self.out} after changing the setting"
-            if self.saved
-            else "no checkpoint was written yet: start again with the setting changed"
+        """What a stopped run keeps, and how to go on: a resume takes the checkpoint's
+        settings, so a changed learning rate is a new run (in the same folder, --force)."""
+        again = (
+            "to try again, run the same command with the setting changed and --force, which "
+            f"replaces {quoted(self.out)} (or give another --out to keep it)"
         )
+        if self.saved:
+            return f"the last checkpoint holds step {self.saved}, under these settings; {again}"
+        return f"no checkpoint was written yet; {again}"
 
     def _diagnose(self, step: int, tasks: Sequence[Task], what: str) -> str:
         """Why step ``step`` went non-finite: the meta-parameters (the outer learning rate) or
