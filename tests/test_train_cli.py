@@ -120,6 +120,17 @@ def test_a_damaged_newest_checkpoint_is_warned_about_once_and_falls_back(tmp_pat
     assert got[2]["meta_loss"] == rows(run_dir)[2]["meta_loss"]
 
 
+def test_under_two_processes_a_damaged_checkpoint_is_one_line_once(tmp_path, run_dir):
+    out = copy_of(run_dir, tmp_path / "damaged2")
+    (out / "checkpoint.pt").write_bytes(b"torn")
+    r = subprocess.run([sys.executable, "-m", "metaddp", "train", "--resume", str(out), "--steps", "4",
+                        "--nproc", "2", "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    said = [line for line in r.stderr.splitlines() if "checkpoint" in line and "corrupt" in line]
+    assert len(said) == 1 and said[0].startswith("metaddp train: warning: "), r.stderr
+    assert "warnings.warn" not in r.stderr  # no source line under it
+
+
 def test_unknown_task_option_and_setting(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["train", "mnist"])
@@ -363,3 +374,22 @@ def test_a_process_that_fails_under_the_launcher_is_named_with_its_error(tmp_pat
     assert last.startswith("metaddp train: process 0 failed: IsADirectoryError: [Errno 21]"), r.stderr
     assert "the last checkpoint holds step 3. Continue with: metaddp train --resume" in last
     assert "Traceback" not in r.stderr
+
+
+def test_a_run_whose_plots_cannot_be_written_is_still_trained(tmp_path, run_dir, capsys, monkeypatch):
+    """After the last checkpoint, a figure that cannot be written (a full disk) is one
+    warning; the run reports its results and exits 0."""
+    pytest.importorskip("matplotlib")
+    import errno
+
+    from metaddp.train import _trainer
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_trainer, "training_curves", full_disk)
+    out = copy_of(run_dir, tmp_path / "noplots")
+    with pytest.warns(UserWarning, match="the plots were not written .*the run is trained and checkpointed"):
+        assert main(["train", "--resume", str(out), "--steps", "4", "--no-progress"]) == 0
+    assert "meta-test on 3 held-out tasks" in capsys.readouterr().out
+    assert json.loads((out / "summary.json").read_text())["step"] == 4

@@ -91,6 +91,8 @@ def test_a_killed_process_is_restarted_and_nothing_is_lost_or_repeated(tmp_path)
     os.kill(workers[1], signal.SIGKILL)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
+    # The restart is said in one line, with the step it continues from.
+    assert re.search(r"a process failed; restart 1 of 1, from step \d+", err), err
     assert len(rows(run)) == 160  # the steps after the last checkpoint were trained again ...
     # ... from the checkpoint, on the same number of processes: bit for bit the same losses.
     assert [r["meta_loss"] for r in rows(run)] == [r["meta_loss"] for r in rows(tmp_path / "whole")]

@@ -42,6 +42,7 @@ from ..train import (
     checkpoint_exists,
     checkpoint_step,
     launch,
+    one_line_warning,
     quiet_latest,
     read_toml,
     saved_config,
@@ -402,10 +403,6 @@ def torchrun_main(args: argparse.Namespace) -> int:
     with lock:
         outcome = worker(cfg_dict, out, resume, backend, 0, not args.no_progress, args.timeout)
     return finish(outcome, TrainConfig(**cfg_dict), Path(out))
-
-
-def one_line_warning(message: Warning | str, *args: Any, **kwargs: Any) -> str:
-    return f"metaddp train: warning: {message}\n"
 
 
 def main(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,10 @@ from ._trainer import NonFiniteError, train
 EXIT_DIVERGED = 3
 # Stopped by SIGTERM or SIGINT after writing a checkpoint: "try again later" (sysexits.h).
 EXIT_STOPPED = 75
+
+
+def one_line_warning(message: Warning | str, *args: Any, **kwargs: Any) -> str:
+    return f"metaddp train: warning: {message}\n"
 
 
 def under_torchrun() -> bool:
@@ -62,6 +67,11 @@ def worker(
 
     from ..distributed import default_backend, init, rank, shutdown
 
+    # One line per warning (a damaged checkpoint that falls back, a metrics file rebuilt), and
+    # from one process: every process reads the same folder.
+    warnings.formatwarning = one_line_warning
+    if os.environ.get("RANK", "0") != "0":
+        warnings.simplefilter("ignore")
     if cfg_dict.get("deterministic"):
         # CPU kernels split their work by the thread count, which changes their bits: one
         # thread per process, whatever the number of processes.
@@ -71,10 +81,20 @@ def worker(
     if under_torchrun():
         backend = backend or default_backend()
         init(backend, timeout=timeout)
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart > 0:
         # Started again by the launcher after a process failed: continue from the latest
         # checkpoint of this very run (the folder is this run's: its lock is held).
         resume = _checkpoint.exists(Path(out) / CHECKPOINT)
+        if os.environ.get("RANK", "0") == "0":
+            most = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
+            step = checkpoint_step(Path(out)) if resume else None
+            where = f"from step {step}" if step is not None else "from the start"
+            print(
+                f"metaddp train: a process failed; restart {restart} of {most}, {where}",
+                file=sys.stderr,
+                flush=True,
+            )
     try:
         me = rank()  # asked now: after shutdown() every process would say 0
         try:

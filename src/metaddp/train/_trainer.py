@@ -14,6 +14,7 @@ import json
 import math
 import os
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -396,10 +397,23 @@ class Trainer:
             # no rank waits in a collective (bounded by --timeout) while they are drawn.
             dist.barrier()
         if rank() == 0:
-            _checkpoint.atomic_write(
-                self.out / "summary.json", lambda f: f.write(json.dumps(summary, indent=2).encode())
-            )
-            summary["plots"] = self.plots(summary)
+            # The run is trained and its last checkpoint written: a full disk now costs the
+            # summary file or the figures, said in one line each, not the run.
+            try:
+                _checkpoint.atomic_write(
+                    self.out / "summary.json",
+                    lambda f: f.write(json.dumps(summary, indent=2).encode()),
+                )
+            except OSError as e:
+                warnings.warn(f"summary.json not written ({e}); the run is trained", stacklevel=1)
+            try:
+                summary["plots"] = self.plots(summary)
+            except OSError as e:
+                warnings.warn(
+                    f"the plots were not written ({e}); the run is trained and checkpointed",
+                    stacklevel=1,
+                )
+                summary["plots"] = []
         return summary
 
 
