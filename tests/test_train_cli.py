@@ -278,6 +278,23 @@ def test_two_local_processes_through_the_elastic_launcher(tmp_path, run_dir):
     assert all(abs(a - b) <= 1e-10 * abs(a) for a, b in zip(one, two)) and len(two) == 3
 
 
+def test_a_resume_keeps_the_process_count_and_says_when_it_changes(tmp_path, capsys):
+    import torch
+
+    out = tmp_path / "two"
+    assert main(["train", *TINY, "--nproc", "2", "--out", str(out)]) == 0
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["world"] == 2
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out), "--steps", "4", "--no-progress"]) == 0
+    assert "note:" not in capsys.readouterr().err
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["world"] == 2  # kept: 2 again
+    assert main(["train", "--resume", str(out), "--steps", "5", "--nproc", "1", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "note: the run ran on 2 processes and continues on 1 process: the same steps, equal only to " \
+           "rounding (bit for bit with --deterministic)" in err, err
+    assert [int(r["step"]) for r in rows(out)] == [1, 2, 3, 4, 5]
+
+
 def test_image_tasks_train_and_report_accuracy(tmp_path, capsys):
     from test_tasks import omniglot_folder
 
@@ -369,7 +386,8 @@ def test_a_process_that_fails_under_the_launcher_is_named_with_its_error(tmp_pat
            "--no-progress", "--nproc", "2", "--timeout", "30"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1, r.stderr
-    (last,) = r.stderr.strip().splitlines()  # torch's own reports kept quiet
+    note, last = r.stderr.strip().splitlines()  # torch's own reports kept quiet
+    assert "note: the run ran on 1 process and continues on 2 processes" in note
     # It used to say "(its error is above)" over nothing: the launcher keeps the error.
     assert last.startswith("metaddp train: process 0 failed: IsADirectoryError: [Errno 21]"), r.stderr
     assert "the last checkpoint holds step 3. Continue with: metaddp train --resume" in last

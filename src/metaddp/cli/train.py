@@ -41,6 +41,7 @@ from ..train import (
     check_folder,
     checkpoint_exists,
     checkpoint_step,
+    checkpoint_world,
     launch,
     one_line_warning,
     quiet_latest,
@@ -177,7 +178,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--debug", action="store_true", help="show the full traceback of an error in the settings"
     )
     g = p.add_argument_group("processes")
-    g.add_argument("--nproc", type=int, default=1, help="local processes to start (default 1)")
+    g.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="local processes to start (default 1; a resumed run: the count it ran on)",
+    )
     g.add_argument(
         "--layout",
         choices=LAYOUTS,
@@ -227,8 +233,10 @@ def check_processes(args: argparse.Namespace) -> None:
     """What can be checked before any process group exists: --nproc and --backend."""
     import torch
 
-    if under_torchrun() and args.nproc != 1:
+    if under_torchrun() and args.nproc is not None:
         raise UsageError("already started by torchrun; drop --nproc")
+    if args.nproc is None:
+        args.nproc = 1
     if args.nproc < 1:
         raise UsageError(f"--nproc must be at least 1, got {args.nproc}")
     if args.max_restarts < 0:
@@ -314,6 +322,28 @@ def settings(args: argparse.Namespace, world: int) -> tuple[TrainConfig, Path, b
     return cfg, out, resume
 
 
+def recorded_world(args: argparse.Namespace) -> int | None:
+    """The number of processes the run to resume ran on (``None``: not a resume, or a
+    checkpoint that predates the record)."""
+    where = args.resume
+    if where == "auto":
+        where = args.out if args.out is not None else None
+    if where is None or not checkpoint_exists(Path(where) / CHECKPOINT):
+        return None
+    return checkpoint_world(Path(where))
+
+
+def world_change(before: int, now: int, cfg: TrainConfig) -> str:
+    """One line for a resume on another number of processes, with what it costs."""
+    s = lambda n: f"{n} process{'es' if n > 1 else ''}"  # noqa: E731
+    cost = (
+        "deterministic: the same bits as on the same count"
+        if cfg.deterministic
+        else "the same steps, equal only to rounding (bit for bit with --deterministic)"
+    )
+    return f"note: the run ran on {s(before)} and continues on {s(now)}: {cost}"
+
+
 def report(summary: dict, cfg: TrainConfig, out: Path) -> None:
     n, k = summary["eval_tasks"], summary["eval_steps"]
     if k == 0 and "test_acc_after" in summary:  # a network scored as trained (noisy-digits)
@@ -390,7 +420,8 @@ def torchrun_main(args: argparse.Namespace) -> int:
         try:
             cfg, out, resume = settings(args, int(os.environ["WORLD_SIZE"]))
             lock = begin(out, cfg, resume, args.force)
-            message = [("ok", cfg.to_dict(), str(out), resume)]
+            recorded = checkpoint_world(out) if resume else None
+            message = [("ok", cfg.to_dict(), str(out), resume, recorded)]
         except USER_ERRORS as e:
             if args.debug:  # the other ranks wait for the outcome: show it, then tell them
                 traceback.print_exc()
@@ -399,7 +430,13 @@ def torchrun_main(args: argparse.Namespace) -> int:
     if message[0][0] == "error":
         shutdown()
         return user_error(message[0][1]) if me == 0 else 2
-    _, cfg_dict, out, resume = message[0]
+    _, cfg_dict, out, resume, recorded = message[0]
+    world = int(os.environ["WORLD_SIZE"])
+    if me == 0 and resume and recorded is not None and recorded != world:
+        print(
+            f"metaddp train: {world_change(recorded, world, TrainConfig(**cfg_dict))}",
+            file=sys.stderr,
+        )
     with lock:
         outcome = worker(cfg_dict, out, resume, backend, 0, not args.no_progress, args.timeout)
     return finish(outcome, TrainConfig(**cfg_dict), Path(out))
@@ -410,6 +447,10 @@ def main(args: argparse.Namespace) -> int:
     if under_torchrun():
         return torchrun_main(args)
     try:
+        asked = args.nproc
+        recorded = recorded_world(args)
+        if args.nproc is None and recorded is not None:
+            args.nproc = recorded  # a resume keeps the run's process count
         check_processes(args)
         cfg, out, resume = settings(args, args.nproc)
         lock = begin(out, cfg, resume, args.force)
@@ -417,6 +458,8 @@ def main(args: argparse.Namespace) -> int:
         if args.debug:
             raise
         return user_error(e)
+    if resume and asked is not None and recorded is not None and asked != recorded:
+        print(f"metaddp train: {world_change(recorded, asked, cfg)}", file=sys.stderr)
     if crowded := oversubscribed(args.nproc):
         print(f"metaddp train: warning: {crowded}", file=sys.stderr)
     threads = max(1, (os.cpu_count() or 1) // args.nproc)

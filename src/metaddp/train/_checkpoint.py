@@ -53,6 +53,7 @@ def save(
     optimizer: Mapping[str, Any],
     evaluation_due: bool = False,
     metrics: torch.Tensor | None = None,
+    world: int | None = None,
 ) -> None:
     """Write a checkpoint atomically, keeping the :data:`KEEP` - 1 before it.
 
@@ -70,6 +71,7 @@ def save(
             resume runs first.
         metrics: the rows of ``metrics.csv`` so far (``MetricsLog.history``), from which a
             resume rebuilds a file that a full disk or a kill damaged.
+        world: the number of processes the run runs on (a resume keeps it).
     """
     state = {
         "format": FORMAT,
@@ -81,6 +83,8 @@ def save(
     }
     if metrics is not None:
         state["metrics"] = metrics
+    if world is not None:
+        state["world"] = int(world)
     older = history(Path(path))
     for new, old in zip(older[:0:-1], older[-2::-1], strict=True):
         if old.is_file():

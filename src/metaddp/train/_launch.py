@@ -147,6 +147,16 @@ def launch(nproc: int, max_restarts: int, *args: Any) -> dict | None:
     return results[0]
 
 
+def checkpoint_world(out: Path) -> int | None:
+    """The number of processes the folder's latest checkpoint was written by (``None``: a
+    checkpoint from before it was recorded, or none)."""
+    try:
+        world = quiet_latest(out, {}).get("world")
+    except _checkpoint.CheckpointError:
+        return None
+    return int(world) if world is not None else None
+
+
 def checkpoint_step(out: Path) -> int | None:
     """The step the folder's latest checkpoint holds; ``None`` without one."""
     try:

@@ -234,6 +234,7 @@ class Trainer:
                 optimizer=self.optimizer.state_dict(),
                 evaluation_due=evaluation_due,
                 metrics=None if self.log is None else self.log.history(),
+                world=dist.get_world_size() if dist.is_initialized() else 1,
             )
 
     def _evaluation_due(self, done: int) -> bool:
