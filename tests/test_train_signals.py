@@ -259,3 +259,28 @@ def test_a_stop_at_an_evaluation_step_is_evaluated_on_resume(tmp_path):
     assert [[r[c] for c in cells] for r in rows(run)] == [
         [r[c] for c in cells] for r in rows(whole)[: step + 1]
     ]
+
+
+def test_a_second_ctrl_c_during_a_long_backward_ends_the_run_at_once(tmp_path):
+    """Two Ctrl-C presses 2.5 s apart, both during one step of about 10 s: a Python handler
+    would run only after the backward returns and see them as one request. The wake-up pipe's
+    watcher times them as they arrive: exit 130 at once, the way back in one line."""
+    run = tmp_path / "run"
+    long = ["sinusoid", "--hidden", "2048", "--shots", "1600", "--query", "1600", "--meta-batch", "4",
+            "--inner-steps", "3", "--eval-every", "0", "--eval-tasks", "1", "--steps", "3",
+            "--no-progress", "--out", str(run)]
+    proc = subprocess.Popen([sys.executable, "-m", "metaddp", "train", *long],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: (run / "metrics.csv").exists())  # the loop has begun its first step
+    time.sleep(2.0)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(2.5)  # past the window in which a second press is the same request
+    proc.send_signal(signal.SIGINT)
+    t0 = time.monotonic()
+    _, err = proc.communicate(timeout=120)
+    waited = time.monotonic() - t0
+    assert proc.returncode == 130, err
+    assert waited < 2.0, waited  # not after the step's backward (seconds more)
+    last = err.strip().splitlines()[-1]
+    assert "interrupted by a second Ctrl-C before the step ended" in last, err
+    assert "no checkpoint was written" in last

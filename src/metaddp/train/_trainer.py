@@ -13,9 +13,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +49,27 @@ def device_for(backend: str | None) -> torch.device:
     return torch.device("cpu")
 
 
-def _stop_signals() -> StopSignals:
+def _stop_signals(out: Path | None = None, saved: Callable[[], int] = lambda: 0) -> StopSignals:
     """Stop requests noted rather than obeyed at once. Under a launcher (torchrun's, or
     --nproc's), a second Ctrl-C is its to act on: it kills the processes that have not
-    stopped in its own time."""
-    return StopSignals(escalate="TORCHELASTIC_RUN_ID" not in os.environ)
+    stopped in its own time. On one process a second Ctrl-C ends it at once, saying what the
+    folder ``out`` keeps (``saved()``: the newest checkpoint's step, 0 for none)."""
+
+    def said() -> None:
+        step = saved()
+        kept = (
+            f"the last checkpoint holds step {step}. Continue with: metaddp train --resume "
+            f"{quoted(out)}"
+            if step
+            else "no checkpoint was written: start it again with the same command"
+        )
+        print(
+            f"\nmetaddp train: interrupted by a second Ctrl-C before the step ended; {kept}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return StopSignals(escalate="TORCHELASTIC_RUN_ID" not in os.environ, on_second=said)
 
 
 class Trainer:
@@ -293,7 +310,7 @@ class Trainer:
         t0 = time.perf_counter() - (log.seconds if log is not None else 0.0)
         stopped: dict[str, Any] | None = None
         try:
-            with _stop_signals() as signals:
+            with _stop_signals(self.out, lambda: self.saved) as signals:
                 if self.evaluate_first:
                     # The stop that wrote the checkpoint skipped this step's evaluation: run
                     # it on the same weights, and complete the step's metrics row.
