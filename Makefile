@@ -20,10 +20,12 @@ demo: $(STAMP)
 		--out runs/demo --force
 
 # Every scenario at 1, 2 and 4 processes against 1; then deterministic mode: the same bits at
-# every world size, meta-gradients and a 100-step training run (also resumed at another count).
+# every world size, meta-gradients and a 100-step training run (also resumed at another count);
+# then elastic runs under torchrun that lose one of two machines (about three minutes).
 verify: $(STAMP)
 	$(VENV)/bin/metaddp verify
 	$(VENV)/bin/metaddp verify --deterministic
+	METADDP_ELASTIC=1 $(PY) -m pytest -q tests/test_elastic.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -438,7 +438,24 @@ def torchrun_main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     with lock:
-        outcome = worker(cfg_dict, out, resume, backend, 0, not args.no_progress, args.timeout)
+        try:
+            outcome = worker(cfg_dict, out, resume, backend, 0, not args.no_progress, args.timeout)
+        except Exception as e:  # one line; torchrun restarts the processes if it may
+            if args.debug:
+                raise
+            left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(
+                os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            )
+            then = (
+                f"torchrun restarts it ({left} restart(s) left)" if left > 0 else "no restart left"
+            )
+            print(
+                f"metaddp train: process {me} failed: {_first_line(e)}; {then}; "
+                f"{_kept(checkpoint_step(Path(out)), Path(out))}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 1
     return finish(outcome, TrainConfig(**cfg_dict), Path(out))
 
 
