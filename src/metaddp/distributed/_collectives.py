@@ -159,14 +159,17 @@ def _guard(work_fn, what: str):
                 f"{what} timed out on rank {group_rank()}: this process waited for the others "
                 "and at least one never joined. Likely cause: a process stalled (stopped, "
                 "deadlocked, or lost its machine), another process raised an error and stopped, "
-                "or the processes run different collectives (different inner-step counts or "
-                f"meta-batch layouts). Look at the other processes' output first. ({text})"
+                "or the ranks disagree on how many collectives to run (different inner-step "
+                f"counts or meta-batch layouts). Look at the other processes' output first. "
+                f"({text})"
             ) from e
         if "closed" in low or "reset" in low or "broken pipe" in low:
             raise CollectiveError(
-                f"{what} lost its connection on rank {group_rank()}: another process ended "
-                f"(it failed or was killed) in the middle of the collective. Look at the other "
-                f"processes' output first. ({text})"
+                f"{what} lost its connection on rank {group_rank()}: another process ended in "
+                "the middle of the collective. Likely cause: another rank raised an error and "
+                "stopped, or was killed, or the ranks disagree on how many collectives to run "
+                "(different inner-step counts or meta-batch layouts) and it had finished. Look "
+                f"at the other processes' output first. ({text})"
             ) from e
         raise CollectiveError(
             f"{what} failed on rank {group_rank()}: {e}\n"
