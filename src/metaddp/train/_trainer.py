@@ -347,7 +347,7 @@ class Trainer:
             return dict(result, stopped=stopped, summary=None)
         # Every step is checkpointed: a stop request now lets the summary and plots be
         # written (a few seconds) rather than cut them off.
-        with _stop_signals():
+        with _stop_signals(self.out, lambda: self.saved):
             summary = self._finish(last_eval)
         return dict(result, summary=summary)
 
