@@ -54,16 +54,27 @@ def agent(out: Path, port: int, extra: list[str]) -> subprocess.Popen:
 
 
 def kill_agent(proc: subprocess.Popen) -> None:
-    """SIGKILL an agent and its worker: a machine lost."""
+    """SIGKILL an agent's worker, then the agent: its machine lost.
+
+    Both at the same instant (``os.killpg`` of the agent's session) ends the same way, every
+    step once and exit status 0, but the survivor's agent then waits 300 s at torchrun's exit
+    barrier and logs a ``DistStoreError`` after the run's summary (measured 2026-12-01):
+    torchrun's own, documented in docs/training.md, and too slow for a test.
+    """
+    os.kill(worker_of(proc.pid), signal.SIGKILL)
+    proc.kill()
+
+
+def worker_of(agent: int) -> int:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
+                parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError):
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == proc.pid:
-                os.kill(int(entry), signal.SIGKILL)
-    proc.kill()
+            if parent == agent:
+                return int(entry)
+    raise AssertionError(f"agent {agent} has no worker")
 
 
 @pytest.mark.parametrize("mode", ["deterministic", "default"])
