@@ -57,7 +57,7 @@ S = argparse.SUPPRESS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from ..algorithms import ALGORITHMS
+    from ..algorithms import ALGORITHMS, METHODS
 
     p = sub.add_parser(
         "train",
@@ -113,7 +113,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument(
         "--method",
-        choices=("unrolled", "truncated", "implicit-cg", "neumann", "t1t2", "sama"),
+        choices=list(METHODS),
         default=S,
         help="reweight: the hypergradient method (default unrolled)",
     )
