@@ -216,11 +216,10 @@ class MetricsLog:
 
 
 def _same(a: Sequence[Row], b: Sequence[Row]) -> bool:
-    def key(rows: Sequence[Row]) -> list[tuple[float, ...]]:
-        return [
-            tuple(-1.0 if math.isnan(r[k]) else r[k] for k in COLUMNS if k != "seconds")
-            for r in rows
-        ]
+    # Every column, the seconds too: the checkpoint's copy and the file were written from the
+    # same floats (repr round-trips them exactly); an empty column is None on both sides.
+    def key(rows: Sequence[Row]) -> list[tuple[float | None, ...]]:
+        return [tuple(None if math.isnan(r[k]) else r[k] for k in COLUMNS) for r in rows]
 
     return key(a) == key(b)
 
