@@ -50,6 +50,7 @@ from ..train import (
     settings_before,
     under_torchrun,
     unsaved_start,
+    way_back,
     worker,
 )
 
@@ -580,12 +581,7 @@ def failed_here(e: Exception, out: Path) -> int:
 
 
 def _kept(step: int | None, out: Path) -> str:
-    return (
-        f"the last checkpoint holds step {step}. Continue with: metaddp train --resume "
-        f"{quoted(out)}"
-        if step is not None
-        else "no checkpoint was written: start it again with the same command"
-    )
+    return way_back(step, out)
 
 
 def _first_line(e: BaseException | str) -> str:

@@ -13,6 +13,7 @@ from ._folder import (
     prepare_folder,
     saved_config,
     unsaved_start,
+    way_back,
 )
 from ._launch import (
     EXIT_DIVERGED,
@@ -55,5 +56,6 @@ __all__ = [
     "one_line_warning",
     "under_torchrun",
     "unsaved_start",
+    "way_back",
     "worker",
 ]

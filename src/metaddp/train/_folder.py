@@ -38,6 +38,16 @@ class RunFolderError(ValueError):
     """The output folder cannot hold this run without losing something."""
 
 
+def way_back(step: int | None, out: Path) -> str:
+    """What a stopped or failed run's folder keeps, and the command that continues it."""
+    if step is None:
+        return "no checkpoint was written: start it again with the same command"
+    return (
+        f"the last checkpoint holds step {step}. Continue with: metaddp train --resume "
+        f"{quoted(out)}"
+    )
+
+
 def check_folder(out: Path, resume: bool, force: bool) -> None:
     """Refuse to start a new run over an earlier one (unless ``force``), or to resume nothing."""
     out = Path(out)

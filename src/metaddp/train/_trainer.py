@@ -33,7 +33,7 @@ from ..distributed import CapturedStep, Mesh, MetaDDP, rank
 from . import _checkpoint
 from ._config import TrainConfig
 from ._evaluate import baseline, evaluate, to
-from ._folder import CHECKPOINT
+from ._folder import CHECKPOINT, way_back
 from ._metrics import MetricsLog, read
 from ._plots import training_curves
 from ._signals import StopSignals
@@ -49,20 +49,14 @@ def device_for(backend: str | None) -> torch.device:
     return torch.device("cpu")
 
 
-def _stop_signals(out: Path | None = None, saved: Callable[[], int] = lambda: 0) -> StopSignals:
+def _stop_signals(out: Path, saved: Callable[[], int]) -> StopSignals:
     """Stop requests noted rather than obeyed at once. Under a launcher (torchrun's, or
     --nproc's), a second Ctrl-C is its to act on: it kills the processes that have not
     stopped in its own time. On one process a second Ctrl-C ends it at once, saying what the
     folder ``out`` keeps (``saved()``: the newest checkpoint's step, 0 for none)."""
 
     def said() -> None:
-        step = saved()
-        kept = (
-            f"the last checkpoint holds step {step}. Continue with: metaddp train --resume "
-            f"{quoted(out)}"
-            if step
-            else "no checkpoint was written: start it again with the same command"
-        )
+        kept = way_back(saved() or None, out)
         print(
             f"\nmetaddp train: interrupted by a second Ctrl-C before the step ended; {kept}",
             file=sys.stderr,
