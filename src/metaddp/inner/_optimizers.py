@@ -19,6 +19,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from ._foreach import added, scaled
+
 Params = dict[str, Tensor]
 State = Any
 LearningRate = float | Tensor | Mapping[str, Tensor | float]
@@ -92,8 +94,15 @@ class SlotState(NamedTuple):
 
 
 def apply_updates(params: Mapping[str, Tensor], updates: Mapping[str, Tensor]) -> Params:
-    """``params + updates``, out of place (names without an update are kept as they are)."""
-    return {k: (p + updates[k] if k in updates else p) for k, p in params.items()}
+    """``params + updates``, out of place (names without an update are kept as they are).
+
+    One kernel for the whole set (:func:`metaddp.inner._foreach.added`), the same values."""
+    names = [k for k in params if k in updates]
+    out = dict(params)
+    out.update(
+        zip(names, added([params[k] for k in names], [updates[k] for k in names]), strict=True)
+    )
+    return out
 
 
 def lr_for(lr: LearningRate, name: str, like: Tensor | None = None) -> float | Tensor:
@@ -185,8 +194,12 @@ def sgd(
 
         def update_plain(grads: Params, state: State, params: Params) -> tuple[Params, State]:
             check_state(state, grads, "sgd")
-            out = {k: -lr_for(lr, k, g) * g for k, g in grads.items()}
-            return out, SlotState(state.count + 1, (), state.shapes)
+            rates = [lr_for(lr, k, g) for k, g in grads.items()]
+            new = SlotState(state.count + 1, (), state.shapes)
+            numbers = [-float(r) for r in rates if isinstance(r, int | float)]
+            if len(numbers) == len(rates):  # one kernel for all
+                return dict(zip(grads, scaled(list(grads.values()), numbers), strict=True)), new
+            return {k: -r * g for (k, g), r in zip(grads.items(), rates, strict=True)}, new
 
         return _optimizer(init_plain, update_plain, lr)
 
