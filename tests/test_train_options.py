@@ -98,6 +98,27 @@ def test_cuda_graphs_without_cuda_is_one_line_and_creates_nothing(tmp_path, caps
     assert not out.exists()
 
 
+@pytest.mark.parametrize("option, records", [
+    (dict(), True),
+    (dict(cuda_graphs=False), False),
+    (dict(algorithm="imaml"), False),
+    (dict(deterministic=True), False),
+    (dict(algorithm="reweight", method="implicit-cg"), False),
+    (dict(algorithm="reweight"), True),
+])
+def test_cuda_graphs_are_on_by_default_wherever_a_run_can_record_them(option, records, monkeypatch):
+    monkeypatch.delenv("METADDP_CHECK", raising=False)
+    cfg = TrainConfig(**{**BASE, **option})
+    if option.get("algorithm") == "reweight":
+        cfg = TrainConfig(**{**BASE, "task": "noisy-digits", **option})
+    cfg = cfg.resolved()
+    assert cfg.cuda_graphs is option.get("cuda_graphs")  # None: decided by the device
+    assert cfg.records_graphs(torch.device("cuda")) is records
+    assert cfg.records_graphs(torch.device("cpu")) is False  # never off CUDA
+    monkeypatch.setenv("METADDP_CHECK", "1")  # check mode's hooks read the host
+    assert cfg.records_graphs(torch.device("cuda")) is False
+
+
 def test_cuda_graphs_is_not_part_of_the_identity():
     # A replayed step gives the same numbers: a run may resume with or without it.
     a = TrainConfig(**BASE).to_dict()

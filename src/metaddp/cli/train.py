@@ -156,8 +156,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action=argparse.BooleanOptionalAction,
         default=S,
         help="record the meta-step once in a CUDA graph and replay it: the same arithmetic, "
-        "less launch cost (every algorithm but iMAML; CUDA, one process or NCCL); "
-        "--no-cuda-graphs resumes such a run without it",
+        "less launch cost (every algorithm but iMAML; CUDA, one process or NCCL). By "
+        "default on wherever the run can; --cuda-graphs requires it, --no-cuda-graphs "
+        "turns it off",
     )
     g = p.add_argument_group("evaluation and output")
     g.add_argument("--eval-every", type=int, default=S, help="steps between meta-test runs (100)")

@@ -5,6 +5,7 @@ local launchers. Nothing here knows about meta-learning algorithms."""
 from ._allocator import keep_freed_memory
 from ._batchnorm import sync_batchnorm
 from ._check import OutOfSyncError
+from ._check import from_env as check_mode_from_env
 from ._collectives import (
     CollectiveError,
     CollectiveStats,
@@ -43,6 +44,7 @@ __all__ = [
     "OutOfSyncError",
     "all_reduce_counts",
     "all_reduce_sum",
+    "check_mode_from_env",
     "counting",
     "default_backend",
     "global_count",

@@ -70,8 +70,10 @@ class TrainConfig:
         method: reweight: the hypergradient method (metaddp.algorithms.METHODS; default
             "unrolled").
         cuda_graphs: record the meta-step once in a CUDA graph and replay it
-            (``metaddp.CapturedStep``; every algorithm but iMAML, on CUDA). The same
-            numbers, so not part of the identity: a resume may switch it.
+            (``metaddp.CapturedStep``; every algorithm but iMAML, on CUDA). ``None`` (the
+            default): wherever the run can (:meth:`records_graphs`); ``True``: required, an
+            error where it cannot; ``False``: never. The same numbers, so not part of the
+            identity: a resume may switch it.
     """
 
     task: str = "sinusoid"
@@ -101,7 +103,7 @@ class TrainConfig:
     fonts: str | None = None
     deterministic: bool = False
     chunks: int = 8
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None
     noise: float | None = None
     keep: str | None = None
     method: str | None = None
@@ -279,20 +281,8 @@ class TrainConfig:
                     "drop memory/autocast"
                 )
         if self.cuda_graphs:
-            if self.algorithm not in having("capture"):
-                raise ValueError(
-                    f"cuda_graphs records {', '.join(having('capture'))} steps, not "
-                    f"{self.algorithm}"
-                )
-            if self.deterministic:
-                raise ValueError(
-                    "deterministic runs keep per-step state on the host: drop cuda_graphs"
-                )
-            if self.method == "implicit-cg":
-                raise ValueError(
-                    "implicit-cg's conjugate gradient reads its residual on the host, which a "
-                    "CUDA graph cannot record: drop cuda_graphs or use another --method"
-                )
+            if why := self._not_recordable():
+                raise ValueError(why)
             import torch
 
             if not torch.cuda.is_available():
@@ -303,6 +293,31 @@ class TrainConfig:
         for k in ("inner_lr", "outer_lr", "lam"):
             if not (getattr(self, k) > 0 and math.isfinite(getattr(self, k))):
                 raise ValueError(f"{k} must be a positive finite number, got {getattr(self, k)!r}")
+
+    def _not_recordable(self) -> str | None:
+        """Why these settings' meta-step cannot be recorded in a CUDA graph, or ``None``."""
+        if self.algorithm not in having("capture"):
+            return f"cuda_graphs records {', '.join(having('capture'))} steps, not {self.algorithm}"
+        if self.deterministic:
+            return "deterministic runs keep per-step state on the host: drop cuda_graphs"
+        if self.method == "implicit-cg":
+            return (
+                "implicit-cg's conjugate gradient reads its residual on the host, which a "
+                "CUDA graph cannot record: drop cuda_graphs or use another --method"
+            )
+        return None
+
+    def records_graphs(self, device: Any) -> bool:
+        """Whether a run on ``device`` records its meta-step in a CUDA graph: where asked, or
+        by default wherever it can (CUDA, an algorithm and settings a graph can record, and
+        not check mode, whose hooks read the host)."""
+        if self.cuda_graphs is not None:
+            return self.cuda_graphs
+        from ..distributed import check_mode_from_env
+
+        return (
+            device.type == "cuda" and self._not_recordable() is None and not check_mode_from_env()
+        )
 
     def check_for(self, asked: Collection[str], world: int) -> None:
         """The rules that need more than the settings' values: which of them were ``asked``

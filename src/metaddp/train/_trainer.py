@@ -109,15 +109,16 @@ class Trainer:
                     f"the checkpoint is at step {self.start}, beyond --steps {cfg.steps}: "
                     "raise --steps"
                 )
+        self.graphs = cfg.records_graphs(self.device)
         self.learner = MetaDDP(
             self.algorithm,
             Mesh.for_layout(cfg.layout),
             deterministic=cfg.deterministic,
             chunks=cfg.chunks,
             # Overlapped sums start from backward hooks, which a replayed graph does not run.
-            overlap=not cfg.cuda_graphs,
+            overlap=not self.graphs,
         )
-        self.captured = CapturedStep(self.learner, self.family.loss) if cfg.cuda_graphs else None
+        self.captured = CapturedStep(self.learner, self.family.loss) if self.graphs else None
         self.saved = self.start  # the step of the newest checkpoint (0: none)
 
     def step(self, step: int, stop_requested: bool = False) -> tuple[float, bool]:
