@@ -136,6 +136,7 @@ def make_metaddp(case: Case, net: nn.Module, tasks, batched: bool | None = None,
         maml.meta_loss(tasks, case.loss_fn).backward()
         return _grads(net)
 
+    step.maml = maml  # what it chose (maml.conv.chosen) stays readable
     return step
 
 

@@ -29,9 +29,9 @@ Sections (each runs even if an earlier one failed; each writes its rows to the r
   and the plain batched floor (torch.profiler: kernels by kind, the top 10, launches).
 - ``cudnn`` (only when named): the stacked step with cuDNN's algorithms chosen by heuristics
   (PyTorch's default) and by trying them (``torch.backends.cudnn.benchmark``).
-- ``stacked_conv``: the stacked step's forward convolutions each way
-  ``metaddp.algorithms._conv.FORWARD`` names (grouped, the default; per task; transposed), eager and
-  graphed, float32 and TF32.
+- ``stacked_conv``: the stacked step's forward convolutions each way ``MAML(conv=...)`` names
+  (``auto``, measured per shape, the default; grouped; per task; transposed; channels-last),
+  eager and graphed, float32 and TF32, with the ways ``auto`` chose.
 - ``hvp``: the low mode's Hessian-vector product reverse over reverse against forward over
   reverse (``benchmarks/hvp_modes.py``): on the CPU reverse over reverse is faster.
 
@@ -175,11 +175,10 @@ PEERS = [
 ]
 
 
-def make_captured(case, net: torch.nn.Module, tasks) -> Callable[[], dict[str, torch.Tensor]]:
+def make_captured(case, net: torch.nn.Module, tasks, **settings) -> Callable[[], dict[str, torch.Tensor]]:
     """metaddp's automatic choice replayed from a CUDA graph (recorded here, before timing)."""
-    captured = md.CapturedStep(
-        md.MAML(net, inner_lr=case.inner_lr, steps=case.steps), case.loss_fn, warmup=1
-    )
+    maml = md.MAML(net, inner_lr=case.inner_lr, steps=case.steps, **settings)
+    captured = md.CapturedStep(maml, case.loss_fn, warmup=1)
 
     def step() -> dict[str, torch.Tensor]:
         net.zero_grad(set_to_none=True)
@@ -188,6 +187,7 @@ def make_captured(case, net: torch.nn.Module, tasks) -> Callable[[], dict[str, t
 
     step()  # eager
     step()  # recorded and replayed: the calls that follow, error included, are replays
+    step.maml = maml
     return step
 
 
@@ -669,43 +669,37 @@ def section_cudnn(device: str, quick: bool) -> list[dict]:
 
 
 def section_stacked_conv(device: str, quick: bool) -> list[dict]:
-    """The stacked step's forward convolutions each way ``metaddp.algorithms._conv.FORWARD`` names: one
-    grouped convolution (the default), one per task, and one transposed convolution.
-    Second-order MAML, Conv-4 with BatchNorm, 32 tasks, K = 1 and 5, eager and replayed
-    from a CUDA graph, in full float32 and with TF32; each one's time and error against
-    float64."""
-    from metaddp.algorithms import _conv
+    """The stacked step's forward convolutions each way ``MAML(conv=...)`` names: measured
+    per shape (``auto``, the default), one grouped convolution, one per task, one transposed
+    convolution, channels-last. Second-order MAML, Conv-4 with BatchNorm, 32 tasks, K = 1
+    and 5, eager and replayed from a CUDA graph, in full float32 and with TF32; each one's
+    time and error against float64, and what ``auto`` chose per layer."""
+    from metaddp.algorithms._conv_ways import WAYS
 
     cuda = device.startswith("cuda")
     n_tasks, reps, ks = (4, 2, (1,)) if quick else (32, 6, (1, 5))
     cases = {k: dataclasses.replace(CONV, n_tasks=n_tasks, steps=k, device=device,
                                     hidden=8 if quick else 64) for k in ks}
     refs = {k: reference_grads(c) for k, c in cases.items()}
-    was = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32, _conv.FORWARD)
+    was = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
     rows = []
     try:
         for tf32 in (False, True) if cuda else (False,):
             torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = tf32
             for k, case in cases.items():
-                steps, errors = {}, {}
-                for forward in _conv.FORWARDS:
-                    _conv.FORWARD = forward
-
-                    def flagged(step, forward=forward):
-                        def run():
-                            _conv.FORWARD = forward
-                            return step()
-                        return run
-
+                steps, errors, chosen = {}, {}, {}
+                for way in ("auto", *WAYS):
                     makers = {"eager": make_metaddp}
                     if cuda:
                         makers["CUDA graph"] = make_captured
                     for how, make in makers.items():
-                        name = f"{how}, {forward}"
+                        name = f"{how}, {way}"
                         try:  # one way failing leaves the others' rows
-                            step = flagged(make(case, case.build(), case.tasks()))
+                            net = case.build()
+                            step = make(case, net, case.tasks(), batched=True, conv=way)
                             errors[name] = max_rel_diff(step(), refs[k])
                             steps[name] = step
+                            chosen[name] = sorted(set(step.maml.conv.chosen.values()))
                         except Exception as e:
                             _host.discard()
                             rows.append({"K": k, "tasks": n_tasks, "tf32": tf32, "way": name,
@@ -715,10 +709,10 @@ def section_stacked_conv(device: str, quick: bool) -> list[dict]:
                 times = time_round_robin(steps, reps, warmup=2)
                 for name, ts in times.items():
                     rows.append({"K": k, "tasks": n_tasks, "tf32": tf32, "way": name,
-                                 "median_ms": median_ms(ts), "max_rel_diff": errors.get(name)})
+                                 "median_ms": median_ms(ts), "max_rel_diff": errors.get(name),
+                                 "chosen": chosen.get(name)})
     finally:
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = was[:2]
-        _conv.FORWARD = was[2]
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = was
     return rows
 
 

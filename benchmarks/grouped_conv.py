@@ -15,7 +15,7 @@ check's ``profile`` section), and trying cuDNN's other algorithms
   gradient through ``fold``, the weight gradient one more batched product;
 * ``loop``: one dense convolution (and backward) per task;
 * ``transposed``: the grouped forward as a transposed convolution with each group's weight
-  transposed and flipped (``metaddp.algorithms._conv.FORWARD = "transposed"``), which cuDNN runs with
+  transposed and flipped (``MAML(conv="transposed")``), which cuDNN runs with
   its input-gradient kernels (forward only: the backward is ``grouped``'s).
 
 Each way's result is checked against ``grouped`` (float32, max-abs normalised). Times are
@@ -24,8 +24,8 @@ medians of ``--repeats`` calls, each synchronised on CUDA.
 Measured on an H200 (BENCHMARKS.md): the grouped forward, not its backward, is the slow
 kernel, and one convolution per task runs it 2.3x to 8.6x faster. Whole meta-steps gained
 from that only in full float32 replayed from a CUDA graph (the device check's
-``stacked_conv`` section), so metaddp keeps the grouped forward (``metaddp.algorithms._conv.FORWARD``
-switches; its "transposed" way had not yet run on a GPU).
+``stacked_conv`` section), so metaddp measures each shape's ways at its first call and keeps the
+fastest (``MAML(conv="auto")``, the default; ``conv=`` forces one).
 
     python benchmarks/grouped_conv.py --device cuda --json benchmarks/results/grouped_conv_h200.json
 """

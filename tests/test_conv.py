@@ -9,7 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import metaddp
-from metaddp.algorithms._conv import convolution, stacked_convolutions
+from metaddp.algorithms._conv import convolution
+from metaddp.algorithms._conv_ways import WAYS, ConvChoice
+from metaddp.algorithms._layers import stacked_layers
 from metaddp.testing import scenarios as S
 from metaddp.testing.dispatch import DispatchCounter
 
@@ -43,12 +45,11 @@ def test_first_and_second_derivatives_match_finite_differences(
     assert torch.autograd.gradgradcheck(f, inputs)
 
 
-@pytest.mark.parametrize("forward", metaddp.algorithms._conv.FORWARDS)
-def test_vmapped_second_derivatives_equal_pytorchs_own(forward, monkeypatch):
+@pytest.mark.parametrize("forward", WAYS)
+def test_vmapped_second_derivatives_equal_pytorchs_own(forward):
     # Per-task weights (plain and grouped), per-task and shared inputs, second order through
-    # the inner gradient; the stacked forward each way metaddp.algorithms._conv.FORWARD names (the
-    # "transposed" one also with dilation, and falling back to grouped at stride 2).
-    monkeypatch.setattr(metaddp.algorithms._conv, "FORWARD", forward)
+    # the inner gradient; the stacked forward each way (the "transposed" one also with
+    # dilation, and falling back to grouped at stride 2).
     g = torch.Generator().manual_seed(1)
     w = torch.randn(3, 4, 2, 3, 3, generator=g, dtype=torch.float64, requires_grad=True)
     b = torch.randn(3, 4, generator=g, dtype=torch.float64, requires_grad=True)
@@ -63,7 +64,7 @@ def test_vmapped_second_derivatives_equal_pytorchs_own(forward, monkeypatch):
             return (h.square().sum() + F.conv2d(shared, w, stride=2).sin().sum())
 
         if routed:
-            with stacked_convolutions():
+            with stacked_layers(conv=ConvChoice(forward)):
                 y = torch.vmap(one)(w, b, x, depthwise).sum()
         else:
             y = torch.vmap(one)(w, b, x, depthwise).sum()
@@ -81,7 +82,7 @@ def test_vmapped_second_derivatives_equal_pytorchs_own(forward, monkeypatch):
 def test_string_padding_and_unbatched_inputs_keep_pytorchs_convolution():
     w = torch.randn(4, 2, 3, 3)
     x = torch.randn(2, 5, 5)  # unbatched [C, H, W]
-    with stacked_convolutions():
+    with stacked_layers():
         same = F.conv2d(torch.randn(1, 2, 5, 5), w, padding="same")
         single = F.conv2d(x, w)
         keyword = F.conv2d(input=x.unsqueeze(0), weight=w, stride=1)
@@ -92,7 +93,7 @@ def test_string_padding_and_unbatched_inputs_keep_pytorchs_convolution():
 def test_autocast_runs_the_convolution_in_the_lower_precision():
     w = torch.randn(4, 2, 3, 3, requires_grad=True)
     x = torch.randn(3, 2, 6, 6)
-    with torch.autocast("cpu", dtype=torch.bfloat16), stacked_convolutions():
+    with torch.autocast("cpu", dtype=torch.bfloat16), stacked_layers():
         y = F.conv2d(x, w)
     assert y.dtype == torch.bfloat16
     (gw,) = torch.autograd.grad(y.float().sum(), w)
@@ -102,11 +103,11 @@ def test_autocast_runs_the_convolution_in_the_lower_precision():
     assert torch.allclose(y.float(), F.conv2d(x, w), rtol=0.05, atol=0.05)
 
 
-def count_ops(tasks: int, steps: int) -> int:
+def count_ops(tasks: int, steps: int, conv: str = "grouped") -> int:
     problem = S.Problem(model="conv", n_tasks=tasks, steps=steps, batchnorm=True,
                         running_stats=False)
     net = problem.build_model()
-    maml = metaddp.MAML(net, inner_lr=problem.inner_lr, steps=steps, batched=True)
+    maml = metaddp.MAML(net, inner_lr=problem.inner_lr, steps=steps, batched=True, conv=conv)
     batch = problem.tasks()
     maml.meta_loss(batch, problem.loss_fn).backward()  # warm-up: lazy initialisation
     with DispatchCounter() as ops:
@@ -118,23 +119,21 @@ def count_ops(tasks: int, steps: int) -> int:
 def test_a_stacked_second_order_meta_step_dispatches_as_many_operations_for_any_task_count(steps):
     # Exact equality: the count of aten operations does not depend on the values, and
     # PyTorch's own grouped double backward adds a slice and a convolution per task. (With
-    # the default grouped forward; metaddp.algorithms._conv.FORWARD = "per_task": next test.)
+    # the grouped forward; conv="per_task": next test.)
     assert count_ops(2, steps) == count_ops(6, steps)
 
 
-def test_per_task_forward_convolutions_add_one_convolution_per_task(monkeypatch):
-    assert metaddp.algorithms._conv.FORWARD == "grouped"  # the default (measured: BENCHMARKS.md)
-    monkeypatch.setattr(metaddp.algorithms._conv, "FORWARD", "per_task")
+def test_per_task_forward_convolutions_add_one_convolution_per_task():
     # Per task, every forward convolution adds one convolution per task; the backward ones
     # add nothing. The two-layer conv net (count_ops): 2 on the support per inner step, 2 on
     # the query, and 3 in each inner step's double backward (conv(x, ggw) in both layers,
     # conv(ggx, w) in the second, whose input has a gradient). 6 tasks against 2: 4 more.
     for steps in (1, 2):
         forward_convs = 2 * steps + 2 + 3 * steps
-        assert count_ops(6, steps) - count_ops(2, steps) == 4 * forward_convs
+        assert count_ops(6, steps, "per_task") - count_ops(2, steps, "per_task") == 4 * forward_convs
 
 
-def test_the_transposed_forward_runs_transposed_convolutions_at_stride_one(monkeypatch):
+def test_the_transposed_forward_runs_transposed_convolutions_at_stride_one():
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Convolutions(TorchDispatchMode):
@@ -147,14 +146,13 @@ def test_the_transposed_forward_runs_transposed_convolutions_at_stride_one(monke
                 self.calls.append((args[6], tuple(args[3])))
             return func(*args, **(kwargs or {}))
 
-    monkeypatch.setattr(metaddp.algorithms._conv, "FORWARD", "transposed")
     w = torch.randn(3, 4, 2, 3, 3, dtype=torch.float64)
     x = torch.randn(3, 5, 2, 6, 6, dtype=torch.float64)
 
     def one(w, x):
         return F.conv2d(x, w, padding=1).sum() + F.conv2d(x, w, stride=2).sum()
 
-    with stacked_convolutions(), Convolutions() as seen:
+    with stacked_layers(conv=ConvChoice("transposed")), Convolutions() as seen:
         got = torch.vmap(one)(w, x)
     assert seen.calls == [(True, (1, 1)), (False, (2, 2))]
     # The same sums in another kernel: float64 rounding of 18-term sums.
@@ -164,7 +162,7 @@ def test_the_transposed_forward_runs_transposed_convolutions_at_stride_one(monke
 def test_the_routing_is_scoped_to_the_stacked_forward():
     net = nn.Conv2d(1, 1, 1)
     x = torch.randn(1, 1, 2, 2)
-    with stacked_convolutions():
+    with stacked_layers():
         inside = net(x)
     outside = net(x)
     assert type(inside.grad_fn).__name__ == "_ConvBackward"

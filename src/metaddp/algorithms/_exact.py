@@ -33,7 +33,7 @@ from .._functional import call
 from .._share import check_per_sample, one_per_sample
 from .._types import LossFn, Params
 from ..inner import InnerOptimizer, apply_updates
-from ._conv import stacked_convolutions
+from ._layers import stacked_layers
 from ._stacked import per_task
 
 
@@ -98,7 +98,7 @@ def _chunk_values(
         per = one_per_sample(per)
         return (per * mc.to(per.dtype)).sum() / divisor
 
-    with stacked_convolutions(model):
+    with stacked_layers(model):
         return torch.vmap(one)(dict(weights), x, y, mask)
 
 

@@ -17,6 +17,7 @@ from .._data import Task
 from .._types import LossFn, Params, Reduce, Supports
 from ..inner import InnerOptimizer
 from ._base import Algorithm, OptimizerFactory
+from ._conv_ways import ConvChoice
 from ._exact import exact_meta_loss
 from ._stacked import stacked_task_losses, use_batched
 
@@ -48,6 +49,10 @@ class MAML(Algorithm):
         batched: run a rank's tasks stacked along a task dimension (``True``), one by one
             (``False``), or choose (``None``: by device and model, see ``use_batched``); same
             result.
+        conv: how stacked forward convolutions run: ``"auto"`` (each shape's fastest way,
+            timed at its first call and remembered in :attr:`conv`), or one of
+            ``"grouped"``, ``"per_task"``, ``"transposed"``, ``"channels_last"``; the same
+            sums to rounding (``metaddp.algorithms._conv_ways``).
     """
 
     supports: ClassVar[Supports] = Supports(
@@ -79,6 +84,7 @@ class MAML(Algorithm):
         batched: bool | None = None,
         memory: str = "default",
         autocast: torch.dtype | None = None,
+        conv: str = "auto",
     ) -> None:
         super().__init__(
             model,
@@ -91,6 +97,7 @@ class MAML(Algorithm):
             autocast=autocast,
         )
         self.batched = batched
+        self.conv = ConvChoice(conv)
 
     def task_loss(self, task: Task, loss_fn: LossFn, *, reduce: Reduce) -> Tensor:
         """This rank's share of one task's query loss after adaptation."""
@@ -147,5 +154,6 @@ class MAML(Algorithm):
                 reduce=reduce,
                 rematerialize=self._rematerialize(),
                 extras=self._needing_grad(),
+                conv=self.conv,
             )
         return super().task_losses(tasks, loss_fn, reduce)

@@ -33,7 +33,8 @@ from .._remat import rematerialized_loss
 from .._share import check_per_sample, share
 from .._types import LossFn, Params, Reduce
 from ..inner import InnerOptimizer, State
-from ._conv import has_convolutions, stacked_convolutions
+from ._conv_ways import GROUPED, ConvChoice
+from ._layers import has_convolutions, stacked_layers
 
 
 def _signature(batch: Batch) -> tuple:
@@ -71,9 +72,10 @@ def stacked_shares(
     n: int,
     loss_fn: LossFn,
     buffers: Mapping[str, Tensor] | None = None,
+    conv: ConvChoice = GROUPED,
 ) -> Tensor:
     """Per-task shares ``[T]`` of stacked weights ``params[k]: [T, ...]`` on
-    ``x: [T, n_local, ...]``.
+    ``x: [T, n_local, ...]``, forward convolutions run the way ``conv`` gives.
 
     Returns:
         ``out[t] = sum_i loss(f(W[t], x[t, i]), y[t, i]) / n`` (this rank's share of task t's
@@ -85,7 +87,7 @@ def stacked_shares(
         check_per_sample(losses, xt.shape[0])  # shapes are a task's own under vmap
         return share(losses, n)
 
-    with stacked_convolutions(model):
+    with stacked_layers(model, conv):
         try:
             return torch.vmap(one)(dict(params), x, y)
         except RuntimeError as e:
@@ -181,6 +183,7 @@ def stacked_task_losses(
     reduce: Reduce,
     rematerialize: bool = False,
     extras: Sequence[Tensor] = (),
+    conv: ConvChoice = GROUPED,
 ) -> Tensor:
     """Sum over ``tasks`` of their query shares after ``steps`` inner steps.
 
@@ -201,6 +204,7 @@ def stacked_task_losses(
             (``memory="low"``, :mod:`metaddp._remat`), for all tasks at once.
         extras: what the optimizer reads that needs a gradient (learned rates), with
             ``rematerialize``.
+        conv: how the stacked forward convolutions run (:class:`ConvChoice`).
 
     Returns:
         A scalar: the sum of this rank's query shares of its tasks.
@@ -219,8 +223,8 @@ def stacked_task_losses(
     if rematerialize and not first_order and torch.is_grad_enabled():
         # memory="low": every task's steps at once, one stacked step's graph at a time.
         return rematerialized_loss(
-            lambda w, buffers: stacked_shares(model, w, sx, sy, sn, loss_fn).sum(),
-            lambda w, buffers: stacked_shares(model, w, qx, qy, qn, loss_fn).sum(),
+            lambda w, buffers: stacked_shares(model, w, sx, sy, sn, loss_fn, conv=conv).sum(),
+            lambda w, buffers: stacked_shares(model, w, qx, qy, qn, loss_fn, conv=conv).sum(),
             fast,
             steps=steps,
             optimizer=optimizer,
@@ -233,11 +237,11 @@ def stacked_task_losses(
         for step in range(steps):
             # Task t's share depends on row t only, so the gradient of the sum is every
             # task's own gradient, row by row (module docstring).
-            total = stacked_shares(model, fast, sx, sy, sn, loss_fn).sum()
+            total = stacked_shares(model, fast, sx, sy, sn, loss_fn, conv=conv).sum()
             fast, state = inner_step(
                 total, fast, state, optimizer, step=step, reduce=reduce, first_order=first_order
             )
-        return stacked_shares(model, fast, qx, qy, qn, loss_fn).sum()
+        return stacked_shares(model, fast, qx, qy, qn, loss_fn, conv=conv).sum()
 
 
 def _tracking_batchnorm(model: nn.Module) -> list[str]:
