@@ -252,6 +252,8 @@ def make_floor(case: Case, net: nn.Module, tasks) -> Step:
 IMPLEMENTATIONS: dict[str, Callable[..., Step]] = {
     "metaddp": make_metaddp,
     "metaddp batched=True": lambda c, n, t: make_metaddp(c, n, t, batched=True),
+    "metaddp batched=True conv=grouped": lambda c, n, t: make_metaddp(c, n, t, batched=True,
+                                                                      conv="grouped"),
     "metaddp batched=False": lambda c, n, t: make_metaddp(c, n, t, batched=False),
     "torch.func grad+vmap (hand-written)": make_vmap,
     "per-task autograd loop": make_loop,

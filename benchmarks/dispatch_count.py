@@ -29,6 +29,7 @@ from metaddp.testing.dispatch import DispatchCounter  # noqa: E402
 ROWS = [
     "metaddp",
     "metaddp batched=True",
+    "metaddp batched=True conv=grouped",
     "metaddp batched=False",
     "torch.func grad+vmap (hand-written)",
     "per-task autograd loop",
