@@ -7,7 +7,19 @@ import pytest
 import torch
 
 import metaddp
-from metaddp import Batch, LearnedLR, adam, apply_updates, inner_loop, sgd
+from metaddp import (
+    Batch,
+    LearnedLR,
+    adagrad,
+    adam,
+    adamw,
+    apply_updates,
+    chain,
+    clip_by_global_norm,
+    inner_loop,
+    rmsprop,
+    sgd,
+)
 
 D = torch.float64  # every tensor here is float64, given explicitly (no global default)
 
@@ -34,6 +46,22 @@ OPTIMIZERS = [
     ("adam", lambda: adam(0.05, eps_root=0.0), lambda ps: torch.optim.Adam(ps, lr=0.05)),
     ("adam-betas", lambda: adam(0.05, b1=0.5, b2=0.9, eps=1e-6, eps_root=0.0),
      lambda ps: torch.optim.Adam(ps, lr=0.05, betas=(0.5, 0.9), eps=1e-6)),
+    ("sgd-decay", lambda: sgd(0.1, momentum=0.5, weight_decay=0.2),
+     lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.5, weight_decay=0.2)),
+    ("adam-decay", lambda: adam(0.05, eps_root=0.0, weight_decay=0.3),
+     lambda ps: torch.optim.Adam(ps, lr=0.05, weight_decay=0.3)),
+    ("adamw", lambda: adamw(0.05, eps_root=0.0, weight_decay=0.3),
+     lambda ps: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.3)),
+    ("rmsprop", lambda: rmsprop(0.01, eps_root=0.0), lambda ps: torch.optim.RMSprop(ps, lr=0.01)),
+    ("rmsprop-centered", lambda: rmsprop(0.01, alpha=0.9, momentum=0.5, centered=True,
+                                         weight_decay=0.1, eps_root=0.0),
+     lambda ps: torch.optim.RMSprop(ps, lr=0.01, alpha=0.9, momentum=0.5, centered=True,
+                                    weight_decay=0.1)),
+    ("adagrad", lambda: adagrad(0.1, eps_root=0.0), lambda ps: torch.optim.Adagrad(ps, lr=0.1)),
+    ("adagrad-decay", lambda: adagrad(0.1, lr_decay=0.05, weight_decay=0.1,
+                                      initial_accumulator_value=0.2, eps_root=0.0),
+     lambda ps: torch.optim.Adagrad(ps, lr=0.1, lr_decay=0.05, weight_decay=0.1,
+                                    initial_accumulator_value=0.2)),
 ]
 
 
@@ -55,6 +83,27 @@ def test_first_order_trajectory_matches_torch_optim(name, ours, theirs):
         for k in params:
             # Same formulas, arithmetic grouped differently: a few ulps per step at float64.
             torch.testing.assert_close(params[k].detach(), leaves[k].detach(), rtol=1e-13, atol=1e-14)
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 100.0])  # clipping every step, and never
+def test_global_norm_clipping_matches_clip_grad_norm(max_norm):
+    opt = chain(clip_by_global_norm(max_norm), sgd(0.1, momentum=0.5))
+    params = start()
+    state = opt.init(params)
+    leaves = {k: v.clone().requires_grad_() for k, v in start().items()}
+    ref = torch.optim.SGD(list(leaves.values()), lr=0.1, momentum=0.5)
+    for _ in range(6):
+        p = {k: v.detach().requires_grad_() for k, v in params.items()}
+        grads = dict(zip(p, torch.autograd.grad(objective(p), list(p.values()))))
+        updates, state = opt.update(grads, state, params)
+        params = apply_updates(params, updates)
+        ref.zero_grad()
+        objective(leaves).backward()
+        torch.nn.utils.clip_grad_norm_(list(leaves.values()), max_norm)
+        ref.step()
+    for k in params:
+        # The same formulas as torch's; the norm is summed in another order (ulps).
+        torch.testing.assert_close(params[k].detach(), leaves[k].detach(), rtol=1e-13, atol=1e-14)
 
 
 def unrolled(theta: dict[str, torch.Tensor], opt, steps: int = 4) -> torch.Tensor:
@@ -83,6 +132,10 @@ SECOND_ORDER = [
     ("sgd", lambda lr: sgd(lr)),
     ("nesterov", lambda lr: sgd(lr, momentum=0.9, nesterov=True)),
     ("adam", lambda lr: adam(lr)),
+    ("adamw", lambda lr: adamw(lr, weight_decay=0.3)),
+    ("rmsprop", lambda lr: rmsprop(lr, alpha=0.5, momentum=0.5, centered=True, weight_decay=0.1)),
+    ("adagrad", lambda lr: adagrad(lr, lr_decay=0.1, weight_decay=0.1)),
+    ("clipped", lambda lr: chain(clip_by_global_norm(0.3), sgd(lr, weight_decay=0.1))),
 ]
 
 

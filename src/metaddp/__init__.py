@@ -25,9 +25,11 @@ from ._data import (
 )
 from ._functional import buffers_of, call, params_of
 from ._share import share
+from ._statistics import class_means, global_sums
 from ._types import LossFn, MetaAlgorithm, Params, Reduce, Supports, identity_reduce
 from .algorithms import (
     ANIL,
+    BOIL,
     IMAML,
     MAML,
     SAMA,
@@ -36,8 +38,11 @@ from .algorithms import (
     ConvergenceWarning,
     ImplicitCG,
     Learner,
+    MAMLPlusPlus,
     MetaSGD,
     Neumann,
+    ProtoMAML,
+    ProtoNet,
     Reptile,
     Truncated,
     Unrolled,
@@ -64,12 +69,24 @@ from .distributed import (
     sync_batchnorm,
     world_size,
 )
-from .inner import InnerOptimizer, LearnedLR, adam, apply_updates, sgd
+from .inner import (
+    InnerOptimizer,
+    LearnedLR,
+    adagrad,
+    adam,
+    adamw,
+    apply_updates,
+    chain,
+    clip_by_global_norm,
+    rmsprop,
+    sgd,
+)
 
 __version__ = "0.2.0"
 
 __all__ = [
     "ANIL",
+    "BOIL",
     "Batch",
     "Bilevel",
     "CapturedStep",
@@ -84,6 +101,7 @@ __all__ = [
     "Learner",
     "LossFn",
     "MAML",
+    "MAMLPlusPlus",
     "Mesh",
     "MetaAlgorithm",
     "MetaBatch",
@@ -92,6 +110,8 @@ __all__ = [
     "Neumann",
     "OutOfSyncError",
     "Params",
+    "ProtoMAML",
+    "ProtoNet",
     "Reduce",
     "Reptile",
     "SAMA",
@@ -103,17 +123,23 @@ __all__ = [
     "Truncated",
     "Unrolled",
     "WeightNet",
+    "adagrad",
     "adam",
+    "adamw",
     "all_reduce_counts",
     "all_reduce_sum",
     "apply_updates",
     "batch_share",
     "buffers_of",
     "call",
+    "chain",
+    "class_means",
+    "clip_by_global_norm",
     "conjugate_gradient",
     "counting",
     "generator_for",
     "global_count",
+    "global_sums",
     "global_value",
     "grad",
     "identity_reduce",
@@ -123,6 +149,7 @@ __all__ = [
     "keep_freed_memory",
     "params_of",
     "rank",
+    "rmsprop",
     "seed_for",
     "set_strict",
     "sgd",

@@ -3,6 +3,7 @@
 from ._anil import ANIL, BodyHead
 from ._base import Algorithm
 from ._bilevel import Bilevel, WeightNet
+from ._boil import BOIL
 from ._hypergrad import (
     METHODS,
     SAMA,
@@ -20,7 +21,9 @@ from ._hypergrad import (
 from ._imaml import IMAML
 from ._learner import Learner
 from ._maml import MAML
+from ._mamlpp import MAMLPlusPlus
 from ._metasgd import MetaSGD
+from ._protonet import ProtoMAML, ProtoNet
 from ._reptile import Reptile
 from .registry import ALGORITHMS, SUPPORTS, Settings, build, having
 
@@ -28,6 +31,7 @@ __all__ = [
     "ALGORITHMS",
     "ANIL",
     "Algorithm",
+    "BOIL",
     "Bilevel",
     "BodyHead",
     "ConvergenceWarning",
@@ -36,11 +40,14 @@ __all__ = [
     "InnerProblem",
     "Learner",
     "MAML",
+    "MAMLPlusPlus",
     "METHODS",
     "Method",
     "MetaSGD",
     "Neumann",
     "NotPositiveDefinite",
+    "ProtoMAML",
+    "ProtoNet",
     "Reptile",
     "SAMA",
     "SUPPORTS",

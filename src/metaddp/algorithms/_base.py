@@ -118,7 +118,7 @@ class Algorithm(nn.Module):
                     "(e.g. metaddp.sgd or functools.partial(metaddp.adam, b1=0.5)), "
                     "not a built optimizer"
                 )
-            self.lr = LearnedLR(params_of(self.adapted_module()), inner_lr, learn_lr)
+            self.lr = LearnedLR(self.fast_weights(), inner_lr, learn_lr)
             self._factory = optimizer or sgd
         else:
             if optimizer is not None and not isinstance(optimizer, InnerOptimizer):
@@ -149,6 +149,11 @@ class Algorithm(nn.Module):
             "learn_lr": None if self.lr is None else self.lr.per,
             "autocast": None if self.autocast is None else str(self.autocast),
         }
+
+    def at_step(self, step: int) -> None:
+        """A training loop says which meta-step (0-based) comes next, before its
+        ``meta_loss``. Algorithms with schedules (MAML++'s annealed losses and order) read
+        it; the rest have nothing to do."""
 
     def signature(self) -> str:
         """:meth:`settings` as text; ``MetaDDP`` checks that every rank has the same."""

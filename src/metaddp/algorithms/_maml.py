@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from .._data import Task
+from .._functional import params_of
 from .._types import LossFn, Params, Reduce, Supports
 from ..inner import InnerOptimizer
 from ._base import Algorithm, OptimizerFactory
@@ -108,6 +109,15 @@ class MAML(Algorithm):
     ) -> Tensor:
         if not self.stackable:
             return super().exact_meta_loss(tasks, loss_fn, n_tasks, sums)
+        if set(self.fast_weights()) != set(params_of(self.model)):
+            # Its order-free sums reach the fast weights only: any other parameter's gradient
+            # would stay each rank's own.
+            raise TypeError(
+                f"deterministic mode sums the meta-gradient of the weights the inner loop "
+                f"adapts; {type(self).__name__} adapts only some of its trained parameters, "
+                "whose other gradients would stay each rank's own: build MetaDDP without "
+                "deterministic=True"
+            )
         if self.memory != "default" or self.autocast is not None:
             raise ValueError(
                 "deterministic mode keeps every inner step's graph, in the parameters' dtype: "

@@ -11,14 +11,17 @@ import torch
 from torch import nn
 
 from .._types import Supports
-from ..inner import adam, sgd
+from ..inner import adagrad, adam, adamw, chain, clip_by_global_norm, rmsprop, sgd
 from ._anil import ANIL
 from ._base import Algorithm, OptimizerFactory
 from ._bilevel import Bilevel, WeightNet
+from ._boil import BOIL
 from ._hypergrad import METHODS
 from ._imaml import IMAML
 from ._maml import MAML
+from ._mamlpp import MAMLPlusPlus
 from ._metasgd import MetaSGD
+from ._protonet import ProtoMAML, ProtoNet
 from ._reptile import Reptile
 
 
@@ -40,6 +43,12 @@ class Settings:
         autocast: ``"bf16"`` or ``"fp16"``: forward passes in that precision (MAML, Meta-SGD,
             ANIL; see :class:`MAML`), or ``None``.
         method: the hypergradient method of ``reweight`` by name (:data:`METHODS`).
+        clip: clip every inner gradient to this global norm before the inner optimizer
+            (:func:`metaddp.clip_by_global_norm`), or ``None``.
+        ways: classes per task (prototypical networks and ProtoMAML need it).
+        schedule_steps: the run's meta-steps; MAML++ anneals its multi-step loss over the
+            first fifteenth and trains first order over the first third, the paper's
+            proportions (10 and 50 of 150 epochs). ``None``: no schedule.
     """
 
     inner_lr: float = 0.01
@@ -52,6 +61,14 @@ class Settings:
     optimizer: str = "sgd"
     autocast: str | None = None
     method: str = "unrolled"
+    clip: float | None = None
+    ways: int | None = None
+    schedule_steps: int | None = None
+
+    def classes(self, algorithm: str) -> int:
+        if self.ways is None:
+            raise ValueError(f"{algorithm} needs the number of classes per task (ways)")
+        return self.ways
 
     def autocast_dtype(self) -> torch.dtype | None:
         dtypes = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -65,11 +82,21 @@ class Settings:
                 f"unknown inner optimizer {self.optimizer!r}; "
                 f"choose from {', '.join(INNER_OPTIMIZERS)}"
             )
-        return INNER_OPTIMIZERS[self.optimizer]
+        factory = INNER_OPTIMIZERS[self.optimizer]
+        if self.clip is None:
+            return factory
+        clip = clip_by_global_norm(self.clip)
+        return lambda lr: chain(clip, factory(lr))
 
 
 # Inner optimizers by name, as factories of the learning rate.
-INNER_OPTIMIZERS: dict[str, OptimizerFactory] = {"sgd": sgd, "adam": adam}
+INNER_OPTIMIZERS: dict[str, OptimizerFactory] = {
+    "sgd": sgd,
+    "adam": adam,
+    "adamw": adamw,
+    "rmsprop": rmsprop,
+    "adagrad": adagrad,
+}
 
 Builder = Callable[[nn.Module, Settings], Algorithm]
 
@@ -109,6 +136,34 @@ ALGORITHMS: dict[str, Builder] = {
         cg_tol=s.cg_tol,
         optimizer=s.inner_optimizer(),
     ),
+    # Antoniou et al. 2019 (MAML++): per-step learned rates, annealed multi-step loss,
+    # first order then second; the cosine outer schedule is the training loop's.
+    "mamlpp": lambda m, s: MAMLPlusPlus(
+        m,
+        inner_lr=s.inner_lr,
+        steps=s.steps,
+        msl_steps=(s.schedule_steps or 0) // 15,
+        first_order_steps=(s.schedule_steps or 0) // 3,
+        first_order=s.first_order,
+        autocast=s.autocast_dtype(),
+    ),
+    # Snell et al. 2017: queries scored against the support's class means (no inner loop),
+    # in the embedding below the model's head.
+    "protonet": lambda m, s: ProtoNet(
+        split_head(m)[0], ways=s.classes("protonet"), autocast=s.autocast_dtype()
+    ),
+    # Triantafillou et al. 2020: MAML from a head at the prototypes' linear layer.
+    "protomaml": lambda m, s: ProtoMAML(
+        split_head(m)[0],
+        ways=s.classes("protomaml"),
+        inner_lr=s.inner_lr,
+        steps=s.steps,
+        first_order=s.first_order,
+        optimizer=s.inner_optimizer(),
+        autocast=s.autocast_dtype(),
+    ),
+    # Oh et al. 2021 (BOIL): the body adapts, the head is held at its meta-parameters.
+    "boil": lambda m, s: BOIL(*split_head(m), **_unrolled(s)),
     # Shu et al. 2019 (Meta-Weight-Net): a network of each support sample's loss weighs it in
     # the model's training loss, trained by the hypergradient of a one-step lookahead scored
     # on the query (clean) batch; the model trains on the weighted loss in the same step.
@@ -139,6 +194,10 @@ SUPPORTS: dict[str, Supports] = {
     "reptile": Reptile.supports,
     "imaml": IMAML.supports,
     "reweight": Bilevel.supports,
+    "mamlpp": MAMLPlusPlus.supports,
+    "protonet": ProtoNet.supports,
+    "protomaml": ProtoMAML.supports,
+    "boil": BOIL.supports,
     "erm": dataclasses.replace(Bilevel.supports, low_memory=False),  # no lookahead to rebuild
 }
 

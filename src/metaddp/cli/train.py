@@ -27,6 +27,7 @@ from typing import Any
 
 from .._output import quoted
 from ..algorithms import build
+from ..algorithms.registry import INNER_OPTIMIZERS
 from ..distributed import DEFAULT_TIMEOUT
 from ..distributed.launch import oversubscribed
 from ..tasks import FAMILIES, family_class
@@ -35,6 +36,7 @@ from ..train import (
     DTYPES,
     EXIT_STOPPED,
     LAYOUTS,
+    OUTER_SCHEDULES,
     RunLock,
     TrainConfig,
     begin,
@@ -80,6 +82,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--inner-steps", type=int, default=S, help="adaptation steps in training")
     g.add_argument("--inner-lr", type=float, default=S, help="adaptation learning rate")
     g.add_argument("--outer-lr", type=float, default=S, help="meta (Adam) learning rate")
+    g.add_argument(
+        "--outer-schedule",
+        choices=OUTER_SCHEDULES,
+        default=S,
+        help="constant (default), or cosine: the outer rate anneals to 0 over --steps",
+    )
     g.add_argument("--lam", type=float, default=S, help="iMAML proximal strength (default 1)")
     g.add_argument("--shots", type=int, default=S, help="support samples per task / class")
     g.add_argument("--query", type=int, default=S, help="query samples per task / class")
@@ -127,9 +135,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument(
         "--inner-optimizer",
-        choices=("sgd", "adam"),
+        choices=INNER_OPTIMIZERS,
         default=S,
         help="the differentiable inner optimizer, at --inner-lr (default sgd)",
+    )
+    g.add_argument(
+        "--inner-clip",
+        type=float,
+        default=S,
+        metavar="NORM",
+        help="clip every inner gradient to this global norm before the inner optimizer "
+        "(the whole task's gradient, on any number of processes; default: no clipping)",
     )
     g.add_argument(
         "--autocast",

@@ -57,6 +57,27 @@ def checks(scenario: str) -> list[Check]:
             Check(scenario, layout, S.Problem(algorithm=scenario, layout=layout, steps=2), 1e-10)
             for layout in S.LAYOUTS
         ]
+    if scenario in COMPARED_SCENARIOS:
+        # The algorithms compared against, on the conv model where they classify (prototypes)
+        # and the regression MLP otherwise; MAML++ half-way through its loss annealing and
+        # first order (meta-step 5 of 150), and past both (meta-step 60). Same float64
+        # tolerance: only the order of sums changes.
+        return [
+            Check(scenario, f"{layout}{label}", problem, 1e-10)
+            for layout in S.LAYOUTS
+            for label, problem in compared(scenario, layout)
+        ]
+    if scenario == "inner-optimizers":
+        # MAML with every inner optimizer beyond SGD, one with global-norm clipping. The
+        # adaptive steps g / sqrt(v) amplify rounding where a gradient entry is small: seen
+        # up to 1e-11 between world sizes, so 1e-9 here.
+        return [
+            Check(scenario, f"{layout}, {opt}{', clipped' if clip else ''}",
+                  S.Problem(optimizer=opt, clip=clip, layout=layout, steps=2, inner_lr=lr), 1e-9)
+            for layout in S.LAYOUTS
+            for opt, clip, lr in (("adamw", None, 0.03), ("rmsprop", 2.0, 0.01),
+                                  ("adagrad", None, 0.1))
+        ]  # fmt: skip
     if scenario == "bn":
         # MAML on the conv model with BatchNorm synchronized over the sample axis.
         return [
@@ -104,10 +125,32 @@ def deterministic(c: Check) -> Check | None:
     return dataclasses.replace(c, problem=problem, tolerance=0.0)
 
 
+def compared(scenario: str, layout: str) -> list[tuple[str, S.Problem]]:
+    if scenario == "mamlpp":
+        return [
+            (f", at step {at}", S.Problem(algorithm="mamlpp", layout=layout, steps=2,
+                                          schedule_steps=150, meta_step=at))
+            for at in (5, 60)
+        ]  # fmt: skip
+    if scenario == "boil":
+        return [("", S.Problem(algorithm="boil", model="conv", layout=layout, steps=2, n_tasks=3))]
+    steps = 2 if scenario == "protomaml" else 1
+    return [
+        ("", S.Problem(algorithm=scenario, model="conv", layout=layout, steps=steps, n_tasks=3))
+    ]
+
+
 DETERMINISTIC = ("maml", "fomaml", "metasgd")
+COMPARED_SCENARIOS = ("mamlpp", "protonet", "protomaml", "boil")
 ALGORITHM_SCENARIOS = ("fomaml", "metasgd", "anil", "reptile", "imaml")
 BILEVEL_SCENARIOS = tuple(f"bilevel-{m}" for m in METHODS)
-SCENARIOS = ("seed", "conv", "mlp") + ALGORITHM_SCENARIOS + ("bn",) + BILEVEL_SCENARIOS
+SCENARIOS = (
+    ("seed", "conv", "mlp")
+    + ALGORITHM_SCENARIOS
+    + COMPARED_SCENARIOS
+    + ("inner-optimizers", "bn")
+    + BILEVEL_SCENARIOS
+)
 
 
 def run_checks(todo: list[Check]) -> list[dict]:

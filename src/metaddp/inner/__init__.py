@@ -1,5 +1,6 @@
 """Differentiable inner optimizers (pure ``init`` / ``update`` pairs) and learned learning rates."""
 
+from ._adaptive import adagrad, rmsprop
 from ._learned_lr import GRANULARITIES, LearnedLR
 from ._optimizers import (
     InnerOptimizer,
@@ -7,11 +8,14 @@ from ._optimizers import (
     SlotState,
     State,
     adam,
+    adamw,
     apply_updates,
     learned_rates,
     lr_for,
+    per_step_sgd,
     sgd,
 )
+from ._transforms import chain, clip_by_global_norm
 
 __all__ = [
     "GRANULARITIES",
@@ -20,9 +24,15 @@ __all__ = [
     "LearningRate",
     "SlotState",
     "State",
+    "adagrad",
     "adam",
+    "adamw",
     "apply_updates",
+    "chain",
+    "clip_by_global_norm",
     "learned_rates",
     "lr_for",
+    "per_step_sgd",
+    "rmsprop",
     "sgd",
 ]

@@ -164,8 +164,26 @@ def check_state(state: SlotState, grads: Mapping[str, Tensor], who: str) -> None
         )
 
 
+def decayed(grads: Params, params: Params, weight_decay: float) -> Params:
+    """``g + weight_decay * p`` for every gradient (L2 regularisation folded into the
+    gradient, as ``torch.optim``'s ``weight_decay``); the gradients themselves when it is 0."""
+    if weight_decay == 0:
+        return grads
+    return {k: g + weight_decay * params[k] for k, g in grads.items()}
+
+
+def nonnegative(value: float, name: str) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
+        raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+    return float(value)
+
+
 def sgd(
-    lr: LearningRate, momentum: float = 0.0, nesterov: bool = False, dampening: float = 0.0
+    lr: LearningRate,
+    momentum: float = 0.0,
+    nesterov: bool = False,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
 ) -> InnerOptimizer:
     """Gradient descent, optionally with (Nesterov) momentum, as ``torch.optim.SGD`` defines it.
 
@@ -178,6 +196,7 @@ def sgd(
         momentum: momentum factor ``mu`` (0 for plain gradient descent).
         nesterov: use Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0``).
         dampening: dampening of the momentum buffer's new gradient term.
+        weight_decay: L2 penalty ``wd``: the gradient becomes ``g + wd * p`` first.
 
     Returns:
         An :class:`InnerOptimizer`.
@@ -186,6 +205,7 @@ def sgd(
         raise ValueError(f"momentum must be >= 0, got {momentum}")
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("Nesterov momentum needs momentum > 0 and dampening == 0")
+    weight_decay = nonnegative(weight_decay, "weight_decay")
 
     if momentum == 0:
 
@@ -194,6 +214,7 @@ def sgd(
 
         def update_plain(grads: Params, state: State, params: Params) -> tuple[Params, State]:
             check_state(state, grads, "sgd")
+            grads = decayed(grads, params, weight_decay)
             rates = [lr_for(lr, k, g) for k, g in grads.items()]
             new = SlotState(state.count + 1, (), state.shapes)
             numbers = [-float(r) for r in rates if isinstance(r, int | float)]
@@ -208,6 +229,7 @@ def sgd(
 
     def update(grads: Params, state: State, params: Params) -> tuple[Params, State]:
         check_state(state, grads, "sgd")
+        grads = decayed(grads, params, weight_decay)
         (bufs,) = state.slots
         new_bufs, out = {}, {}
         for k, g in grads.items():
@@ -220,7 +242,13 @@ def sgd(
 
 
 def adam(
-    lr: LearningRate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 1e-16
+    lr: LearningRate,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 1e-16,
+    weight_decay: float = 0.0,
+    decoupled: bool = False,
 ) -> InnerOptimizer:
     """Adam (Kingma & Ba, ICLR 2015, arXiv:1412.6980), differentiable to second order.
 
@@ -241,10 +269,15 @@ def adam(
         b1, b2: decay rates of the first and second moments.
         eps: added to the denominator, outside the square root.
         eps_root: added to ``v_hat`` inside the square root (see above).
+        weight_decay: ``wd``. Coupled (``torch.optim.Adam``): the gradient becomes
+            ``g + wd * p`` before the moments. Decoupled (:func:`adamw`): the step gains
+            ``-lr * wd * p``, outside the moments.
+        decoupled: decouple the weight decay from the gradient (AdamW).
 
     Returns:
         An :class:`InnerOptimizer`.
     """
+    weight_decay = nonnegative(weight_decay, "weight_decay")
     if not (0 <= b1 < 1 and 0 <= b2 < 1):
         raise ValueError(f"Adam needs 0 <= b1, b2 < 1, got b1={b1}, b2={b2}")
     if eps < 0 or eps_root < 0:
@@ -255,7 +288,9 @@ def adam(
         return SlotState(0, (zeros, dict(zeros)), _shapes(params))
 
     def update(grads: Params, state: State, params: Params) -> tuple[Params, State]:
-        check_state(state, grads, "adam")
+        check_state(state, grads, "adamw" if decoupled else "adam")
+        if not decoupled:
+            grads = decayed(grads, params, weight_decay)
         mu, nu = state.slots
         t = state.count + 1
         c1, c2 = 1 - b1**t, 1 - b2**t
@@ -264,7 +299,57 @@ def adam(
             m = b1 * mu[k] + (1 - b1) * g
             v = b2 * nu[k] + (1 - b2) * g * g
             new_mu[k], new_nu[k] = m, v
-            out[k] = -lr_for(lr, k, g) * (m / c1) / (torch.sqrt(v / c2 + eps_root) + eps)
+            step = (m / c1) / (torch.sqrt(v / c2 + eps_root) + eps)
+            if decoupled and weight_decay:
+                step = step + weight_decay * params[k]
+            out[k] = -lr_for(lr, k, g) * step
         return out, SlotState(t, (new_mu, new_nu), state.shapes)
 
     return _optimizer(init, update, lr)
+
+
+def adamw(
+    lr: LearningRate,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 1e-16,
+    weight_decay: float = 0.01,
+) -> InnerOptimizer:
+    """AdamW (Loshchilov & Hutter, ICLR 2019, arXiv:1711.05101): :func:`adam` with the weight
+    decay decoupled from the gradient, as ``torch.optim.AdamW``: the step is
+    ``-lr * (m_hat / (sqrt(v_hat + eps_root) + eps) + weight_decay * p)``. Same arguments as
+    :func:`adam`; ``weight_decay`` defaults to torch's 0.01."""
+    return adam(lr, b1, b2, eps, eps_root, weight_decay=weight_decay, decoupled=True)
+
+
+def per_step_sgd(rates: Mapping[str, Tensor]) -> InnerOptimizer:
+    """Gradient descent whose rate differs at every inner step: ``rates[name][t]`` at step
+    ``t`` (a tensor ``[steps]``, one rate per step, or ``[steps, *shape]``, one per entry).
+    MAML++'s per-layer, per-step learned rates (Antoniou et al. 2019, "LSLR"): pass
+    ``nn.Parameter`` s and they are trained. A step beyond the last uses the last rates.
+    """
+    rates = dict(rates)
+    if not rates or any(not isinstance(r, Tensor) or r.dim() < 1 for r in rates.values()):
+        raise ValueError("per_step_sgd needs a tensor of per-step rates [steps, ...] per name")
+    steps = {r.shape[0] for r in rates.values()}
+    if len(steps) != 1:
+        raise ValueError(f"every parameter needs the same number of per-step rates, got {steps}")
+    (last,) = steps
+
+    def init(params: Params) -> State:
+        missing = [k for k in params if k not in rates]
+        if missing:
+            raise KeyError(f"per_step_sgd has no rates for {', '.join(map(repr, missing[:5]))}")
+        return SlotState(0, (), _shapes(params))
+
+    def update(grads: Params, state: State, params: Params) -> tuple[Params, State]:
+        check_state(state, grads, "per_step_sgd")
+        t = min(state.count, last - 1)
+        out = {k: -lr_for(rates[k][t], k, g) * g for k, g in grads.items()}
+        return out, SlotState(state.count + 1, (), state.shapes)
+
+    learned = tuple(r for r in rates.values() if r.requires_grad)
+    if learned:
+        _LEARNED[update] = learned
+    return InnerOptimizer(init, update)

@@ -100,6 +100,9 @@ class Problem:
     optimizer: str = "sgd"  # the inner optimizer by name (INNER_OPTIMIZERS)
     deterministic: bool = False  # MetaDDP's deterministic mode (bit-identical at any world)
     chunks: int = 8  # its most chunks per batch
+    clip: float | None = None  # clip inner gradients to this global norm
+    schedule_steps: int | None = None  # MAML++: the run's length its schedules scale to
+    meta_step: int = 0  # MAML++: the meta-step its schedules are at
 
     def build_model(self) -> nn.Module:
         torch.manual_seed(self.seed)
@@ -156,8 +159,13 @@ class Problem:
             cg_tol=1e-13,
             memory=self.memory,
             optimizer=self.optimizer,
+            clip=self.clip,
+            ways=3 if self.model == "conv" else None,
+            schedule_steps=self.schedule_steps,
         )
-        return build(self.algorithm, self.build_model(), settings).to(self.dtype)
+        algorithm = build(self.algorithm, self.build_model(), settings).to(self.dtype)
+        algorithm.at_step(self.meta_step)
+        return algorithm
 
 
 def run(problem: Problem) -> dict:

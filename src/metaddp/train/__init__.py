@@ -4,7 +4,7 @@ launcher with restarts, the exit statuses)."""
 
 from ._checkpoint import CheckpointError, settings_before
 from ._checkpoint import exists as checkpoint_exists
-from ._config import DTYPES, LAYOUTS, TrainConfig, read_toml
+from ._config import DTYPES, LAYOUTS, OUTER_SCHEDULES, TrainConfig, read_toml
 from ._folder import (
     CHECKPOINT,
     RunFolderError,
@@ -35,6 +35,7 @@ __all__ = [
     "EXIT_DIVERGED",
     "EXIT_STOPPED",
     "LAYOUTS",
+    "OUTER_SCHEDULES",
     "NonFiniteError",
     "CheckpointError",
     "RunFolderError",

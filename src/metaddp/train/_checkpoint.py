@@ -95,7 +95,7 @@ def save(
 def settings_before(config: Mapping[str, Any]) -> dict[str, Any]:
     """What a setting added since meant in checkpoints written before it existed: the image
     network had no BatchNorm, inner steps were SGD, forward passes ran in the run's dtype,
-    and runs were not deterministic."""
+    runs were not deterministic, and the outer learning rate was constant."""
     image = config.get("ways") is not None
     return {
         "norm": "none" if image else None,
@@ -103,6 +103,7 @@ def settings_before(config: Mapping[str, Any]) -> dict[str, Any]:
         "autocast": None,
         "deterministic": False,
         "chunks": 8,
+        "outer_schedule": "constant",
     }
 
 

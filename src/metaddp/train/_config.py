@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..algorithms import having
+from ..algorithms.registry import INNER_OPTIMIZERS as _BY_NAME
 from ..tasks import NORMS, TaskFamily, family_class, make
 
 if TYPE_CHECKING:
@@ -20,8 +21,10 @@ if TYPE_CHECKING:
 DTYPES = ("float32", "float64")
 LAYOUTS = ("sample", "task", "hybrid")
 MEMORY_MODES = ("default", "low")
-INNER_OPTIMIZERS = ("sgd", "adam")
+INNER_OPTIMIZERS = tuple(_BY_NAME)  # the registry's names
 AUTOCASTS = ("bf16", "fp16")
+OUTER_SCHEDULES = ("constant", "cosine")
+CLASSIFIERS = ("protonet", "protomaml")  # algorithms whose loss needs classes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +40,8 @@ class TrainConfig:
         inner_steps: adaptation steps per task during training.
         inner_lr: inner (adaptation) learning rate.
         outer_lr: Adam's learning rate for the meta-parameters.
+        outer_schedule: "constant", or "cosine": the outer rate anneals from outer_lr to 0
+            over the run's steps (cosine annealing without restarts, as MAML++ trains).
         lam: iMAML's proximal strength (the implicit system is I + H / lam).
         shots: support samples per task (per class for classification).
         query: query samples per task (per class for classification).
@@ -54,7 +59,9 @@ class TrainConfig:
         data: dataset folder (omniglot, miniimagenet), or the glyph cache folder (glyphs).
         memory: "default" keeps every inner step's graph; "low" rebuilds one at a time in the
             backward (the same meta-gradient; memory that does not grow with inner_steps).
-        inner_optimizer: "sgd" or "adam", at inner_lr (MAML, Meta-SGD, ANIL).
+        inner_optimizer: one of :data:`INNER_OPTIMIZERS` (sgd, adam, adamw, rmsprop, adagrad),
+            at inner_lr (MAML, Meta-SGD, ANIL...).
+        inner_clip: clip every inner gradient to this global norm first; None: off.
         autocast: "bf16" or "fp16": the forward passes under torch.autocast in that dtype,
             meta-gradients in the run's dtype (MAML, Meta-SGD, ANIL); None: off.
         norm: image tasks: "batch" (BatchNorm in every block of the network, synchronized
@@ -83,6 +90,7 @@ class TrainConfig:
     inner_steps: int | None = None
     inner_lr: float | None = None
     outer_lr: float | None = None
+    outer_schedule: str = "constant"
     lam: float = 1.0
     shots: int | None = None
     query: int | None = None
@@ -98,6 +106,7 @@ class TrainConfig:
     data: str | None = None
     memory: str = "default"
     inner_optimizer: str = "sgd"
+    inner_clip: float | None = None
     autocast: str | None = None
     norm: str | None = None
     fonts: str | None = None
@@ -117,6 +126,7 @@ class TrainConfig:
         "inner_steps",
         "inner_lr",
         "outer_lr",
+        "outer_schedule",
         "lam",
         "shots",
         "query",
@@ -128,6 +138,7 @@ class TrainConfig:
         "norm",
         "fonts",
         "inner_optimizer",
+        "inner_clip",
         "autocast",
         "deterministic",
         "chunks",
@@ -213,6 +224,8 @@ class TrainConfig:
                 f"unknown inner optimizer {self.inner_optimizer!r}; "
                 f"choose from {', '.join(INNER_OPTIMIZERS)}"
             )
+        if self.inner_clip is not None and not self.inner_clip > 0:
+            raise ValueError(f"inner_clip must be a norm > 0, got {self.inner_clip!r}")
         if self.autocast is not None and self.autocast not in AUTOCASTS:
             raise ValueError(
                 f"unknown autocast {self.autocast!r}; choose from {', '.join(AUTOCASTS)}"
@@ -228,6 +241,16 @@ class TrainConfig:
                 raise ValueError(
                     f"unknown method {self.method!r}; choose from {', '.join(METHODS)}"
                 )
+        if self.outer_schedule not in OUTER_SCHEDULES:
+            raise ValueError(
+                f"unknown outer schedule {self.outer_schedule!r}; choose from "
+                f"{', '.join(OUTER_SCHEDULES)}"
+            )
+        if self.algorithm in CLASSIFIERS and not family_class(self.task).classification:
+            raise ValueError(
+                f"{self.algorithm} scores classes against their prototypes: it trains on "
+                f"classification tasks, not {self.task}"
+            )
         if self.task == "noisy-digits" and self.eval_steps:
             raise ValueError(
                 "noisy-digits scores the trained network as it is: eval_steps must be 0, got "
@@ -257,6 +280,7 @@ class TrainConfig:
         # What each algorithm offers is declared on its class (metaddp.Supports).
         for k, plain, capability in (
             ("inner_optimizer", "sgd", "inner_optimizer"),
+            ("inner_clip", None, "inner_optimizer"),
             ("autocast", None, "autocast"),
         ):
             if getattr(self, k) != plain and self.algorithm not in having(capability):
@@ -364,9 +388,20 @@ class TrainConfig:
             cg_tol=1e-10 if self.dtype == "float64" else 1e-6,
             memory=self.memory,
             optimizer=self.inner_optimizer,
+            clip=self.inner_clip,
+            ways=self.ways,
+            schedule_steps=self.steps,
             autocast=self.autocast,
             method=self.method or "unrolled",
         )
+
+    def outer_lr_at(self, step: int) -> float:
+        """The outer learning rate of step ``step`` (0-based) under :attr:`outer_schedule`:
+        a function of the step alone, so a resumed run continues the same schedule."""
+        assert self.outer_lr is not None
+        if self.outer_schedule == "constant":
+            return self.outer_lr
+        return 0.5 * self.outer_lr * (1 + math.cos(math.pi * step / self.steps))
 
     def identity(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.IDENTITY}

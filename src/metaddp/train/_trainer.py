@@ -137,6 +137,9 @@ class Trainer:
             B, lambda i: to(self.family.task(self.cfg.seed, B * step + i), self.dtype, self.device)
         )
         self.optimizer.zero_grad(set_to_none=True)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.cfg.outer_lr_at(step)
+        self.algorithm.at_step(step)  # schedules inside the algorithm (MAML++)
         try:
             if self.captured is not None:
                 loss = self.captured(tasks)  # meta_loss and its backward, replayed

@@ -1,0 +1,236 @@
+"""Prototypical networks and ProtoMAML: classes scored against their support set's mean
+embedding, the prototype, which is exact on any split of the support set.
+
+- Snell, Swersky & Zemel, "Prototypical Networks for Few-shot Learning", NeurIPS 2017,
+  arXiv:1703.05175: the logits of a query are minus its squared distances to the prototypes.
+- Triantafillou et al., "Meta-Dataset", ICLR 2020, arXiv:1903.03096, sec. 3.2 (ProtoMAML):
+  MAML whose linear head starts, per task, at the prototypes' equivalent linear layer
+  ``W_k = 2 c_k``, ``b_k = -|c_k|^2``; the gradient reaches the embedding through that start.
+
+A prototype is a class mean over the *whole* support set: where processes split the support,
+the per-class sums and counts go through the differentiable SUM (:func:`metaddp.class_means`),
+so every process scores against the one-process prototypes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .._adapt import batch_share, inner_loop
+from .._data import Batch, Task
+from .._functional import call, params_of, refusing_draws
+from .._share import share
+from .._statistics import class_means
+from .._types import LossFn, Params, Reduce, Supports
+from ..inner import InnerOptimizer
+from ._base import Algorithm, OptimizerFactory
+
+PROTOTYPES = "prototypes"
+"""The one "fast weight" of a prototypical network: ``adapt`` returns its prototypes."""
+
+
+def squared_distances(queries: Tensor, prototypes: Tensor) -> Tensor:
+    """``[n, ways]``: ``|q_i - c_k|^2`` over flattened features, differentiable to any order
+    (no square root, whose derivative is infinite at a zero distance)."""
+    q, c = queries.flatten(1), prototypes.flatten(1)
+    return ((q.unsqueeze(1) - c.unsqueeze(0)) ** 2).sum(-1)
+
+
+def positive_ways(ways: int) -> int:
+    if isinstance(ways, bool) or not isinstance(ways, int) or ways < 1:
+        raise ValueError(
+            f"ways (the number of classes per task) must be a positive integer, got {ways!r}"
+        )
+    return ways
+
+
+class ProtoNet(Algorithm):
+    """A prototypical network: no inner loop; a query's logits are minus its squared
+    distances to the support set's class means in the embedding ``model`` computes.
+
+    Args:
+        model: the embedding network (its output, flattened, is the feature).
+        ways: classes per task (labels ``0 .. ways - 1``); every class needs a support sample.
+        autocast: as :class:`metaddp.MAML`.
+
+    ``adapt(support)`` returns ``{"prototypes": [ways, ...]}``, and ``learner(x, fast)``
+    the logits against them, so a prototypical network evaluates like any algorithm.
+    """
+
+    supports: ClassVar[Supports] = Supports(autocast=True, inner_optimizer=False)
+
+    def __init__(self, model: nn.Module, *, ways: int, autocast: torch.dtype | None = None) -> None:
+        super().__init__(model, autocast=autocast)
+        self.ways = positive_ways(ways)
+
+    def settings(self) -> dict[str, object]:
+        return {
+            "algorithm": type(self).__name__,
+            "ways": self.ways,
+            "autocast": None if self.autocast is None else str(self.autocast),
+        }
+
+    def prototypes(self, support: Batch, *, reduce: Reduce) -> Tensor:
+        """The class means of the support set's embeddings, over the whole set."""
+        means, _ = class_means(self.model(support.x), support.y, self.ways, reduce=reduce)
+        return means
+
+    def task_loss(self, task: Task, loss_fn: LossFn, *, reduce: Reduce) -> Tensor:
+        logits = self.forward(
+            task.query.x, {PROTOTYPES: self.prototypes(task.support, reduce=reduce)}
+        )
+        return share(loss_fn(logits, task.query.y), task.query)
+
+    def adapt(
+        self,
+        support: Batch,
+        loss_fn: LossFn | None = None,
+        *,
+        steps: int | None = None,
+        reduce: Reduce | None = None,
+    ) -> Params:
+        """``{"prototypes": ...}`` of ``support`` (``loss_fn`` and ``steps`` are not used: a
+        prototypical network has no inner steps)."""
+        self._not_exact("adapt()")
+        c = self.collectives(reduce)
+        self.check_batches({"the support": support}, c)
+        with self.autocasting(), refusing_draws(c.split):
+            return {PROTOTYPES: self.prototypes(support, reduce=c.reduce)}
+
+    def forward(self, x: Tensor, fast: Mapping[str, Tensor] | None = None) -> Tensor:
+        """The logits of ``x`` against ``fast["prototypes"]`` (from :meth:`adapt`)."""
+        if fast is None or PROTOTYPES not in fast:
+            raise TypeError(
+                "a prototypical network classifies against a support set's prototypes: "
+                "pass fast=learner.adapt(support) (its embedding alone is learner.model(x))"
+            )
+        return -squared_distances(self.model(x), fast[PROTOTYPES])
+
+    def clone(self, *, reduce: Reduce | None = None) -> Any:
+        raise TypeError(
+            "a prototypical network has no inner steps to take with clone()/adapt(loss): use "
+            "learner.meta_loss(tasks, loss_fn), or fast = learner.adapt(support)"
+        )
+
+
+class WithHead(nn.Module):
+    """``linear(body(x), weight, bias)``, the head's tensors given as fast weights only:
+    ProtoMAML's head has no meta-parameters, its start is computed per task."""
+
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+        # Placeholders for functional calls; never trained, never saved.
+        self.register_buffer("weight", torch.zeros(0), persistent=False)
+        self.register_buffer("bias", torch.zeros(0), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.weight.numel() == 0:
+            raise TypeError(
+                "ProtoMAML's head starts at each task's prototypes: pass fast weights from "
+                "learner.adapt(support)"
+            )
+        return F.linear(self.body(x).flatten(1), self.weight, self.bias)
+
+
+class ProtoMAML(Algorithm):
+    """MAML over an embedding ``body`` whose linear head starts at each task's prototypes.
+
+    The inner loop adapts the body and the head together, from ``W_k = 2 c_k``,
+    ``b_k = -|c_k|^2`` (so that before any step the logits are the prototypical network's,
+    up to a per-query constant). The meta-gradient reaches the body through the inner steps
+    and through the prototypes.
+
+    Args:
+        body: the embedding network (meta-parameters).
+        ways: classes per task (labels ``0 .. ways - 1``).
+        inner_lr, steps, first_order, optimizer, autocast: as :class:`metaddp.MAML`.
+
+    Fast weights are the body's (named ``"body.<name>"``) and ``"weight"`` / ``"bias"``.
+    """
+
+    model: WithHead
+    supports: ClassVar[Supports] = Supports(autocast=True)
+
+    def __init__(
+        self,
+        body: nn.Module,
+        *,
+        ways: int,
+        inner_lr: float = 0.01,
+        steps: int = 1,
+        first_order: bool = False,
+        optimizer: InnerOptimizer | OptimizerFactory | None = None,
+        autocast: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(
+            WithHead(body),
+            inner_lr=inner_lr,
+            steps=steps,
+            first_order=first_order,
+            optimizer=optimizer,
+            autocast=autocast,
+        )
+        self.ways = positive_ways(ways)
+
+    def settings(self) -> dict[str, object]:
+        return dict(super().settings(), ways=self.ways)
+
+    def start(self, support: Batch, *, reduce: Reduce) -> Params:
+        """The body's meta-parameters and the head at the support set's prototypes."""
+        means, _ = class_means(self.model.body(support.x), support.y, self.ways, reduce=reduce)
+        c = means.flatten(1)
+        return {**params_of(self.model), "weight": 2 * c, "bias": -(c * c).sum(1)}
+
+    def _adapted(self, support: Batch, loss_fn: LossFn, reduce: Reduce, steps: int) -> Params:
+        return inner_loop(
+            self.model,
+            self.start(support, reduce=reduce),
+            support,
+            loss_fn,
+            steps=steps,
+            optimizer=self.inner_optimizer(),
+            first_order=self.first_order,
+            reduce=reduce,
+        )
+
+    def task_loss(self, task: Task, loss_fn: LossFn, *, reduce: Reduce) -> Tensor:
+        fast = self._adapted(task.support, loss_fn, reduce, self.steps)
+        return batch_share(self.model, fast, task.query, loss_fn)
+
+    def adapt(
+        self,
+        support: Batch,
+        loss_fn: LossFn,
+        *,
+        steps: int | None = None,
+        reduce: Reduce | None = None,
+    ) -> Params:
+        """Body and head weights after ``steps`` (default: the algorithm's) inner steps from
+        the prototypes' head."""
+        self._not_exact("adapt()")
+        c = self.collectives(reduce)
+        self.check_batches({"the support": support}, c)
+        with self.autocasting(), refusing_draws(c.split):
+            return self._adapted(support, loss_fn, c.reduce, self.steps if steps is None else steps)
+
+    def forward(self, x: Tensor, fast: Mapping[str, Tensor] | None = None) -> Tensor:
+        """The adapted network on ``x``; ``fast`` from :meth:`adapt` (the head has no
+        meta-parameters to fall back on)."""
+        if fast is None or "weight" not in fast:
+            raise TypeError(
+                "ProtoMAML's head starts at each task's prototypes: pass "
+                "fast=learner.adapt(support, loss_fn)"
+            )
+        return call(self.model, fast, x)
+
+    def clone(self, *, reduce: Reduce | None = None) -> Any:
+        raise TypeError(
+            "ProtoMAML's head starts at the prototypes of a support set, which clone() does "
+            "not see: use learner.meta_loss(tasks, loss_fn), or learner.adapt(support, loss_fn)"
+        )
