@@ -337,7 +337,8 @@ def test_under_torchrun_a_layout_that_does_not_fit_is_one_error(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("algorithm", ["maml", "fomaml", "metasgd", "anil", "reptile", "imaml"])
+@pytest.mark.parametrize("algorithm", ["maml", "fomaml", "metasgd", "anil", "reptile", "imaml",
+                                       "boil", "mamlpp", "protonet", "protomaml"])
 def test_every_algorithm_trains_the_image_network(tmp_path, algorithm):
     # The image families' ConvNet is an nn.Sequential subclass with its own constructor:
     # ANIL's body/head split once tried to rebuild it from a slice.

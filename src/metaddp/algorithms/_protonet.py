@@ -122,6 +122,9 @@ class WithHead(nn.Module):
     """``linear(body(x), weight, bias)``, the head's tensors given as fast weights only:
     ProtoMAML's head has no meta-parameters, its start is computed per task."""
 
+    weight: Tensor
+    bias: Tensor
+
     def __init__(self, body: nn.Module) -> None:
         super().__init__()
         self.body = body
