@@ -47,6 +47,12 @@ def problems() -> list[S.Problem]:
             S.Problem(optimizer="adagrad", layout=layout, steps=STEPS, inner_lr=0.1),
         ]
     out.append(S.Problem(algorithm="boil", model="conv", layout="hybrid", steps=STEPS, n_tasks=3))
+    # MAML++ with per-step BatchNorm weights and running statistics (BNWB, BNRS), synchronized
+    # over the ranks that split a task.
+    for layout in S.LAYOUTS:
+        out.append(S.Problem(algorithm="mamlpp", model="conv", batchnorm=True, layout=layout,
+                             steps=STEPS, n_tasks=3, inner_lr=0.3, schedule_steps=150,
+                             meta_step=5))
     # BOIL takes MAML's second order rebuilt step by step.
     out.append(S.Problem(algorithm="boil", layout="hybrid", steps=STEPS, memory="low"))
     return out
@@ -54,7 +60,7 @@ def problems() -> list[S.Problem]:
 
 def name(p: S.Problem) -> str:
     what = p.algorithm if p.optimizer == "sgd" else f"{p.optimizer}{'-clip' if p.clip else ''}"
-    modes = ("-low" if p.memory == "low" else "") + ("-deterministic" if p.deterministic else "")
+    modes = ("-bn" if p.batchnorm else "") + ("-low" if p.memory == "low" else "") + ("-deterministic" if p.deterministic else "")
     return f"{what}-{p.model}-{p.layout}" + (f"-at{p.meta_step}" if p.meta_step else "") + modes
 
 
@@ -168,6 +174,8 @@ def reference(p: S.Problem) -> dict[str, torch.Tensor]:
                 total = total + loss(fast, t.query)
             grads = torch.autograd.grad(total / p.n_tasks, theta[:nb])
             return {f"body.{k}": g for k, g in zip(bnames, grads)}
+        if p.algorithm == "mamlpp":  # per-step BatchNorm weights and running statistics
+            return reference_mamlpp_bn(p)[0]
         if p.algorithm == "boil":  # the head (last two tensors) held in the inner loop
             def loss(params, b):
                 return F.cross_entropy(functional_call(net, dict(zip(names, params)), (b.x,)), b.y)
@@ -222,6 +230,61 @@ def reference(p: S.Problem) -> dict[str, torch.Tensor]:
             fast, state = step(i + 1, fast, list(g), state)
         total = total + mse(fast, t.query.x, t.query.y)
     return dict(zip(names, torch.autograd.grad(total / p.n_tasks, theta)))
+
+
+def reference_mamlpp_bn(p: S.Problem) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """MAML++ on the BatchNorm conv model: row i of every per-step tensor at inner step i,
+    PyTorch's BatchNorm on each whole batch updating row i of the running statistics."""
+    net = p.build_model().train()
+    own = dict(net.named_parameters())
+    norms = [n for n, m in net.named_modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    bn_keys = [f"{n}.{k}" for n in norms for k in ("weight", "bias")]
+    adapted = [k for k in own if k not in bn_keys]
+    theta = [own[k].detach().clone().requires_grad_() for k in adapted]
+    rows = [own[k].detach().unsqueeze(0).repeat(p.steps, 1).requires_grad_() for k in bn_keys]
+    rates = [torch.full((p.steps,), p.inner_lr, dtype=p.dtype, requires_grad=True) for _ in theta]
+    stats = {f"{n}.{k}": getattr(net, n).__getattr__(k).detach().unsqueeze(0).repeat(p.steps, 1)
+             for n in norms for k in ("running_mean", "running_var")}
+    assert p.schedule_steps is not None
+    w = msl_weights(p.steps, p.meta_step, p.schedule_steps // 15)
+    second = p.meta_step >= p.schedule_steps // 3
+
+    def loss(fast, i, b):
+        weights = {**dict(zip(adapted, fast)), **{k: r[i] for k, r in zip(bn_keys, rows)},
+                   **{k: v[i] for k, v in stats.items()}}
+        return F.cross_entropy(functional_call(net, weights, (b.x,)), b.y)
+
+    total = 0.0
+    for t in p.tasks():
+        fast = theta
+        for i in range(p.steps):
+            g = torch.autograd.grad(loss(fast, i, t.support), fast, create_graph=second)
+            fast = [f - r[i] * gi for f, r, gi in zip(fast, rates, g)]
+            total = total + w[i] * loss(fast, i, t.query)
+    grads = torch.autograd.grad(total / p.n_tasks, theta + rows + rates)
+    out = dict(zip(adapted, grads[: len(theta)]))
+    out.update({f"bn_steps.{j}": g for j, g in enumerate(grads[len(theta): len(theta) + len(rows)])})
+    out.update({f"lslr.{j}": g for j, g in enumerate(grads[len(theta) + len(rows):])})
+    names = {f"{n}.running_mean": f"step_mean_{j}" for j, n in enumerate(norms)}
+    names.update({f"{n}.running_var": f"step_var_{j}" for j, n in enumerate(norms)})
+    return out, {names[k]: v for k, v in stats.items()}
+
+
+def test_mamlpp_per_step_running_statistics_match_one_process(results):
+    # Sample layout: every rank runs every task on its part of the samples, so every rank
+    # holds every row of the statistics, updated from the global batch statistics.
+    index = next(i for i, p in enumerate(problems())
+                 if p.algorithm == "mamlpp" and p.batchnorm and p.layout == "sample")
+    _, want = reference_mamlpp_bn(problems()[index])
+    for world, per_rank in results.items():
+        for rank, everything in enumerate(per_rank):
+            got = everything[index]["own_buffers"]
+            assert sorted(got) == sorted(want)
+            for k, v in want.items():
+                d = float((got[k] - v).abs().max())
+                assert d < RTOL * max(1.0, float(v.abs().max())), f"{k} world {world} rank {rank}: {d:.3g}"
+            # rows of steps taken moved; they are not all the start's (1 for the variance)
+            assert not torch.equal(got["step_var_0"], torch.ones_like(got["step_var_0"]))
 
 
 def flat(d, keys):

@@ -9,12 +9,15 @@ MAML", ICLR 2019, arXiv:1810.09502.
   meta-steps instead of epochs: the weights multiply the losses.
 - **DA**: first-order meta-gradients for the first ``first_order_steps`` meta-steps, then
   second order.
+- **BNWB, BNRS**: every BatchNorm layer's weight and bias, and its running statistics when it
+  keeps them, one set per inner step (``per_step_bn``). They are meta-parameters (and buffers)
+  of this module, ``[steps, C]`` each; inner step ``i``'s forwards, on the support and then on
+  the query, read row ``i``. As in the authors' code they are not adapted in the inner loop.
+  The model's own BatchNorm weights are then not used (:meth:`MAMLPlusPlus.not_reached`).
 - The cosine outer schedule is the training loop's (``metaddp train --outer-schedule cosine``).
 
 The schedules read the meta-step a training loop gives :meth:`MAMLPlusPlus.at_step`; it is one
 of the algorithm's settings, so processes that disagree on it fail at the gradient SUM.
-Per-step BatchNorm weights and statistics (BNWB, BNRS) are not here: BatchNorm layers keep
-one set, as in MAML.
 """
 
 from __future__ import annotations
@@ -23,11 +26,14 @@ from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from .._adapt import batch_share, inner_step
-from .._data import Task
-from .._types import LossFn, Reduce, Supports
+from .._data import Batch, Task
+from .._functional import refusing_draws
+from .._types import LossFn, Params, Reduce, Supports
 from ..inner import InnerOptimizer, per_step_sgd
+from ._learner import Learner
 from ._maml import MAML
 
 MIN_NON_FINAL = 0.03
@@ -62,6 +68,8 @@ class MAMLPlusPlus(MAML):
             loss alone from the start).
         first_order_steps: meta-steps trained first order before second order.
         first_order: first order throughout.
+        per_step_bn: BatchNorm weights, biases and running statistics per inner step (BNWB,
+            BNRS); ``False``: the model's own, adapted like any weight, as in MAML.
         autocast, conv: as :class:`metaddp.MAML` (tasks run one by one: each inner step
             scores the query set too).
 
@@ -80,6 +88,7 @@ class MAMLPlusPlus(MAML):
         msl_steps: int = 0,
         first_order_steps: int = 0,
         first_order: bool = False,
+        per_step_bn: bool = True,
         autocast: torch.dtype | None = None,
         conv: str = "auto",
     ) -> None:
@@ -97,6 +106,27 @@ class MAMLPlusPlus(MAML):
         )
         self.msl_steps, self.first_order_steps = msl_steps, first_order_steps
         self.meta_step = 0
+        norms = [(n, m) for n, m in model.named_modules() if isinstance(m, _BatchNorm)]
+        if not per_step_bn:
+            norms = []
+        # BNWB: the trained affine tensors of every BatchNorm layer, a row per inner step.
+        self.bn_keys = [
+            f"{n}.{k}"
+            for n, m in norms
+            for k in ("weight", "bias")
+            if m.affine and getattr(m, k).requires_grad
+        ]
+        own = dict(model.named_parameters())
+        self.bn_steps = nn.ParameterList(
+            nn.Parameter(own[k].detach().unsqueeze(0).repeat(steps, 1)) for k in self.bn_keys
+        )
+        # BNRS: the running statistics, a row per inner step (buffers: saved and broadcast).
+        self.stat_layers = [n for n, m in norms if m.track_running_stats]
+        for j, n in enumerate(self.stat_layers):
+            m = dict(norms)[n]
+            assert m.running_mean is not None and m.running_var is not None
+            self.register_buffer(f"step_mean_{j}", m.running_mean.unsqueeze(0).repeat(steps, 1))
+            self.register_buffer(f"step_var_{j}", m.running_var.unsqueeze(0).repeat(steps, 1))
         like = self.fast_weights()
         self.names = list(like)
         # One rate per tensor and per step (nn.ParameterList: names may hold '.').
@@ -104,6 +134,28 @@ class MAMLPlusPlus(MAML):
             nn.Parameter(torch.full((steps,), float(inner_lr), dtype=p.dtype, device=p.device))
             for p in like.values()
         )
+
+    def fast_weights(self) -> Params:
+        """The weights the inner loop adapts: the model's, but per-step BatchNorm's."""
+        held = set(getattr(self, "bn_keys", ()))
+        return {k: p for k, p in super().fast_weights().items() if k not in held}
+
+    def not_reached(self) -> set[str]:
+        """The model's own BatchNorm weights, replaced by the per-step ones: the gradient SUM
+        does not require theirs."""
+        return {f"model.{k}" for k in self.bn_keys}
+
+    def norms_at(self, step: int) -> tuple[Params, Params | None]:
+        """Inner step ``step``'s BatchNorm weights (by the model's names) and running
+        statistics (views of this module's rows, which the layers update in place), or
+        ``None`` for the model's own. A step past the last reads the last row."""
+        i = min(step, self.steps - 1)
+        weights = {k: p[i] for k, p in zip(self.bn_keys, self.bn_steps, strict=True)}
+        stats: Params = {}
+        for j, n in enumerate(self.stat_layers):
+            stats[f"{n}.running_mean"] = getattr(self, f"step_mean_{j}")[i]
+            stats[f"{n}.running_var"] = getattr(self, f"step_var_{j}")[i]
+        return weights, stats or None
 
     def at_step(self, step: int) -> None:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -121,6 +173,7 @@ class MAMLPlusPlus(MAML):
     def settings(self) -> dict[str, object]:
         return dict(
             super().settings(),
+            per_step_bn=self.bn_keys + self.stat_layers,
             msl_steps=self.msl_steps,
             first_order_steps=self.first_order_steps,
             meta_step=self.meta_step,
@@ -138,12 +191,51 @@ class MAMLPlusPlus(MAML):
         total: Tensor | None = None
         with torch.enable_grad():
             for i, w in enumerate(self.weights_now()):
-                loss = batch_share(self.model, fast, task.support, loss_fn)
+                norms, stats = self.norms_at(i)
+                loss = batch_share(self.model, {**fast, **norms}, task.support, loss_fn, stats)
                 fast, state = inner_step(
                     loss, fast, state, optimizer, step=i, reduce=reduce, first_order=first_order
                 )
                 if w:
-                    scored = w * batch_share(self.model, fast, task.query, loss_fn)
-                    total = scored if total is None else total + scored
+                    query = batch_share(self.model, {**fast, **norms}, task.query, loss_fn, stats)
+                    total = w * query if total is None else total + w * query
         assert total is not None  # the last weight is never 0
         return total
+
+    def adapt(
+        self,
+        support: Batch,
+        loss_fn: LossFn,
+        *,
+        steps: int | None = None,
+        reduce: Reduce | None = None,
+    ) -> Params:
+        """The adapted weights after ``steps`` (default: the algorithm's) inner steps, with
+        the BatchNorm weights and statistics of the last step taken, ready for
+        ``learner(x, fast)``."""
+        self._not_exact("adapt()")
+        c = self.collectives(reduce)
+        self.check_batches({"the support": support}, c)
+        steps = self.steps if steps is None else steps
+        fast = self.fast_weights()
+        optimizer = self.inner_optimizer()
+        state = optimizer.init(fast)
+        with self.autocasting(), refusing_draws(c.split), torch.enable_grad():
+            for i in range(steps):
+                norms, stats = self.norms_at(i)
+                loss = batch_share(self.model, {**fast, **norms}, support, loss_fn, stats)
+                fast, state = inner_step(
+                    loss, fast, state, optimizer, step=i, reduce=c.reduce,
+                    first_order=self.first_order,
+                )  # fmt: skip
+        norms, stats = self.norms_at(max(steps - 1, 0))
+        return {**fast, **norms, **(stats or {})}
+
+    def clone(self, *, reduce: Reduce | None = None) -> Learner:
+        if self.bn_keys or self.stat_layers:
+            raise TypeError(
+                "MAML++'s per-step BatchNorm changes the network at every inner step, which "
+                "clone()'s adapt(loss) does not know: use learner.meta_loss(tasks, loss_fn) "
+                "and learner.adapt(support, loss_fn), or build it with per_step_bn=False"
+            )
+        return super().clone(reduce=reduce)

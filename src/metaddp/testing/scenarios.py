@@ -182,10 +182,15 @@ def run(problem: Problem) -> dict:
     learner.sync_grads()
     algorithm = learner.module
     assert isinstance(algorithm, Algorithm)
+    in_model = {id(b) for b in algorithm.model.buffers()}
     return {
         "loss": float(learner.global_value(loss)),
         "grads": meta_gradient(algorithm),
         "buffers": {k: b.detach().clone() for k, b in algorithm.model.named_buffers()},
+        # The algorithm's own (MAML++'s per-step running statistics).
+        "own_buffers": {
+            k: b.detach().clone() for k, b in algorithm.named_buffers() if id(b) not in in_model
+        },
     }
 
 
@@ -193,8 +198,12 @@ def meta_gradient(algorithm: Algorithm) -> dict[str, Tensor]:
     """Every meta-parameter's gradient: the model's by their names in the model, any other
     (learned learning rates) by their names in the algorithm module (``lr.rates.0``...)."""
     in_model = {id(p): k for k, p in algorithm.model.named_parameters()}
+    declared = getattr(algorithm, "not_reached", None)
+    unused = declared() if callable(declared) else set()  # by design (MAML++'s replaced ones)
     grads = {}
     for k, p in algorithm.named_parameters():
+        if k in unused:
+            continue
         assert p.grad is not None, f"{k} has no meta-gradient"
         grads[in_model.get(id(p), k)] = p.grad.detach().clone()
     return grads
