@@ -55,12 +55,15 @@ def problems() -> list[S.Problem]:
                              meta_step=5))
     # BOIL takes MAML's second order rebuilt step by step.
     out.append(S.Problem(algorithm="boil", layout="hybrid", steps=STEPS, memory="low"))
+    # A chained, clipped adaptive optimizer rebuilt step by step.
+    out.append(S.Problem(optimizer="adamw", clip=1.0, layout="sample", steps=STEPS,
+                         inner_lr=0.03, memory="low"))
     return out
 
 
 def name(p: S.Problem) -> str:
     what = p.algorithm if p.optimizer == "sgd" else f"{p.optimizer}{'-clip' if p.clip else ''}"
-    modes = ("-bn" if p.batchnorm else "") + ("-low" if p.memory == "low" else "") + ("-deterministic" if p.deterministic else "")
+    modes = ("-bn" if p.batchnorm else "") + ("-low" if p.memory == "low" else "")
     return f"{what}-{p.model}-{p.layout}" + (f"-at{p.meta_step}" if p.meta_step else "") + modes
 
 
@@ -351,6 +354,12 @@ def test_msl_weights_anneal_to_the_last_step():
 
 def test_mamlpp_schedule_is_the_meta_step_it_is_told():
     alg = md.MAMLPlusPlus(torch.nn.Linear(2, 1), steps=3, msl_steps=4, first_order_steps=2)
+    b = md.Batch(torch.randn(4, 2), torch.randn(4, 1), 4)
+    mse = lambda p, y: F.mse_loss(p, y, reduction="none")  # noqa: E731
+    with pytest.raises(RuntimeError, match="never told: call learner.module.at_step"):
+        alg.meta_loss([md.Task(b, b)], mse)
+    alg.at_step(0)
+    assert torch.isfinite(alg.meta_loss([md.Task(b, b)], mse))
     assert not alg.second_order_now() and alg.weights_now() == pytest.approx([1 / 3] * 3)
     alg.at_step(2)
     assert alg.second_order_now()

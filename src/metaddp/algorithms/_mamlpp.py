@@ -106,6 +106,7 @@ class MAMLPlusPlus(MAML):
         )
         self.msl_steps, self.first_order_steps = msl_steps, first_order_steps
         self.meta_step = 0
+        self.told = False  # whether at_step() was ever called (schedules need it)
         norms = [(n, m) for n, m in model.named_modules() if isinstance(m, _BatchNorm)]
         if not per_step_bn:
             norms = []
@@ -160,7 +161,7 @@ class MAMLPlusPlus(MAML):
     def at_step(self, step: int) -> None:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"the meta-step must be an integer >= 0, got {step!r}")
-        self.meta_step = step
+        self.meta_step, self.told = step, True
 
     def second_order_now(self) -> bool:
         """Whether this meta-step's inner gradients keep their graph."""
@@ -184,6 +185,12 @@ class MAMLPlusPlus(MAML):
 
     def task_loss(self, task: Task, loss_fn: LossFn, *, reduce: Reduce) -> Tensor:
         """The weighted sum of the query shares after each inner step."""
+        if (self.msl_steps or self.first_order_steps) and not self.told:
+            raise RuntimeError(
+                "MAML++'s schedules (msl_steps, first_order_steps) follow the meta-step, which "
+                "it was never told: call learner.module.at_step(i) before meta-step i (metaddp "
+                "train does), or build it with msl_steps=0 and first_order_steps=0"
+            )
         fast = self.fast_weights()
         optimizer = self.inner_optimizer()
         state = optimizer.init(fast)
