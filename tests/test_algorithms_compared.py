@@ -53,6 +53,11 @@ def problems() -> list[S.Problem]:
         out.append(S.Problem(algorithm="mamlpp", model="conv", batchnorm=True, layout=layout,
                              steps=STEPS, n_tasks=3, inner_lr=0.3, schedule_steps=150,
                              meta_step=5))
+    # MAML with tasks stacked through BatchNorm layers that track running statistics: the
+    # statistics move as the per-task loop moves them.
+    for layout in S.LAYOUTS:
+        out.append(S.Problem(model="conv", batchnorm=True, layout=layout, steps=STEPS,
+                             n_tasks=3, inner_lr=0.3, batched=True))
     # BOIL takes MAML's second order rebuilt step by step.
     out.append(S.Problem(algorithm="boil", layout="hybrid", steps=STEPS, memory="low"))
     # A chained, clipped adaptive optimizer rebuilt step by step.
@@ -64,11 +69,36 @@ def problems() -> list[S.Problem]:
 def name(p: S.Problem) -> str:
     what = p.algorithm if p.optimizer == "sgd" else f"{p.optimizer}{'-clip' if p.clip else ''}"
     modes = ("-bn" if p.batchnorm else "") + ("-low" if p.memory == "low" else "")
+    modes += "-stacked" if p.batched else ""
     return f"{what}-{p.model}-{p.layout}" + (f"-at{p.meta_step}" if p.meta_step else "") + modes
 
 
 def _worker(probs: list[S.Problem]) -> list[dict]:
-    return [S.run(p) for p in probs]
+    return [S.run(p) for p in probs] + [user_written(USER_PROBLEM)]
+
+
+USER_PROBLEM = S.Problem(algorithm="protonet", model="conv", layout="sample", n_tasks=3)
+
+
+def user_written(p: S.Problem) -> dict:
+    """A prototypical network as docs/algorithms.md shows it: its own loss through
+    md.class_means with learner.reduce, and evaluation by learner.adapt(support)."""
+    body = p.build_model().split_head()[0]
+    learner = md.MetaDDP(md.ProtoNet(body, ways=3), S.mesh_for(p.layout))
+    tasks = learner.shard(p.n_tasks, p.task)
+    total = 0.0
+    for t in tasks:  # by hand: prototypes of the whole support set, whatever this rank holds
+        c, _ = md.class_means(body(t.support.x), t.support.y, 3, reduce=learner.reduce)
+        logits = -((body(t.query.x)[:, None] - c[None]) ** 2).sum(-1)
+        total = total + md.share(F.cross_entropy(logits, t.query.y, reduction="none"), t.query)
+    (total / tasks.n).backward()
+    learner.sync_grads()
+    by_hand = {k: q.grad.clone() for k, q in body.named_parameters()}
+    t = tasks[0]
+    fast = learner.adapt(t.support)  # the prototypes, no loss function
+    with torch.no_grad():
+        logits = learner(t.query.x, fast)
+    return {"grads": by_hand, "prototypes": fast["prototypes"].detach(), "rows": logits.shape[0]}
 
 
 @pytest.fixture(scope="module")
@@ -179,6 +209,8 @@ def reference(p: S.Problem) -> dict[str, torch.Tensor]:
             return {f"body.{k}": g for k, g in zip(bnames, grads)}
         if p.algorithm == "mamlpp":  # per-step BatchNorm weights and running statistics
             return reference_mamlpp_bn(p)[0]
+        if p.algorithm == "maml":  # BatchNorm with running statistics, tasks one by one
+            return reference_maml_bn(p)[0]
         if p.algorithm == "boil":  # the head (last two tensors) held in the inner loop
             def loss(params, b):
                 return F.cross_entropy(functional_call(net, dict(zip(names, params)), (b.x,)), b.y)
@@ -273,6 +305,39 @@ def reference_mamlpp_bn(p: S.Problem) -> tuple[dict[str, torch.Tensor], dict[str
     return out, {names[k]: v for k, v in stats.items()}
 
 
+def reference_maml_bn(p: S.Problem) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """MAML on the BatchNorm conv model, PyTorch's layer on each whole batch, task after task,
+    moving its running statistics at every forward."""
+    net = p.build_model().train()
+    names = [k for k, _ in net.named_parameters()]
+    theta = [t.detach().clone().requires_grad_() for t in net.parameters()]
+
+    def loss(params, b):
+        return F.cross_entropy(functional_call(net, dict(zip(names, params)), (b.x,)), b.y)
+
+    total = 0.0
+    for t in p.tasks():
+        fast = sgd_steps(loss, theta, t.support, p.steps, p.inner_lr)
+        total = total + loss(fast, t.query)
+    grads = torch.autograd.grad(total / p.n_tasks, theta)
+    return dict(zip(names, grads)), {k: b.detach().clone() for k, b in net.named_buffers()}
+
+
+def test_stacked_running_statistics_move_as_the_loop_moves_them(results):
+    # Sample layout: every rank runs every task, so every rank holds the one-process values.
+    index = next(i for i, p in enumerate(problems()) if p.batched and p.layout == "sample")
+    _, want = reference_maml_bn(problems()[index])
+    for world, per_rank in results.items():
+        for rank, everything in enumerate(per_rank):
+            got = everything[index]["buffers"]
+            assert sorted(got) == sorted(want)
+            for k, v in want.items():
+                d = float((got[k].double() - v.double()).abs().max())
+                # same tolerance; counts are integers and must be equal
+                assert d < RTOL * max(1.0, float(v.double().abs().max())), (
+                    f"{k} world {world} rank {rank}: {d:.3g}")
+
+
 def test_mamlpp_per_step_running_statistics_match_one_process(results):
     # Sample layout: every rank runs every task on its part of the samples, so every rank
     # holds every row of the statistics, updated from the global batch statistics.
@@ -314,6 +379,20 @@ def test_boil_refuses_deterministic_mode():
     # Its order-free sums reach the fast weights only: the head's gradient would be a rank's.
     with pytest.raises(ValueError, match="BOIL has no deterministic=True"):
         md.MetaDDP(md.BOIL(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1)), deterministic=True)
+
+
+def test_prototypes_by_hand_match_one_process(results):
+    want = reference(USER_PROBLEM)
+    keys = sorted(want)
+    first = results[1][0][-1]["prototypes"]
+    for world, per_rank in results.items():
+        for rank, everything in enumerate(per_rank):
+            r = everything[-1]
+            err = float((flat(r["grads"], keys) - flat(want, keys)).abs().max()
+                        / flat(want, keys).abs().max())
+            assert err < RTOL, f"world {world} rank {rank}: rel err {err:.3g}"
+            # Every rank's prototypes are the one-process ones (same tolerance).
+            assert float((r["prototypes"] - first).abs().max()) < RTOL * float(first.abs().max())
 
 
 def test_a_ranks_own_prototypes_would_differ():

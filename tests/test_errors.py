@@ -332,18 +332,31 @@ def test_a_clone_loop_whose_task_count_grows_gives_the_one_process_weights():
                                       rtol=1e-12, atol=1e-14), step
 
 
-def test_stacking_a_batchnorm_that_tracks_running_statistics_is_a_clear_error():
-    # vmap cannot update the running statistics in place: a refusal that names the layer,
-    # not autograd's "Cannot access data pointer" from inside the step.
-    net = nn.Sequential(nn.Linear(1, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)).double()
+def test_stacking_a_batchnorm_that_tracks_running_statistics_moves_them_as_the_loop():
+    # Each task runs on its own copy of the statistics, folded in the loop's order after.
+    def make(momentum=0.1):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(1, 4), nn.BatchNorm1d(4, momentum=momentum),
+                             nn.Linear(4, 1)).double()
+
     x = torch.linspace(-1, 1, 6, dtype=torch.float64)[:, None]
-    tasks = [md.Task(md.Batch(x, 2 * x, 6), md.Batch(x, 3 * x, 6)) for _ in range(2)]
+    tasks = [md.Task(md.Batch(x, k * x, 6), md.Batch(x, 3 * x, 6)) for k in (2, -1)]
     mse = lambda p, y: (p - y).squeeze(-1) ** 2  # noqa: E731
-    with pytest.raises(ValueError, match="BatchNorm layers 1 update running statistics"):
-        md.MAML(net, inner_lr=0.1, batched=True).meta_loss(tasks, mse)
+    nets = {b: make() for b in (True, False)}
+    losses = {b: md.MAML(nets[b], inner_lr=0.1, batched=b).meta_loss(tasks, mse) for b in nets}
+    # float64, the same operations per task, the fold's sums in another order: a few ulps.
+    assert losses[True].item() == pytest.approx(losses[False].item(), rel=1e-13)
+    for (k, a), b in zip(nets[True].named_buffers(), nets[False].buffers()):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-14), k
+    assert int(nets[True][1].num_batches_tracked) == 4  # 2 tasks x (1 support + 1 query)
+    # What the fold cannot do is refused with the way out.
+    with pytest.raises(ValueError, match="cumulative average.*momentum=None"):
+        md.MAML(make(momentum=None), inner_lr=0.1, batched=True).meta_loss(tasks, mse)
+    with pytest.raises(ValueError, match="memory='low' with stacked tasks.*batched=False"):
+        md.MAML(make(), inner_lr=0.1, batched=True, memory="low").meta_loss(tasks, mse)
     # In eval mode the statistics are read, not written: stacking runs, and gives the loop's
     # meta-loss (float64, the same operations per task: equal to a few ulps).
-    net.eval()
+    net = make().eval()
     stacked = md.MAML(net, inner_lr=0.1, batched=True).meta_loss(tasks, mse)
     loop = md.MAML(net, inner_lr=0.1, batched=False).meta_loss(tasks, mse)
     assert stacked.item() == pytest.approx(loop.item(), rel=1e-13)

@@ -77,7 +77,7 @@ class MetaAlgorithm(Protocol):
     def adapt(
         self,
         support: Batch,
-        loss_fn: LossFn,
+        loss_fn: LossFn | None = ...,
         *,
         steps: int | None = None,
         reduce: Reduce | None = None,

@@ -78,7 +78,7 @@ class ANIL(Algorithm):
     def adapt_features(
         self,
         features: Batch,
-        loss_fn: LossFn,
+        loss_fn: LossFn | None = None,
         *,
         steps: int | None = None,
         reduce: Reduce | None = None,
@@ -90,7 +90,7 @@ class ANIL(Algorithm):
     def adapt(
         self,
         support: Batch,
-        loss_fn: LossFn,
+        loss_fn: LossFn | None = None,
         *,
         steps: int | None = None,
         reduce: Reduce | None = None,

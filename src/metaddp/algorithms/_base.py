@@ -50,6 +50,16 @@ def _unknown_count(n_local: int) -> int:
     )
 
 
+def need_loss(loss_fn: LossFn | None, who: str) -> LossFn:
+    """``loss_fn``; refuse an adaptation without its per-sample loss function."""
+    if loss_fn is None:
+        raise TypeError(
+            f"{who}.adapt(support, loss_fn) needs the per-sample loss of its inner steps "
+            "(reduction='none')"
+        )
+    return loss_fn
+
+
 def local_fraction(batch: Batch) -> float:
     """The fraction of ``batch``'s global samples this rank holds.
 
@@ -278,12 +288,13 @@ class Algorithm(nn.Module):
     def adapt(
         self,
         support: Batch,
-        loss_fn: LossFn,
+        loss_fn: LossFn | None = None,
         *,
         steps: int | None = None,
         reduce: Reduce | None = None,
     ) -> Params:
         """Fast weights after ``steps`` (default: the algorithm's) inner steps on ``support``."""
+        loss_fn = need_loss(loss_fn, type(self).__name__)
         self._not_exact("adapt()")
         c = self.collectives(reduce)
         self.check_batches({"the support": support}, c)

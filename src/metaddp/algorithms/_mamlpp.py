@@ -33,6 +33,7 @@ from .._data import Batch, Task
 from .._functional import refusing_draws
 from .._types import LossFn, Params, Reduce, Supports
 from ..inner import InnerOptimizer, per_step_sgd
+from ._base import need_loss
 from ._learner import Learner
 from ._maml import MAML
 
@@ -212,7 +213,7 @@ class MAMLPlusPlus(MAML):
     def adapt(
         self,
         support: Batch,
-        loss_fn: LossFn,
+        loss_fn: LossFn | None = None,
         *,
         steps: int | None = None,
         reduce: Reduce | None = None,
@@ -220,6 +221,7 @@ class MAMLPlusPlus(MAML):
         """The adapted weights after ``steps`` (default: the algorithm's) inner steps, with
         the BatchNorm weights and statistics of the last step taken, ready for
         ``learner(x, fast)``."""
+        loss_fn = need_loss(loss_fn, type(self).__name__)
         self._not_exact("adapt()")
         c = self.collectives(reduce)
         self.check_batches({"the support": support}, c)

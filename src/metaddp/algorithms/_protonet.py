@@ -28,7 +28,7 @@ from .._share import share
 from .._statistics import class_means
 from .._types import LossFn, Params, Reduce, Supports
 from ..inner import InnerOptimizer
-from ._base import Algorithm, OptimizerFactory
+from ._base import Algorithm, OptimizerFactory, need_loss
 
 PROTOTYPES = "prototypes"
 """The one "fast weight" of a prototypical network: ``adapt`` returns its prototypes."""
@@ -209,13 +209,14 @@ class ProtoMAML(Algorithm):
     def adapt(
         self,
         support: Batch,
-        loss_fn: LossFn,
+        loss_fn: LossFn | None = None,
         *,
         steps: int | None = None,
         reduce: Reduce | None = None,
     ) -> Params:
         """Body and head weights after ``steps`` (default: the algorithm's) inner steps from
         the prototypes' head."""
+        loss_fn = need_loss(loss_fn, type(self).__name__)
         self._not_exact("adapt()")
         c = self.collectives(reduce)
         self.check_batches({"the support": support}, c)

@@ -35,6 +35,7 @@ from .._types import LossFn, Params, Reduce
 from ..inner import InnerOptimizer, State
 from ._conv_ways import GROUPED, ConvChoice
 from ._layers import has_convolutions, stacked_layers
+from ._running import TaskStatistics, tracking
 
 
 def _signature(batch: Batch) -> tuple:
@@ -75,21 +76,25 @@ def stacked_shares(
     conv: ConvChoice = GROUPED,
 ) -> Tensor:
     """Per-task shares ``[T]`` of stacked weights ``params[k]: [T, ...]`` on
-    ``x: [T, n_local, ...]``, forward convolutions run the way ``conv`` gives.
+    ``x: [T, n_local, ...]``, forward convolutions run the way ``conv`` gives; ``buffers``,
+    when given, are per task too (``[T, ...]``: :class:`TaskStatistics`'s copies, which the
+    forwards move in place).
 
     Returns:
         ``out[t] = sum_i loss(f(W[t], x[t, i]), y[t, i]) / n`` (this rank's share of task t's
         mean over its ``n`` global samples).
     """
 
-    def one(p: Mapping[str, Tensor], xt: Tensor, yt: Tensor) -> Tensor:
-        losses = loss_fn(call(model, p, xt, buffers=buffers), yt)
+    def one(p: Mapping[str, Tensor], xt: Tensor, yt: Tensor, b: Params | None) -> Tensor:
+        losses = loss_fn(call(model, p, xt, buffers=b), yt)
         check_per_sample(losses, xt.shape[0])  # shapes are a task's own under vmap
         return share(losses, n)
 
     with stacked_layers(model, conv):
         try:
-            return torch.vmap(one)(dict(params), x, y)
+            return torch.vmap(one, in_dims=(0, 0, 0, None if buffers is None else 0))(
+                dict(params), x, y, None if buffers is None else dict(buffers)
+            )
         except RuntimeError as e:
             if "random operation" not in str(e):
                 raise
@@ -220,7 +225,16 @@ def stacked_task_losses(
     # back through it into params[k] is the sum over tasks, as in the loop.
     fast: Params = {k: params[k].unsqueeze(0).expand(n_local, *params[k].shape) for k in names}
     optimizer = per_task(optimizer, n_local)
-    if rematerialize and not first_order and torch.is_grad_enabled():
+    stats = TaskStatistics(model, n_local) if tracking(model) else None
+    remat = rematerialize and not first_order and torch.is_grad_enabled()
+    if stats is not None and remat:
+        raise ValueError(
+            "memory='low' with stacked tasks rebuilds one stacked step at a time, without "
+            "running statistics: for BatchNorm layers that track them use batched=False (or "
+            "None), which rebuilds each task's steps on copies of them"
+        )
+    buffers = None if stats is None else stats.copies
+    if remat:
         # memory="low": every task's steps at once, one stacked step's graph at a time.
         return rematerialized_loss(
             lambda w, buffers: stacked_shares(model, w, sx, sy, sn, loss_fn, conv=conv).sum(),
@@ -237,22 +251,14 @@ def stacked_task_losses(
         for step in range(steps):
             # Task t's share depends on row t only, so the gradient of the sum is every
             # task's own gradient, row by row (module docstring).
-            total = stacked_shares(model, fast, sx, sy, sn, loss_fn, conv=conv).sum()
+            total = stacked_shares(model, fast, sx, sy, sn, loss_fn, buffers, conv=conv).sum()
             fast, state = inner_step(
                 total, fast, state, optimizer, step=step, reduce=reduce, first_order=first_order
             )
-        return stacked_shares(model, fast, qx, qy, qn, loss_fn, conv=conv).sum()
-
-
-def _tracking_batchnorm(model: nn.Module) -> list[str]:
-    """The BatchNorm layers that update running statistics when called (training mode)."""
-    return [
-        name or type(m).__name__
-        for name, m in model.named_modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm)
-        and m.training
-        and m.running_mean is not None
-    ]
+        out = stacked_shares(model, fast, qx, qy, qn, loss_fn, buffers, conv=conv).sum()
+    if stats is not None:
+        stats.commit()  # the layers' statistics as the loop leaves them
+    return out
 
 
 def use_batched(batched: bool | None, tasks: Sequence[Task], model: nn.Module) -> bool:
@@ -265,7 +271,8 @@ def use_batched(batched: bool | None, tasks: Sequence[Task], model: nn.Module) -
             and on CPU for models without convolutions (a sinusoid MLP meta-step measured
             tens of times faster stacked); the loop on CPU for convolutional models, whose
             vmapped convolutions measured slower there; the loop for models with buffers
-            (BatchNorm's in-place running statistics cannot be updated under ``vmap``), for
+            (running statistics: ``True`` stacks them too, moved as the loop moves them,
+            :mod:`metaddp.algorithms._running`), for
             models with dropout layers in training mode (``vmap`` draws no random numbers) and
             for tasks of different sizes. BatchNorm with batch statistics only (MAML's) is
             stacked like any layer, synchronized or not.
@@ -284,14 +291,6 @@ def use_batched(batched: bool | None, tasks: Sequence[Task], model: nn.Module) -
         return False
     why = batchable(tasks)
     if batched:
-        if tracked := _tracking_batchnorm(model):
-            raise ValueError(
-                f"batched=True, but BatchNorm layers {', '.join(tracked[:3])} update running "
-                "statistics in place in training mode, which stacked tasks cannot: use "
-                "batched=None or False to adapt the tasks one by one, build them with "
-                "track_running_stats=False (batch statistics, as MAML does), or call .eval() "
-                "on them"
-            )
         if why is not None:
             raise ValueError(
                 f"batched=True, but these tasks cannot be stacked along a task dimension: {why}. "
@@ -300,9 +299,11 @@ def use_batched(batched: bool | None, tasks: Sequence[Task], model: nn.Module) -
             )
         return True
     if why is not None or any(True for _ in model.buffers()):
-        # Buffers (BatchNorm's running statistics) are updated in place, per task, which vmap
-        # cannot do. BatchNorm without them (MAML's own: batch statistics, per task) stacks:
-        # a synchronized layer's one SUM carries every task's statistics at once.
+        # Buffers (BatchNorm's running statistics) are moved per task, in the loop's order;
+        # stacked, they need a copy per task and a fold afterwards (metaddp.algorithms.
+        # _running), so only batched=True takes it. BatchNorm without them (MAML's own: batch
+        # statistics, per task) stacks: a synchronized layer's one SUM carries every task's
+        # statistics at once.
         return False
     if tasks[0].support.x.device.type == "cuda":
         return True

@@ -72,14 +72,15 @@ def synced_batch_norm(bn: _BatchNorm, x: Tensor, reduce: Reduce) -> Tensor:
     if bn.bias is not None:
         y = y + bn.bias.view(shape)
     if bn.training and bn.track_running_stats and bn.running_mean is not None:
-        _host.check(
-            count,
-            _at_least(
-                2,
-                "BatchNorm in training mode needs more than one value per channel over the "
-                "global batch to estimate a variance",
-            ),
-        )
+        if not torch._C._functorch.is_functorch_wrapped_tensor(count):
+            _host.check(
+                count,
+                _at_least(
+                    2,
+                    "BatchNorm in training mode needs more than one value per channel over "
+                    "the global batch to estimate a variance",
+                ),
+            )
         # track_running_stats registers all three buffers together.
         assert bn.running_var is not None and bn.num_batches_tracked is not None
         with torch.no_grad():

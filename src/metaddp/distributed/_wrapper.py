@@ -280,8 +280,11 @@ class MetaDDP(nn.Module):
             self.guards.loss_out(loss, loss_fn)
         return loss
 
-    def adapt(self, support: Batch, loss_fn: LossFn, *, steps: int | None = None) -> Params:
-        """The wrapped algorithm's fast weights after adapting to ``support``."""
+    def adapt(
+        self, support: Batch, loss_fn: LossFn | None = None, *, steps: int | None = None
+    ) -> Params:
+        """The wrapped algorithm's fast weights after adapting to ``support`` (``loss_fn``:
+        the per-sample loss of its inner steps; a prototypical network takes none)."""
         batches: dict[BatchKey, Batch] = {"the support": support}
         self.guards.refuse_whole(batches)
         if self.guards.schedule.due():

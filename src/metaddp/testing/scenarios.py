@@ -103,6 +103,7 @@ class Problem:
     clip: float | None = None  # clip inner gradients to this global norm
     schedule_steps: int | None = None  # MAML++: the run's length its schedules scale to
     meta_step: int = 0  # MAML++: the meta-step its schedules are at
+    batched: bool | None = None  # MAML: tasks stacked (True), one by one (False), or chosen
 
     def build_model(self) -> nn.Module:
         torch.manual_seed(self.seed)
@@ -165,6 +166,11 @@ class Problem:
         )
         algorithm = build(self.algorithm, self.build_model(), settings).to(self.dtype)
         algorithm.at_step(self.meta_step)
+        if self.batched is not None:
+            from ..algorithms import MAML
+
+            assert isinstance(algorithm, MAML), "batched is a setting of MAML"
+            algorithm.batched = self.batched
         return algorithm
 
 
