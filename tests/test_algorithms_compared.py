@@ -58,6 +58,12 @@ def problems() -> list[S.Problem]:
     for layout in S.LAYOUTS:
         out.append(S.Problem(model="conv", batchnorm=True, layout=layout, steps=STEPS,
                              n_tasks=3, inner_lr=0.3, batched=True))
+    # CAVIA: a context vector adapted from zero, stacked (the MLP's automatic choice), one by
+    # one, and rebuilt step by step.
+    for layout in S.LAYOUTS:
+        out.append(S.Problem(algorithm="cavia", layout=layout, steps=STEPS, inner_lr=0.5))
+    out.append(S.Problem(algorithm="cavia", layout="hybrid", steps=STEPS, inner_lr=0.5,
+                         batched=False, memory="low"))
     # BOIL takes MAML's second order rebuilt step by step.
     out.append(S.Problem(algorithm="boil", layout="hybrid", steps=STEPS, memory="low"))
     # A chained, clipped adaptive optimizer rebuilt step by step.
@@ -69,7 +75,7 @@ def problems() -> list[S.Problem]:
 def name(p: S.Problem) -> str:
     what = p.algorithm if p.optimizer == "sgd" else f"{p.optimizer}{'-clip' if p.clip else ''}"
     modes = ("-bn" if p.batchnorm else "") + ("-low" if p.memory == "low" else "")
-    modes += "-stacked" if p.batched else ""
+    modes += {True: "-stacked", False: "-loop", None: ""}[p.batched]
     return f"{what}-{p.model}-{p.layout}" + (f"-at{p.meta_step}" if p.meta_step else "") + modes
 
 
@@ -238,6 +244,20 @@ def reference(p: S.Problem) -> dict[str, torch.Tensor]:
         grads = torch.autograd.grad(total / p.n_tasks, theta)
         return {**{f"body.{k}": g for k, g in zip(names[:4], grads[:4])},
                 "head.weight": grads[4], "head.bias": grads[5]}
+    if p.algorithm == "cavia":  # the context, from zero, is all that adapts
+        def ctx(th, c, x):
+            h = torch.cat([x, c.expand(x.shape[0], -1)], dim=1)
+            return mlp(th, h)
+
+        for t in tasks:
+            c = torch.zeros(2, dtype=p.dtype, requires_grad=True)
+            for _ in range(p.steps):
+                ls = ((ctx(theta, c, t.support.x) - t.support.y) ** 2).mean()
+                (g,) = torch.autograd.grad(ls, c, create_graph=True)
+                c = c - p.inner_lr * g
+            total = total + ((ctx(theta, c, t.query.x) - t.query.y) ** 2).mean()
+        grads = torch.autograd.grad(total / p.n_tasks, theta)
+        return {f"model.{k}": g for k, g in zip(names, grads)}  # CAVIA wraps the network
     if p.algorithm == "mamlpp":
         rates = [torch.full((p.steps,), p.inner_lr, dtype=p.dtype, requires_grad=True)
                  for _ in theta]

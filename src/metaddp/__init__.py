@@ -30,6 +30,7 @@ from ._types import LossFn, MetaAlgorithm, Params, Reduce, Supports, identity_re
 from .algorithms import (
     ANIL,
     BOIL,
+    CAVIA,
     IMAML,
     MAML,
     SAMA,
@@ -88,6 +89,7 @@ __all__ = [
     "ANIL",
     "BOIL",
     "Batch",
+    "CAVIA",
     "Bilevel",
     "CapturedStep",
     "Chunks",

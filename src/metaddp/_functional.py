@@ -38,11 +38,11 @@ def call(
     """``module(*args, **kwargs)`` evaluated with ``params`` (and ``buffers``) in place of its own.
 
     Names missing from ``params`` keep the module's own tensors, so a caller can adapt a
-    subset (ANIL adapts only the head).
+    subset (ANIL adapts only the head). A name in both ``params`` and ``buffers`` (a buffer
+    that stands in for a fast weight, as CAVIA's context) takes the fast weight.
     """
-    weights: dict[str, Tensor] = dict(params)
-    if buffers is not None:
-        weights.update(buffers)
+    weights: dict[str, Tensor] = dict(buffers) if buffers is not None else {}
+    weights.update(params)
     return torch.func.functional_call(module, weights, args, kwargs, strict=False)
 
 

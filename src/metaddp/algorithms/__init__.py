@@ -4,6 +4,7 @@ from ._anil import ANIL, BodyHead
 from ._base import Algorithm
 from ._bilevel import Bilevel, WeightNet
 from ._boil import BOIL
+from ._cavia import CAVIA
 from ._hypergrad import (
     METHODS,
     SAMA,
@@ -32,6 +33,7 @@ __all__ = [
     "ANIL",
     "Algorithm",
     "BOIL",
+    "CAVIA",
     "Bilevel",
     "BodyHead",
     "ConvergenceWarning",

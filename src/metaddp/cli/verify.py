@@ -134,6 +134,8 @@ def compared(scenario: str, layout: str) -> list[tuple[str, S.Problem]]:
         ]  # fmt: skip
     if scenario == "boil":
         return [("", S.Problem(algorithm="boil", model="conv", layout=layout, steps=2, n_tasks=3))]
+    if scenario == "cavia":  # a context vector on the regression MLP's input
+        return [("", S.Problem(algorithm="cavia", layout=layout, steps=2, inner_lr=0.5))]
     steps = 2 if scenario == "protomaml" else 1
     return [
         ("", S.Problem(algorithm=scenario, model="conv", layout=layout, steps=steps, n_tasks=3))
@@ -141,7 +143,7 @@ def compared(scenario: str, layout: str) -> list[tuple[str, S.Problem]]:
 
 
 DETERMINISTIC = ("maml", "fomaml", "metasgd")
-COMPARED_SCENARIOS = ("mamlpp", "protonet", "protomaml", "boil")
+COMPARED_SCENARIOS = ("mamlpp", "protonet", "protomaml", "boil", "cavia")
 ALGORITHM_SCENARIOS = ("fomaml", "metasgd", "anil", "reptile", "imaml")
 BILEVEL_SCENARIOS = tuple(f"bilevel-{m}" for m in METHODS)
 SCENARIOS = (

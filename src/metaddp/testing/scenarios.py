@@ -39,6 +39,19 @@ def ce_per_sample(pred: Tensor, y: Tensor) -> Tensor:
     return F.cross_entropy(pred, y, reduction="none")
 
 
+class ContextMLP(nn.Module):
+    """The regression MLP with a context vector concatenated to its input (CAVIA's)."""
+
+    def __init__(self, context: int = 2) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(1 + context, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)
+        )
+
+    def forward(self, x: Tensor, context: Tensor) -> Tensor:
+        return self.net(torch.cat([x, context.expand(x.shape[0], -1)], dim=1))
+
+
 class SmallConv(nn.Module):
     """Two 3x3 convolutions (each optionally followed by BatchNorm) and a linear head over
     8x8 single-channel images."""
@@ -91,7 +104,7 @@ class Problem:
     layout: str = "sample"
     dtype: torch.dtype = torch.float64
     seed: int = 0
-    algorithm: str = "maml"  # one of ALGORITHMS
+    algorithm: str = "maml"  # one of ALGORITHMS, or "cavia" (on its context MLP)
     batchnorm: bool = False  # conv only: BatchNorm after each convolution, synchronized
     running_stats: bool = True  # BatchNorm tracks running statistics (False: MAML's own)
     lam: float = 20.0  # iMAML's proximal strength
@@ -108,7 +121,9 @@ class Problem:
     def build_model(self) -> nn.Module:
         torch.manual_seed(self.seed)
         net: nn.Module
-        if self.model == "mlp":
+        if self.model == "mlp" and self.algorithm == "cavia":
+            net = ContextMLP()
+        elif self.model == "mlp":
             net = nn.Sequential(
                 nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)
             )
@@ -164,7 +179,16 @@ class Problem:
             ways=3 if self.model == "conv" else None,
             schedule_steps=self.schedule_steps,
         )
-        algorithm = build(self.algorithm, self.build_model(), settings).to(self.dtype)
+        if self.algorithm == "cavia":  # its model takes a context: not a registry name
+            from ..algorithms import CAVIA
+
+            algorithm: Algorithm = CAVIA(
+                self.build_model(), context=2, inner_lr=self.inner_lr, steps=self.steps,
+                first_order=self.first_order, memory=self.memory,
+                optimizer=settings.inner_optimizer(),
+            ).to(self.dtype)  # fmt: skip
+        else:
+            algorithm = build(self.algorithm, self.build_model(), settings).to(self.dtype)
         algorithm.at_step(self.meta_step)
         if self.batched is not None:
             from ..algorithms import MAML
