@@ -33,7 +33,8 @@ def test_the_inner_optimizer_and_autocast_are_in_effect(tmp_path):
     assert bf16[0] != sgd[0] and bf16[0] == pytest.approx(sgd[0], rel=5e-2)
 
 
-@pytest.mark.parametrize("option", [dict(inner_optimizer="rmsprop"), dict(autocast="fp8")])
+@pytest.mark.parametrize("option", [dict(inner_optimizer="lbfgs"), dict(autocast="fp8"),
+                                    dict(outer_schedule="linear")])
 def test_unknown_values_are_one_line_errors(option):
     with pytest.raises(ValueError, match="unknown"):
         TrainConfig(**BASE, **option).resolved()
@@ -51,10 +52,10 @@ def test_a_run_from_before_these_settings_resumes_as_it_ran(tmp_path):
     # Written before norm, inner_optimizer and autocast existed: an image run's network had no
     # BatchNorm, inner steps were SGD, and forward passes ran in the run's dtype.
     old_image = {"task": "digits", "ways": 5}
-    # (and runs were not deterministic).
+    # (and runs were not deterministic, and the outer rate was constant).
     assert _checkpoint.settings_before(old_image) == {
         "norm": "none", "inner_optimizer": "sgd", "autocast": None, "deterministic": False,
-        "chunks": 8}
+        "chunks": 8, "outer_schedule": "constant"}
     assert _checkpoint.settings_before({"task": "sinusoid", "ways": None})["norm"] is None
 
 
@@ -76,7 +77,9 @@ def test_deterministic_and_chunks_are_part_of_the_identity():
 
 @pytest.mark.parametrize("option, message", [
     (dict(algorithm="imaml"),
-     "cuda_graphs records maml, fomaml, metasgd, anil, reptile, reweight, erm steps, not imaml"),
+     "cuda_graphs records maml, fomaml, metasgd, anil, reptile, protonet, protomaml, boil, "
+     "reweight, erm steps, not imaml"),
+    (dict(algorithm="mamlpp"), "steps, not mamlpp"),
     (dict(deterministic=True), "drop cuda_graphs"),
     (dict(algorithm="reweight", method="implicit-cg"), "reads its residual on the host"),
 ])

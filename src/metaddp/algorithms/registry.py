@@ -193,11 +193,11 @@ SUPPORTS: dict[str, Supports] = {
     "anil": ANIL.supports,
     "reptile": Reptile.supports,
     "imaml": IMAML.supports,
-    "reweight": Bilevel.supports,
     "mamlpp": MAMLPlusPlus.supports,
     "protonet": ProtoNet.supports,
     "protomaml": ProtoMAML.supports,
     "boil": BOIL.supports,
+    "reweight": Bilevel.supports,
     "erm": dataclasses.replace(Bilevel.supports, low_memory=False),  # no lookahead to rebuild
 }
 
