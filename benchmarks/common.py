@@ -236,6 +236,97 @@ def make_learn2learn(case: Case, net: nn.Module, tasks) -> Step:
     return step
 
 
+class NotApplicable(Exception):
+    """Raised by a ``make_X`` whose row means nothing for this case (the reason is the message)."""
+
+
+def _parallel_metalearn(case: Case, net: nn.Module, tasks) -> Step:
+    """parallel-metalearn's ``algorithms.MAML`` on ``net``: its vmap backend, second order, SGD.
+
+    ``MAML.step`` is its whole meta-step: zero the gradients, vmap its inner loop (``torch.func.grad``
+    of the support loss, ``InnerSGD``) over the tasks, backward the mean query loss, then
+    ``optimizer.step()``, here an outer optimizer whose step leaves the weights alone so that the
+    meta-gradient stays in ``.grad`` to be compared.
+    """
+    from metalearn.algorithms import MAML
+    from metalearn.inner_optimizers import InnerSGD
+    from metalearn.loss import BaseLoss, CategoricalAccuracy, CrossEntropy
+    from metalearn.model_wrappers import MAML_Model
+
+    class Plain(nn.Module):
+        """MAML_Model calls ``backbone(x, training=..., num_step=...)`` and ``head(...)`` alike,
+        which ``nn.Sequential`` and ``nn.Linear`` do not take."""
+
+        def __init__(self, module: nn.Module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, x, **flags):
+            return self.module(x)
+
+    class CaseLoss(BaseLoss):
+        """The case's mean loss in its loss interface (it has cross-entropy only)."""
+
+        def forward(self, out_dict, targets, model_states=None, **kwargs):
+            loss = case.mean_loss(out_dict["logits"], targets["labels"])
+            return loss, loss.detach()
+
+    class KeepWeights(torch.optim.SGD):
+        def step(self, closure=None):
+            return None
+
+    model = MAML_Model(backbone=Plain(net[:-1]), head=Plain(net[-1]))  # the same Parameters as net
+    loss = (CrossEntropy(metric_fn=CategoricalAccuracy())  # its default metric_fn=None raises TypeError
+            if case.model.startswith("conv4") else CaseLoss())
+    inner = InnerSGD(model.get_fast_weights(), first_order=False, inner_lr=case.inner_lr,
+                     max_inner_steps=case.steps, learn_lr=False)
+    algo = MAML(model=model, optimizer=KeepWeights(model.parameters(), lr=0.0), inner_optimizer=inner,
+                support_loss_fn=loss, inner_steps=case.steps, chunk_size=len(tasks),
+                device=torch.device(case.device), backend="vmap")
+    batch = (torch.stack([t.support.x for t in tasks]), {"labels": torch.stack([t.support.y for t in tasks])},
+             torch.stack([t.query.x for t in tasks]), {"labels": torch.stack([t.query.y for t in tasks])})
+
+    def step():
+        algo.step(iter([batch]), training=True)
+        return _grads(net)
+
+    return step
+
+
+def make_parallel_metalearn(case: Case, net: nn.Module, tasks) -> Step:
+    """parallel-metalearn on ``net`` as it is, torch's ``nn.BatchNorm2d`` included."""
+    return _parallel_metalearn(case, net, tasks)
+
+
+def make_parallel_metalearn_bn(case: Case, net: nn.Module, tasks) -> Step:
+    """parallel-metalearn with its own BatchNorm layer in place of torch's, as it means to be used.
+
+    Its ``ModelTranslator.convert_to_functional`` does this swap, but in 0.5.6 it raises
+    TypeError (it passes ``learn_gamma``/``learn_beta``, which its ``BatchNorm`` does not take);
+    then the swap is done here the same way, on a copy, with the same weights and names.
+    """
+    import copy
+
+    from metalearn.nn_models import ModelTranslator
+    from metalearn.nn_models.basic_layers import BatchNorm
+
+    if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules()):
+        raise NotApplicable("no batch norm in this model: it would repeat the parallel-metalearn (vmap) row")
+    try:
+        fnet = ModelTranslator.convert_to_functional(net)
+    except TypeError:
+        fnet = copy.deepcopy(net)
+        for parent in list(fnet.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.modules.batchnorm._BatchNorm):
+                    bn = BatchNorm(child.num_features, eps=child.eps, momentum=child.momentum,
+                                   affine=child.affine, track_running_stats=child.track_running_stats)
+                    if child.affine:
+                        bn.weight, bn.bias = child.weight, child.bias
+                    setattr(parent, name, bn)
+    return _parallel_metalearn(case, fnet, tasks)
+
+
 def make_floor(case: Case, net: nn.Module, tasks) -> Step:
     """Not a meta-step: one plain forward+backward over every support and query sample."""
     x = torch.cat([torch.cat([t.support.x, t.query.x]) for t in tasks])
@@ -260,6 +351,8 @@ IMPLEMENTATIONS: dict[str, Callable[..., Step]] = {
     "higher": make_higher,
     "TorchOpt MetaSGD": make_torchopt,
     "learn2learn": make_learn2learn,
+    "parallel-metalearn (vmap)": make_parallel_metalearn,
+    "parallel-metalearn (vmap), its own BatchNorm": make_parallel_metalearn_bn,
     "floor: plain batched fwd+bwd (not a meta-step)": make_floor,
 }
 
@@ -267,7 +360,9 @@ IMPLEMENTATIONS: dict[str, Callable[..., Step]] = {
 def available(names) -> tuple[dict[str, Callable[..., Step]], dict[str, str]]:
     """The implementations whose libraries import, and why the others were skipped."""
     ok, skipped = {}, {}
-    modules = {"higher": "higher", "TorchOpt MetaSGD": "torchopt", "learn2learn": "learn2learn"}
+    modules = {"higher": "higher", "TorchOpt MetaSGD": "torchopt", "learn2learn": "learn2learn",
+               "parallel-metalearn (vmap)": "metalearn",
+               "parallel-metalearn (vmap), its own BatchNorm": "metalearn"}
     for name in names:
         mod = modules.get(name)
         if mod is not None:
