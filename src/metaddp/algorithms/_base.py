@@ -251,14 +251,20 @@ class Algorithm(nn.Module):
 
     def _needing_grad(self, *batches: Batch) -> list[Tensor]:
         """What the inner steps read besides the weights that needs a gradient: the learned
-        rates (``learn_lr``'s, or tensors given to the optimizer), and inputs computed from
-        parameters (ANIL's body features)."""
+        rates (``learn_lr``'s, or tensors given to the optimizer), the adapted module's
+        trained parameters that are not fast weights (BOIL's head, CAVIA's network: read as
+        the meta-parameters they are), and inputs computed from parameters (ANIL's body
+        features)."""
         rates: list[Tensor]
         if self.lr is not None:
             rates = list(self.lr.parameters())
         else:
             rates = list(learned_rates(self.inner_optimizer()))
-        return rates + [b.x for b in batches if b.x.requires_grad]
+        fast = self.fast_weights()
+        held = [p for k, p in params_of(self.adapted_module()).items() if k not in fast]
+        found = rates + held + [b.x for b in batches if b.x.requires_grad]
+        # Once each: a tensor listed twice would have its gradient counted twice.
+        return list({id(t): t for t in found}.values())
 
     def adapted_loss(
         self, support: Batch, query: Batch, loss_fn: LossFn, *, reduce: Reduce

@@ -14,9 +14,8 @@ import dataclasses
 from typing import ClassVar
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from .._data import Batch
 from .._functional import params_of
 from .._types import Params, Supports
 from ..inner import InnerOptimizer
@@ -71,11 +70,6 @@ class BOIL(MAML):
             autocast=autocast,
             conv=conv,
         )
-
-    def _needing_grad(self, *batches: Batch) -> list[Tensor]:
-        # The head is read by every inner step, as a meta-parameter: memory="low"'s rebuilt
-        # steps give it its gradient as an input.
-        return super()._needing_grad(*batches) + list(params_of(self.model.head).values())
 
     def fast_weights(self) -> Params:
         """The body's meta-parameters, named as in the model; the head keeps its own."""

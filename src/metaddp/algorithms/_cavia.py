@@ -17,7 +17,6 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from .._data import Batch
 from .._functional import params_of
 from .._types import Params, Supports
 from ..inner import InnerOptimizer
@@ -98,8 +97,3 @@ class CAVIA(MAML):
         anchor = next(iter(params_of(self.model).values()))
         zeros = torch.zeros(self.size, dtype=anchor.dtype, device=anchor.device)
         return held({"context": zeros}, anchor)
-
-    def _needing_grad(self, *batches: Batch) -> list[Tensor]:
-        # The weights are read by every inner step, as meta-parameters: memory="low"'s
-        # rebuilt steps give them their gradient as inputs.
-        return super()._needing_grad(*batches) + list(params_of(self.model).values())
