@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import compared_workers  # tests/, on sys.path via conftest
 import metaddp as md
 from metaddp import train as _train
 from metaddp.distributed._collectives import _next_sequence
@@ -144,6 +145,7 @@ def everything(root: str) -> dict:
         "quickstart": quickstart_losses(),
         "rank": md.rank(),
         "deterministic": deterministic(root, md.world_size()),
+        "compared": compared_workers.run_all(),
     }
 
 
