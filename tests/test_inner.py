@@ -235,3 +235,16 @@ def test_non_finite_inner_gradient_is_an_error():
     with pytest.raises(FloatingPointError, match="inner step 0.*'weight'"):
         inner_loop(model, metaddp.params_of(model), Batch(x, torch.zeros(2, 1, dtype=D), 2),
                    lambda p, y: (p - y) ** 2, steps=1, optimizer=sgd(0.1))
+
+
+def test_a_gradient_transformation_alone_is_not_a_step():
+    # Applied as a step, clipped gradients would be added to the weights: ascent.
+    clip = clip_by_global_norm(1.0)
+    assert clip.transforms and not sgd(0.1).transforms
+    with pytest.raises(ValueError, match="ends with a gradient transformation"):
+        chain(sgd(0.1), clip)
+    with pytest.raises(ValueError, match="chain it before an optimizer"):
+        metaddp.MAML(torch.nn.Linear(2, 1), optimizer=clip)
+    with pytest.raises(ValueError, match="chain it before an optimizer"):
+        metaddp.MAML(torch.nn.Linear(2, 1), learn_lr="scalar", optimizer=lambda lr: clip)
+    assert not chain(clip, sgd(0.1)).transforms

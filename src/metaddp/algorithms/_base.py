@@ -50,6 +50,17 @@ def _unknown_count(n_local: int) -> int:
     )
 
 
+def refuse_transform(optimizer: InnerOptimizer) -> None:
+    """Refuse a gradient transformation given as the inner optimizer: its output is a
+    gradient, which applied as a step would climb the loss."""
+    if optimizer.transforms:
+        raise ValueError(
+            "the inner optimizer is a gradient transformation (clip_by_global_norm), whose "
+            "output is a gradient, not a step: chain it before an optimizer, "
+            "metaddp.chain(metaddp.clip_by_global_norm(1.0), metaddp.sgd(lr))"
+        )
+
+
 def need_loss(loss_fn: LossFn | None, who: str) -> LossFn:
     """``loss_fn``; refuse an adaptation without its per-sample loss function."""
     if loss_fn is None:
@@ -130,10 +141,12 @@ class Algorithm(nn.Module):
                 )
             self.lr = LearnedLR(self.fast_weights(), inner_lr, learn_lr)
             self._factory = optimizer or sgd
+            refuse_transform(self._factory(self.lr.as_dict()))
         else:
             if optimizer is not None and not isinstance(optimizer, InnerOptimizer):
                 optimizer = optimizer(inner_lr)
             self.optimizer = optimizer or sgd(inner_lr)
+            refuse_transform(self.optimizer)
 
     # --- what subclasses change ------------------------------------------------------------
 

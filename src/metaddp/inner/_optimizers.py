@@ -33,6 +33,16 @@ class InnerOptimizer(NamedTuple):
     update: Callable[[Params, State, Params], tuple[Params, State]]
 
     @property
+    def transforms(self) -> bool:
+        """Whether ``update`` returns new gradients rather than a step (a transformation,
+        such as :func:`metaddp.clip_by_global_norm`, meant to come first in
+        :func:`metaddp.chain`): applied as a step, it would climb the loss."""
+        try:
+            return self.update in _TRANSFORMS
+        except TypeError:
+            return False
+
+    @property
     def rowwise(self) -> bool:
         """Whether ``update`` treats every entry on its own and reads no tensor but its
         arguments, so that on weights stacked along a leading task dimension it gives every
@@ -47,6 +57,9 @@ class InnerOptimizer(NamedTuple):
 
 # The update functions known to be entry by entry (weakly held: they die with their optimizer).
 _ROWWISE: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
+
+# The update functions that return new gradients, not steps (clip_by_global_norm).
+_TRANSFORMS: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
 
 
 # The tensors that require grad which an update function reads as its learning rates

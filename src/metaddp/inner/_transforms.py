@@ -14,6 +14,7 @@ import torch
 
 from ._optimizers import (
     _LEARNED,
+    _TRANSFORMS,
     InnerOptimizer,
     Params,
     SlotState,
@@ -50,6 +51,7 @@ def clip_by_global_norm(max_norm: float, eps: float = 1e-6) -> InnerOptimizer:
         coef = torch.clamp(max_norm / (norm + eps), max=1.0)
         return {k: g * coef for k, g in grads.items()}, new
 
+    _TRANSFORMS.add(update)
     return InnerOptimizer(init, update)
 
 
@@ -64,6 +66,11 @@ def chain(*parts: InnerOptimizer) -> InnerOptimizer:
                 f"chain() takes built optimizers and transformations (metaddp.sgd(0.1), "
                 f"metaddp.clip_by_global_norm(1.0)), got {type(p).__name__}"
             )
+    if parts[-1].transforms:
+        raise ValueError(
+            "chain() ends with a gradient transformation, whose output is a gradient, not a "
+            "step: end it with an optimizer, chain(clip_by_global_norm(1.0), sgd(0.1))"
+        )
 
     def init(params: Params) -> State:
         return tuple(p.init(params) for p in parts)
