@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -314,10 +314,7 @@ class Algorithm(nn.Module):
     ) -> Params:
         """Fast weights after ``steps`` (default: the algorithm's) inner steps on ``support``."""
         loss_fn = need_loss(loss_fn, type(self).__name__)
-        self._not_exact("adapt()")
-        c = self.collectives(reduce)
-        self.check_batches({"the support": support}, c)
-        with self.autocasting(), refusing_draws(c.split):
+        with self.adapting(support, reduce) as c:
             return self.inner_loop(
                 support,
                 loss_fn,
@@ -325,6 +322,17 @@ class Algorithm(nn.Module):
                 reduce=c.reduce,
                 extra_grad=self.extra_grad(),
             )
+
+    @contextlib.contextmanager
+    def adapting(self, support: Batch, reduce: Reduce | None) -> Iterator[Collectives]:
+        """What every ``adapt`` does around its own work: refused in deterministic mode, the
+        support checked, the forward passes' precision, draws refused where the work is
+        split; yields the reductions to use."""
+        self._not_exact("adapt()")
+        c = self.collectives(reduce)
+        self.check_batches({"the support": support}, c)
+        with self.autocasting(), refusing_draws(c.split):
+            yield c
 
     def __getstate__(self) -> dict[str, Any]:
         # A copy (copy.deepcopy, pickle) is not wrapped: the wrapper binds what it wraps.

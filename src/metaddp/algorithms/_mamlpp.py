@@ -30,7 +30,6 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .._adapt import batch_share, inner_step
 from .._data import Batch, Task
-from .._functional import refusing_draws
 from .._types import LossFn, Params, Reduce, Supports
 from ..inner import InnerOptimizer, per_step_sgd
 from ._base import need_loss
@@ -222,14 +221,11 @@ class MAMLPlusPlus(MAML):
         the BatchNorm weights and statistics of the last step taken, ready for
         ``learner(x, fast)``."""
         loss_fn = need_loss(loss_fn, type(self).__name__)
-        self._not_exact("adapt()")
-        c = self.collectives(reduce)
-        self.check_batches({"the support": support}, c)
         steps = self.steps if steps is None else steps
         fast = self.fast_weights()
         optimizer = self.inner_optimizer()
         state = optimizer.init(fast)
-        with self.autocasting(), refusing_draws(c.split), torch.enable_grad():
+        with self.adapting(support, reduce) as c, torch.enable_grad():
             for i in range(steps):
                 norms, stats = self.norms_at(i)
                 loss = batch_share(self.model, {**fast, **norms}, support, loss_fn, stats)

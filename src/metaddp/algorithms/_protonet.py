@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from .._adapt import batch_share, inner_loop
 from .._data import Batch, Task
-from .._functional import call, params_of, refusing_draws
+from .._functional import call, params_of
 from .._share import share
 from .._statistics import class_means
 from .._types import LossFn, Params, Reduce, Supports
@@ -96,10 +96,7 @@ class ProtoNet(Algorithm):
     ) -> Params:
         """``{"prototypes": ...}`` of ``support`` (``loss_fn`` and ``steps`` are not used: a
         prototypical network has no inner steps)."""
-        self._not_exact("adapt()")
-        c = self.collectives(reduce)
-        self.check_batches({"the support": support}, c)
-        with self.autocasting(), refusing_draws(c.split):
+        with self.adapting(support, reduce) as c:
             return {PROTOTYPES: self.prototypes(support, reduce=c.reduce)}
 
     def forward(self, x: Tensor, fast: Mapping[str, Tensor] | None = None) -> Tensor:
@@ -217,10 +214,7 @@ class ProtoMAML(Algorithm):
         """Body and head weights after ``steps`` (default: the algorithm's) inner steps from
         the prototypes' head."""
         loss_fn = need_loss(loss_fn, type(self).__name__)
-        self._not_exact("adapt()")
-        c = self.collectives(reduce)
-        self.check_batches({"the support": support}, c)
-        with self.autocasting(), refusing_draws(c.split):
+        with self.adapting(support, reduce) as c:
             return self._adapted(support, loss_fn, c.reduce, self.steps if steps is None else steps)
 
     def forward(self, x: Tensor, fast: Mapping[str, Tensor] | None = None) -> Tensor:
