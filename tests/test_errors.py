@@ -225,22 +225,25 @@ def test_a_loss_reading_a_trained_tensor_outside_the_module_is_refused():
     assert one["loss"] == pytest.approx(query.item(), rel=1e-12)
 
 
-def test_dropout_in_training_mode_is_refused_under_the_wrapper():
-    # Each rank would draw its own masks: a meta-gradient that changes with the split.
-    got = {n: run_local(workers.dropout_refused, n) for n in (1, 2)}
-    for n, outs in got.items():
-        for out in outs:
-            for case in ("meta_loss", "module.meta_loss", "adapt", "clone"):
-                if case == "adapt" and out[case] == "accepted":
-                    continue  # a rank without tasks has nothing to adapt
-                assert "layers 2 (Dropout) draw random numbers" in out[case], (n, case, out[case])
-            assert out["local"] > 0
-    # In eval mode dropout is the identity: the same meta-step at 1 and 2 processes (float64
-    # sums of halves against the whole: a few ulps).
+def test_dropout_in_training_mode_draws_the_one_process_masks_on_two():
+    # Masks keyed by the samples' global indices (metaddp._draws): the same meta-steps on one
+    # process and on two that split every batch.
+    got = {n: run_local(workers.dropout_keyed, n) for n in (1, 2)}
     one = got[1][0]
+    # The masks move with the meta-step: a second step differs from the first.
+    assert one["step 1"]["loss"] != one["step 0"]["loss"]
     for out in got[2]:
-        assert out["loss"] == pytest.approx(one["loss"], rel=1e-13)
-        assert out["grad"] == pytest.approx(one["grad"], rel=1e-12, abs=1e-15)
+        # Float64 sums of halves against the whole: a few ulps.
+        for case in ("step 0", "step 1", "eval"):
+            assert out[case]["loss"] == pytest.approx(one[case]["loss"], rel=1e-13), case
+            assert out[case]["grad"] == pytest.approx(one[case]["grad"], rel=1e-12, abs=1e-15), case
+        assert out["adapt"] == pytest.approx(one["adapt"], rel=1e-12, abs=1e-15)
+    for outs in got.values():
+        for out in outs:
+            # clone()'s forwards say nothing of their samples, and RReLU's random slopes are not
+            # keyed: refused under MetaDDP at any size.
+            assert "clone()'s learner runs forwards whose samples metaddp is not" in out["clone"]
+            assert "RReLU's random slopes are not keyed" in out["rrelu"], out["rrelu"]
 
 
 def test_dropout_keeps_a_single_process_to_the_task_loop():
@@ -250,12 +253,14 @@ def test_dropout_keeps_a_single_process_to_the_task_loop():
     tasks = [md.Task(md.Batch(x, 2 * x, 6), md.Batch(x, 3 * x, 6)) for _ in range(3)]
     mse = lambda p, y: (p - y) ** 2  # noqa: E731
     # Stacking would draw no masks (vmap refuses random operations): the loop runs instead,
-    # with the masks of torch's generator, the same ones as a hand-written loop.
+    # with keyed masks (no generator is read), the same ones as batched=False.
     torch.manual_seed(5)
     auto = md.MAML(net, inner_lr=0.1, steps=1).meta_loss(tasks, mse)
-    torch.manual_seed(5)
+    torch.manual_seed(6)
     loop = md.MAML(net, inner_lr=0.1, steps=1, batched=False).meta_loss(tasks, mse)
     assert auto.item() == loop.item()
+    assert md.MAML(net, inner_lr=0.1, steps=1).eval().meta_loss(tasks, mse).item() != auto.item()
+    net.train()
     with pytest.raises(ValueError, match="draw random numbers in training mode"):
         md.MAML(net, inner_lr=0.1, steps=1, batched=True).meta_loss(tasks, mse)
 
@@ -267,8 +272,15 @@ def test_dropout_keeps_a_single_process_to_the_task_loop():
         def forward(self, x):
             return torch.nn.functional.dropout(self.layer(x), 0.5, training=True)
 
-    with pytest.raises(RuntimeError, match="draws random numbers in its forward"):
-        md.MAML(Drops(), inner_lr=0.1, steps=1).meta_loss(tasks, mse)
+    # F.dropout in the forward is keyed too; the loop runs it (the routing is seen in the
+    # forward's source), and stacking it is refused under vmap.
+    drops = md.MAML(Drops(), inner_lr=0.1, steps=1)
+    first, second = drops.meta_loss(tasks, mse).item(), drops.meta_loss(tasks, mse).item()
+    assert first != second  # each meta-step draws its own masks
+    drops.at_step(0)
+    assert drops.meta_loss(tasks, mse).item() == first  # the same step, the same masks
+    with pytest.raises(ValueError, match="stacked tasks run every task in one torch.vmap call"):
+        md.MAML(Drops(), inner_lr=0.1, steps=1, batched=True).meta_loss(tasks, mse)
 
 
 def test_mistakes_that_would_change_the_numbers_with_the_world_size_are_errors():
@@ -278,10 +290,11 @@ def test_mistakes_that_would_change_the_numbers_with_the_world_size_are_errors()
     for case in ("whole", "whole adapt", "clip at once", "clip later", "replaced later"):
         assert one[case] == "accepted", (case, one[case])
     assert one["unsummed"] == ["accepted"] * 2
-    # Random draws are refused under MetaDDP at any size, as dropout layers are: the model
-    # that debugs on one process is the one that trains on many.
+    # Random draws metaddp cannot key are refused under MetaDDP at any size: the model that
+    # debugs on one process is the one that trains on many. F.dropout is keyed.
+    assert "drew random numbers" in one["randn"], one["randn"]
     for case in ("F.dropout", "F.dropout module", "F.dropout adapt"):
-        assert "drew random numbers" in one[case], (case, one[case])
+        assert isinstance(one[case], float), (case, one[case])
     for out in got[2]:
         # Whole tasks where the samples are split: each rank would add the whole batch.
         assert "holds all 8 of its samples on this rank" in out["whole"], out["whole"]
@@ -292,9 +305,11 @@ def test_mistakes_that_would_change_the_numbers_with_the_world_size_are_errors()
             assert "was changed between backward() and sync_grads()" in out[case], (case, out)
         for text in out["unsummed"]:
             assert "but sync_grads() never summed" in text, text
-        # The sample layout gives every rank a part of every task: each adapts and draws.
+        # The sample layout gives every rank a part of every task: each adapts and draws the
+        # masks of its own samples, the one-process ones (float64 sums of halves: a few ulps).
+        assert "drew random numbers" in out["randn"], out["randn"]
         for case in ("F.dropout", "F.dropout module", "F.dropout adapt"):
-            assert "drew random numbers" in out[case], (case, out[case])
+            assert out[case] == pytest.approx(one[case], rel=1e-12), case
         assert out["F.dropout eval"] == "accepted"
 
 

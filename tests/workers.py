@@ -388,18 +388,18 @@ def captured_leaf() -> dict:
     return out
 
 
-def dropout_refused() -> dict:
-    """A model with dropout in training mode under MetaDDP: every entry point refuses it on
-    every rank; in eval mode it trains; learner.local() runs it on this rank alone.
+def dropout_keyed() -> dict:
+    """A model with dropout in training mode under MetaDDP, samples split: meta_loss and adapt
+    key its masks by the samples; clone()'s own forwards and RReLU cannot be keyed and are
+    refused; in eval mode dropout is the identity.
 
-    Returns each case's error text, or the loss and first-layer gradient."""
+    Returns each case's loss and first-layer gradient, or its error text."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Dropout(0.3), nn.Linear(8, 1)).double()
-    learner = md.MetaDDP(md.MAML(net, inner_lr=0.1), md.Mesh.create())
+    learner = md.MetaDDP(md.MAML(net, inner_lr=0.1, steps=2), md.Mesh.create())
     x = torch.linspace(-1, 1, 8, dtype=torch.float64)[:, None]
     whole = [md.Task(md.Batch(x, 2 * x, 8), md.Batch(x, 3 * x, 8)) for _ in range(2)]
     mse = lambda p, y: (p - y).squeeze(-1) ** 2  # noqa: E731
-    mine = learner.shard(whole)
 
     def refused(call) -> str:
         try:
@@ -408,19 +408,24 @@ def dropout_refused() -> dict:
             return str(e)
         return "accepted"
 
-    out = {
-        "meta_loss": refused(lambda: learner.meta_loss(mine, mse)),
-        "module.meta_loss": refused(lambda: learner.module.meta_loss(mine, mse)),
-        "adapt": refused(lambda: learner.adapt(mine[0].support, mse) if mine else None),
-        "clone": refused(lambda: learner.module.clone()),
-    }
-    with learner.local() as alg:
-        out["local"] = float(alg.meta_loss(whole, mse))  # this rank's own masks
+    def step() -> dict:
+        net.zero_grad()
+        loss = learner.meta_loss(learner.shard(whole), mse)
+        loss.backward()
+        (total,) = learner.sync_grads(loss.detach().reshape(1))
+        return {"loss": total, "grad": net[0].weight.grad.reshape(-1).tolist()}
+
+    out: dict = {"step 0": step(), "step 1": step()}
+    mine = learner.shard(whole)
+    fast = learner.adapt(mine[0].support, mse)
+    out["adapt"] = fast["0.weight"].reshape(-1).tolist()
+    out["clone"] = refused(lambda: learner.module.clone()(x))
+    rrelu = nn.Sequential(nn.Linear(1, 8), nn.RReLU(), nn.Linear(8, 1)).double()
+    rough = md.MetaDDP(md.MAML(rrelu, inner_lr=0.1), md.Mesh.create())
+    out["rrelu"] = refused(lambda: rough.meta_loss(rough.shard(whole), mse))
+    rough.release()
     net.eval()
-    loss = learner.meta_loss(mine, mse)
-    loss.backward()
-    (out["loss"],) = learner.sync_grads(loss.detach().reshape(1))
-    out["grad"] = net[0].weight.grad.reshape(-1).tolist()
+    out["eval"] = step()
     learner.release()
     return out
 
@@ -484,11 +489,24 @@ def user_mistakes() -> dict:
         def forward(self, x):
             return self.b(torch.nn.functional.dropout(self.a(x).tanh(), 0.3, self.training))
 
+    class Noisy(nn.Module):  # a random draw metaddp cannot key
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(1, 1)
+
+        def forward(self, x):
+            return self.a(x) + 0.1 * torch.randn_like(x)
+
     drops = md.MetaDDP(md.MAML(Drops().double(), inner_lr=0.1, batched=False), md.Mesh.create())
     mine = drops.shard(whole)
-    out["F.dropout"] = outcome(lambda: drops.meta_loss(mine, mse))
-    out["F.dropout module"] = outcome(lambda: drops.module.meta_loss(mine, mse))
-    out["F.dropout adapt"] = outcome(lambda: drops.adapt(mine[0].support, mse) if mine else None)
+    # Keyed: this rank's share of the loss (summed over the ranks), and of the adapted weights.
+    out["F.dropout"] = float(md.global_value(drops.meta_loss(mine, mse)))
+    out["F.dropout module"] = float(md.global_value(drops.module.meta_loss(mine, mse)))
+    fast = drops.adapt(mine[0].support, mse)
+    out["F.dropout adapt"] = float(fast["a.weight"].detach().sum())
+    noisy = md.MetaDDP(md.MAML(Noisy().double(), inner_lr=0.1, batched=False), md.Mesh.create())
+    out["randn"] = outcome(lambda: noisy.meta_loss(noisy.shard(whole), mse))
+    noisy.release()
     drops.module.eval()
     out["F.dropout eval"] = outcome(lambda: drops.meta_loss(mine, mse))
     drops.release()

@@ -102,8 +102,10 @@ class Batch(NamedTuple):
     n: int
 
     @classmethod
-    def local(cls, x: Tensor, y: Tensor, n: int) -> Batch:
-        """A shard already cut by the caller; checked for consistent lengths."""
+    def local(cls, x: Tensor, y: Tensor, n: int, *, start: int | None = None) -> Batch:
+        """A shard already cut by the caller; checked for consistent lengths. ``start``, the
+        global index of its first sample, lets dropout draw each sample's own masks
+        (:mod:`metaddp._draws`); without it a model that draws is refused on it."""
         if x.shape[0] != y.shape[0]:
             raise ValueError(
                 f"a shard's inputs and targets disagree in length: {x.shape[0]} inputs, "
@@ -112,7 +114,13 @@ class Batch(NamedTuple):
         n = whole(n, "a batch's global size")
         if x.shape[0] > n:
             raise ValueError(f"a shard of {x.shape[0]} samples cannot belong to a batch of {n}")
-        return Shard(x, y, n)
+        if start is not None:
+            start = whole(start, "a shard's start")
+            if not 0 <= start <= n - x.shape[0]:
+                raise ValueError(
+                    f"a shard of {x.shape[0]} samples cannot start at {start} in a batch of {n}"
+                )
+        return Shard.at(x, y, n, start)
 
     @classmethod
     def split(cls, x: Tensor, y: Tensor, index: int, parts: int) -> Batch:
@@ -122,7 +130,8 @@ class Batch(NamedTuple):
                 f"a batch's inputs and targets disagree in length: {x.shape[0]} inputs, "
                 f"{y.shape[0]} targets"
             )
-        return Shard(shard(x, index, parts), shard(y, index, parts), x.shape[0])
+        r = shard_range(x.shape[0], index, parts)
+        return Shard.at(x[r.start : r.stop], y[r.start : r.stop], x.shape[0], r.start)
 
     def whole_where_split(self) -> bool:
         """Whether this batch holds all of its samples without being known as a rank's part
@@ -134,9 +143,15 @@ class Batch(NamedTuple):
 class Shard(Batch):
     """A :class:`Batch` known to be one rank's part of its batch (from :meth:`Batch.split`,
     :meth:`Batch.local` or ``MetaDDP.shard``): it may hold all ``n`` samples, where the other
-    ranks hold none."""
+    ranks hold none. ``start`` is the global index of its first sample, where known."""
 
-    __slots__ = ()
+    start: int | None = None
+
+    @classmethod
+    def at(cls, x: Tensor, y: Tensor, n: int, start: int | None) -> Shard:
+        out = cls(x, y, n)
+        out.start = start
+        return out
 
 
 class Task(NamedTuple):

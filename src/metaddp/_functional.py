@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ._routes import routes
+
 Params = dict[str, Tensor]
 
 
@@ -43,7 +45,8 @@ def call(
     """
     weights: dict[str, Tensor] = dict(buffers) if buffers is not None else {}
     weights.update(params)
-    return torch.func.functional_call(module, weights, args, kwargs, strict=False)
+    with routes(module):
+        return torch.func.functional_call(module, weights, args, kwargs, strict=False)
 
 
 def random_layers(module: nn.Module) -> list[str]:
@@ -70,10 +73,11 @@ def _generator_states() -> list[bytes]:
 @contextlib.contextmanager
 def refusing_draws(split: bool) -> Iterator[None]:
     """Where the work is ``split`` over processes, raise if the block drew random numbers
-    from the default generators (``F.dropout`` in a forward, ``nn.MultiheadAttention``'s
-    dropout, a loss that samples): each process draws from its own, so the numbers, and the
-    meta-gradient, would change with the number of processes and the split. Layers that draw
-    are refused before they run (:func:`random_layers`); this sees the rest."""
+    from the default generators (``torch.randn`` in a forward, a loss that samples): each
+    process draws from its own, so the numbers, and the meta-gradient, would change with the
+    number of processes and the split. Dropout in metaddp's own forwards draws no number from
+    them (:mod:`metaddp._draws`); layers whose draws cannot be keyed are refused before they
+    run (:func:`metaddp._routes.unkeyable_layers`); this sees the rest."""
     if not split:
         yield
         return
@@ -81,12 +85,12 @@ def refusing_draws(split: bool) -> Iterator[None]:
     yield
     if before != _generator_states():
         raise ValueError(
-            "the model or the loss function drew random numbers (F.dropout in a forward, "
-            "nn.MultiheadAttention(dropout=...), a sampling loss) from each process's own "
+            "the model or the loss function drew random numbers (torch.randn in a forward, a "
+            "sampling loss, dropout in a forward metaddp does not run) from each process's own "
             "generator: under MetaDDP the numbers, and so the meta-gradient, would change "
-            "with the number of processes and the split of the samples. Set the dropout to 0 "
-            "or call model.eval() before meta-training; learner.local() runs such a model on "
-            "one process"
+            "with the number of processes and the split of the samples. metaddp keys dropout "
+            "in the forwards of meta_loss and adapt (docs/guarantees.md); remove other draws, "
+            "or call model.eval(); learner.local() runs such a model on one process"
         )
 
 

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from .. import _draws
 from .._data import Task
 from .._functional import params_of
 from .._types import LossFn, Params, Reduce, Supports
@@ -21,6 +22,8 @@ from ._base import Algorithm, OptimizerFactory
 from ._conv_ways import ConvChoice
 from ._exact import exact_meta_loss
 from ._stacked import stacked_task_losses, use_batched
+
+STACKED = "stacked tasks run every task in one torch.vmap call: use batched=False"
 
 
 class MAML(Algorithm):
@@ -153,17 +156,18 @@ class MAML(Algorithm):
                 "if the override keeps MAML's loss)"
             )
         if self.stackable and use_batched(self.batched, tasks, self.model):
-            return stacked_task_losses(
-                self.model,
-                self.fast_weights(),
-                tasks,
-                loss_fn,
-                steps=self.steps,
-                optimizer=self.inner_optimizer(),
-                first_order=self.first_order,
-                reduce=reduce,
-                rematerialize=self._rematerialize(),
-                extras=self._needing_grad(),
-                conv=self.conv,
-            )
+            with _draws.unkeyed(STACKED):
+                return stacked_task_losses(
+                    self.model,
+                    self.fast_weights(),
+                    tasks,
+                    loss_fn,
+                    steps=self.steps,
+                    optimizer=self.inner_optimizer(),
+                    first_order=self.first_order,
+                    reduce=reduce,
+                    rematerialize=self._rematerialize(),
+                    extras=self._needing_grad(),
+                    conv=self.conv,
+                )
         return super().task_losses(tasks, loss_fn, reduce)

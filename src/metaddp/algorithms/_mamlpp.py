@@ -161,6 +161,7 @@ class MAMLPlusPlus(MAML):
     def at_step(self, step: int) -> None:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"the meta-step must be an integer >= 0, got {step!r}")
+        super().at_step(step)
         self.meta_step, self.told = step, True
 
     def second_order_now(self) -> bool:

@@ -30,6 +30,7 @@ from .._adapt import check_finite, inner_step
 from .._data import Batch, Task
 from .._functional import call, random_layers
 from .._remat import rematerialized_loss
+from .._routes import needs_routes
 from .._share import check_per_sample, share
 from .._types import LossFn, Params, Reduce
 from ..inner import InnerOptimizer, State
@@ -273,13 +274,18 @@ def use_batched(batched: bool | None, tasks: Sequence[Task], model: nn.Module) -
             vmapped convolutions measured slower there; the loop for models with buffers
             (running statistics: ``True`` stacks them too, moved as the loop moves them,
             :mod:`metaddp.algorithms._running`), for
-            models with dropout layers in training mode (``vmap`` draws no random numbers) and
-            for tasks of different sizes. BatchNorm with batch statistics only (MAML's) is
-            stacked like any layer, synchronized or not.
+            models with dropout layers in training mode (``vmap`` draws no random numbers),
+            models whose forward may call attention or dropout (``needs_routes``: the loop
+            keys each task's masks) and for tasks of different sizes. BatchNorm with batch
+            statistics only (MAML's) is stacked like any layer, synchronized or not.
         tasks: this rank's tasks.
         model: the network.
     """
     if batched is False or not tasks:
+        return False
+    if batched is None and needs_routes(model):
+        # Attention or dropout inside the forward: the loop keys dropout by each task's
+        # samples (metaddp._draws), and runs attention on metaddp's own kernel.
         return False
     if drawn := random_layers(model):
         if batched:

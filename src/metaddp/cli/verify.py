@@ -78,6 +78,17 @@ def checks(scenario: str) -> list[Check]:
             for opt, clip, lr in (("adamw", None, 0.03), ("rmsprop", 2.0, 0.01),
                                   ("adagrad", None, 0.1))
         ]  # fmt: skip
+    if scenario == "transformer":
+        # A transformer encoder layer and a causal attention block with dropout 0.1 on (keyed
+        # masks, metaddp._draws), second and first order; the same float64 tolerance: the masks
+        # are the one-process masks, so only the order of sums changes.
+        return [
+            Check(scenario, f"{layout}, {order}",
+                  S.Problem(model="transformer", layout=layout, steps=2, n_tasks=3, n_support=7,
+                            n_query=6, first_order=order == "1st order"), 1e-10)
+            for layout in S.LAYOUTS
+            for order in ("2nd order", "1st order")
+        ]  # fmt: skip
     if scenario == "bn":
         # MAML on the conv model with BatchNorm synchronized over the sample axis.
         return [
@@ -118,6 +129,8 @@ def deterministic(c: Check) -> Check | None:
     mode does not apply (the seed's hand-written loop; ANIL, Reptile, iMAML)."""
     if not isinstance(c.problem, S.Problem) or c.problem.algorithm not in DETERMINISTIC:
         return None
+    if c.problem.model == "transformer":  # dropout: not keyed inside the mode's vmap
+        return None
     # BatchNorm without running statistics (MAML's own): buffers cannot be updated per chunk.
     problem = dataclasses.replace(
         c.problem, dtype=torch.float32, deterministic=True, running_stats=False
@@ -150,7 +163,7 @@ SCENARIOS = (
     ("seed", "conv", "mlp")
     + ALGORITHM_SCENARIOS
     + COMPARED_SCENARIOS
-    + ("inner-optimizers", "bn")
+    + ("inner-optimizers", "bn", "transformer")
     + BILEVEL_SCENARIOS
 )
 

@@ -90,11 +90,53 @@ class ConvBody(nn.Module):
     forward = SmallConv.features
 
 
+class SelfAttention(nn.Module):
+    """Multi-head self-attention written the way transformer code writes it: projections
+    and ``F.scaled_dot_product_attention`` with attention dropout in training mode."""
+
+    def __init__(self, width: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.heads, self.dropout = heads, dropout
+
+    def forward(self, x: Tensor) -> Tensor:
+        n, length, width = x.shape
+        q, k, v = self.qkv(x).reshape(n, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(n, length, width))
+
+
+class TinyTransformer(nn.Module):
+    """A sequence regressor: an input projection, one ``nn.TransformerEncoderLayer``
+    (``nn.MultiheadAttention`` inside), one causal :class:`SelfAttention` block with
+    ``nn.Dropout``, and a linear read-out of the mean over positions. Dropout 0.1 everywhere,
+    samples first."""
+
+    def __init__(self, features: int = 2, width: int = 8, heads: int = 2, dropout: float = 0.1):
+        super().__init__()
+        self.embed = nn.Linear(features, width)
+        self.encoder = nn.TransformerEncoderLayer(
+            width, heads, 2 * width, dropout=dropout, batch_first=True
+        )
+        self.attention = SelfAttention(width, heads, dropout)
+        self.norm = nn.LayerNorm(width)
+        self.drop = nn.Dropout(dropout)
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.encoder(self.embed(x))
+        h = self.norm(h + self.drop(self.attention(h)))
+        return self.head(h.mean(dim=1)).squeeze(-1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Problem:
     """A meta-step: algorithm, model, task family, inner loop, precision, and work layout."""
 
-    model: str = "mlp"  # "mlp" (sinusoid-like regression) or "conv" (3-way classification)
+    # "mlp" (sinusoid-like regression), "conv" (3-way classification) or "transformer"
+    # (sequence regression, dropout on: TinyTransformer)
+    model: str = "mlp"
     n_tasks: int = 5
     n_support: int = 13
     n_query: int = 11
@@ -129,13 +171,15 @@ class Problem:
             )
         elif self.model == "conv":
             net = SmallConv(batchnorm=self.batchnorm, running_stats=self.running_stats)
+        elif self.model == "transformer":
+            net = TinyTransformer()
         else:
             raise ValueError(f"unknown model {self.model!r}")
         return net.to(self.dtype)
 
     @property
     def loss_fn(self) -> Callable[[Tensor, Tensor], Tensor]:
-        return mse_per_sample if self.model == "mlp" else ce_per_sample
+        return ce_per_sample if self.model == "conv" else mse_per_sample
 
     def task(self, index: int) -> Task:
         """Global task ``index``: a function of the seed and the index only."""
@@ -148,12 +192,20 @@ class Problem:
             phase = torch.pi * torch.rand((), generator=g, dtype=f32)
             x = 10 * torch.rand(n, 1, generator=g, dtype=f32) - 5
             y = amp * torch.sin(x - phase)
+        elif self.model == "transformer":
+            # Sequences of 5 steps of 2 features; the target weighs a sine of the first feature
+            # by the second, averaged over the steps, with a task's own amplitude and phase.
+            f32 = torch.float32
+            amp = 0.5 + torch.rand((), generator=g, dtype=f32)
+            phase = torch.pi * torch.rand((), generator=g, dtype=f32)
+            x = torch.randn(n, 5, 2, generator=g, dtype=f32)
+            y = amp * (torch.sin(x[..., 0] + phase) * x[..., 1]).mean(dim=1)
         else:
             protos = torch.randn(3, 1, 8, 8, generator=g, dtype=torch.float32)
             y = torch.arange(n) % 3
             x = protos[y] + 0.5 * torch.randn(n, 1, 8, 8, generator=g, dtype=torch.float32)
         x = x.to(self.dtype)
-        y = y.to(self.dtype) if self.model == "mlp" else y
+        y = y if self.model == "conv" else y.to(self.dtype)
         s, q = slice(0, self.n_support), slice(self.n_support, n)
         return Task(Batch(x[s], y[s], self.n_support), Batch(x[q], y[q], self.n_query))
 

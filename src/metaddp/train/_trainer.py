@@ -89,6 +89,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         algorithm = build(cfg.algorithm, self.family.model(), cfg.algorithm_settings())
         self.algorithm = algorithm.to(device=self.device, dtype=self.dtype)
+        self.algorithm.draw_seed = cfg.seed  # dropout masks: keyed by the run's seed and step
         self.optimizer = torch.optim.Adam(self.algorithm.parameters(), lr=cfg.outer_lr)
         self.start = 0
         self.evaluate_first = False
