@@ -42,7 +42,7 @@ DropoutKeep = Callable[[slice], Tensor]
 """``keep(rows)``: the dropout multiplier (0 or 1 / (1 - p)) of the query ``rows``,
 broadcastable to [..., rows, S]; a pure function of ``rows``."""
 
-_BLOCK = 2**22
+_BLOCK = 2**19
 """Elements of one chunk's [..., chunk, S] block of attention scores, by default."""
 
 
