@@ -73,6 +73,7 @@ from .distributed import (
 from .inner import (
     InnerOptimizer,
     LearnedLR,
+    LossScale,
     adagrad,
     adam,
     adamw,
@@ -102,6 +103,7 @@ __all__ = [
     "LearnedLR",
     "Learner",
     "LossFn",
+    "LossScale",
     "MAML",
     "MAMLPlusPlus",
     "Mesh",

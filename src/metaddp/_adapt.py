@@ -14,14 +14,17 @@ from typing import overload
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import _host
 from ._binding import several_processes
-from ._data import Batch
-from ._functional import call
+from ._data import Batch, Shard
+from ._draws import keyed_forward
+from ._functional import call, params_of
 from ._share import share
 from ._types import LossFn, Params, Reduce, identity_reduce
 from .inner import InnerOptimizer, State, apply_updates
+from .inner._loss_scale import LossScale, TaskScale
 
 
 @overload
@@ -168,6 +171,7 @@ def inner_step(
     reduce: Reduce | None = None,
     first_order: bool = False,
     extra_grad: Callable[[Params], Params] | None = None,
+    scale: TaskScale | None = None,
 ) -> tuple[Params, State]:
     """One differentiable optimizer step on ``loss``; returns the next fast weights and state.
 
@@ -182,7 +186,22 @@ def inner_step(
         first_order: treat the gradients as constants (no second-order terms).
         extra_grad: a term added after the reduction, a function of the fast weights that
             every process computes in full (iMAML's proximal term).
+        scale: the task's running loss scale (:meth:`metaddp.LossScale.start`), or ``None``.
+            ``loss`` must then be computed from ``scale.watch(fast)``; the step
+            differentiates ``scale.value * loss``, unscales, and is skipped where the reduced
+            gradient is not finite (:func:`scaled_step`), instead of raising.
     """
+    if scale is not None:
+        return scaled_step(
+            loss,
+            fast,
+            state,
+            optimizer,
+            scale,
+            reduce=reduce,
+            first_order=first_order,
+            extra_grad=extra_grad,
+        )
     grads = grad(loss, fast, reduce=reduce, create_graph=not first_order)
     if extra_grad is not None:
         extra = extra_grad(fast)
@@ -192,6 +211,63 @@ def inner_step(
     return apply_updates(fast, updates), state
 
 
+def scaled_step(
+    loss: Tensor,
+    fast: Params,
+    state: State,
+    optimizer: InnerOptimizer,
+    scale: TaskScale,
+    *,
+    reduce: Reduce | None = None,
+    first_order: bool = False,
+    extra_grad: Callable[[Params], Params] | None = None,
+) -> tuple[Params, State]:
+    """:func:`inner_step` with dynamic loss scaling (:mod:`metaddp.inner._loss_scale`).
+
+    The gradient of ``scale.value * loss`` by the watched fast weights, reduced, divided by
+    the scale on the graph (a power of two: exact). Whether every reduced gradient is finite
+    is one bool on the device, the same on every rank that splits the task; where it is
+    false the gradients are replaced by zeros before the optimizer (no Inf or NaN enters its
+    update, in the forward or the backward), the fast weights and the optimizer's tensor
+    slots keep their old values, the watched inputs pass no gradient back (the discarded
+    graph's ``0 * inf``) and the scale backs off. Nothing is read on the host.
+    """
+    watched = scale.watched(fast)
+    scaled = grad(scale.value * loss, watched, reduce=reduce, create_graph=not first_order)
+    grads = {k: g / scale.value for k, g in scaled.items()}
+    finite = finite_flags(list(grads.values())).all()
+    scale.settle(finite)
+    grads = {k: torch.where(finite, g, g.new_zeros(())) for k, g in grads.items()}
+    if extra_grad is not None:
+        extra = extra_grad(fast)
+        grads = {k: g + extra[k] for k, g in grads.items()}
+    updates, new_state = optimizer.update(grads, state, fast)
+    stepped = apply_updates(fast, updates)
+    kept = {
+        k: torch.where(finite, stepped[k], fast[k]) if k in updates else v
+        for k, v in stepped.items()
+    }
+    return kept, _kept_state(finite, new_state, state)
+
+
+def _kept_state(finite: Tensor, new: State, old: State) -> State:
+    """``new`` where the step was kept, else ``old``, tensor by tensor; what is not a tensor
+    (a step count, read on the host by bias corrections) is ``new``'s."""
+    new_leaves, spec = tree_flatten(new)
+    old_leaves, old_spec = tree_flatten(old)
+    if spec != old_spec:
+        raise TypeError(
+            "a loss-scaled inner step keeps the optimizer's old state where it skips a step, "
+            "but this optimizer's update changed the state's structure: use a metaddp inner "
+            "optimizer, or loss_scale=None"
+        )
+    leaves = [
+        torch.where(finite, n, o) if isinstance(n, Tensor) and isinstance(o, Tensor) else n
+        for n, o in zip(new_leaves, old_leaves, strict=True)
+    ]
+    return tree_unflatten(leaves, spec)
+
+
 def batch_share(
     model: nn.Module,
     params: Mapping[str, Tensor],
@@ -199,8 +275,12 @@ def batch_share(
     loss_fn: LossFn,
     buffers: Mapping[str, Tensor] | None = None,
 ) -> Tensor:
-    """This process's share of the mean loss of ``params`` over the whole (global) ``batch``."""
-    return share(loss_fn(call(model, params, batch.x, buffers=buffers), batch.y), batch)
+    """This process's share of the mean loss of ``params`` over the whole (global) ``batch``.
+
+    The forward's dropout masks are keyed by the batch's samples (:mod:`metaddp._draws`)."""
+    with keyed_forward(batch):
+        prediction = call(model, params, batch.x, buffers=buffers)
+    return share(loss_fn(prediction, batch.y), batch)
 
 
 def inner_loop(
@@ -215,6 +295,7 @@ def inner_loop(
     reduce: Reduce | None = None,
     buffers: Mapping[str, Tensor] | None = None,
     extra_grad: Callable[[Params], Params] | None = None,
+    loss_scale: LossScale | None = None,
 ) -> Params:
     """``steps`` differentiable optimizer steps on the support loss; returns the fast weights.
 
@@ -230,15 +311,24 @@ def inner_loop(
         reduce: SUM of gradients over the processes sharing this task's samples.
         buffers: buffers to run the model with (default: its own).
         extra_grad: see :func:`inner_step`.
+        loss_scale: dynamic loss scaling of every step (:class:`metaddp.LossScale`), for
+            float16 forward passes; its scale starts at ``init`` for this task.
 
     Returns:
         The adapted fast weights.
     """
     fast: Params = dict(params)
     state = optimizer.init(fast)
+    scale = None
+    if loss_scale is not None and fast:
+        scale = loss_scale.start(next(iter(fast.values())))
     with torch.enable_grad():
         for step in range(steps):
-            loss = batch_share(model, fast, support, loss_fn, buffers)
+            if scale is None:
+                loss = batch_share(model, fast, support, loss_fn, buffers)
+            else:
+                weights, batch = _watched_inputs(scale, model, fast, support)
+                loss = batch_share(model, weights, batch, loss_fn, buffers)
             fast, state = inner_step(
                 loss,
                 fast,
@@ -248,5 +338,23 @@ def inner_loop(
                 reduce=reduce,
                 first_order=first_order,
                 extra_grad=extra_grad,
+                scale=scale,
             )
     return fast
+
+
+def _watched_inputs(
+    scale: TaskScale, model: nn.Module, fast: Params, support: Batch
+) -> tuple[Params, Batch]:
+    """What a scaled step's forward reads, watched (:meth:`TaskScale.watch`): the fast
+    weights, the model's other trained parameters (BOIL's head, CAVIA's network) and support
+    inputs computed from parameters (ANIL's features). A tensor the loss reads besides these
+    (a learned weighting inside ``loss_fn``) is not watched: a skipped step may give it NaN."""
+    held = {k: p for k, p in params_of(model).items() if k not in fast}
+    weights = scale.watch({**held, **fast})
+    if not support.x.requires_grad:
+        return weights, support
+    x = scale.watch({"x": support.x})["x"]
+    if isinstance(support, Shard):
+        return weights, Shard.at(x, support.y, support.n, support.start)
+    return weights, support._replace(x=x)

@@ -18,7 +18,8 @@ from torch import Tensor, nn
 from .._data import Batch, Task
 from .._functional import call
 from .._types import LossFn, Params, Reduce, Supports
-from ..inner import InnerOptimizer
+from ..inner import InnerOptimizer, LossScale
+from ..inner._loss_scale import DEFAULT as DEFAULT_LOSS_SCALE
 from ._base import Algorithm, OptimizerFactory
 
 
@@ -60,6 +61,7 @@ class ANIL(Algorithm):
         learn_lr: str | None = None,
         memory: str = "default",
         autocast: torch.dtype | None = None,
+        loss_scale: LossScale | bool | None = DEFAULT_LOSS_SCALE,
     ) -> None:
         super().__init__(
             BodyHead(body, head),
@@ -70,6 +72,7 @@ class ANIL(Algorithm):
             learn_lr=learn_lr,
             memory=memory,
             autocast=autocast,
+            loss_scale=loss_scale,
         )
 
     def adapted_module(self) -> nn.Module:

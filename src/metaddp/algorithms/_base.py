@@ -17,24 +17,37 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from .. import _host
+from .. import _draws, _host
 from .._adapt import batch_share, check_finite, check_finite_loss, inner_loop
 from .._binding import Collectives, collectives_for
 from .._data import Batch, BatchKey, MetaBatch, Task, check_batches, named_batches, positive
 from .._functional import (
     call,
     params_of,
-    random_layers,
     refuse_data_parallel,
     refusing_draws,
     require_trained,
 )
 from .._remat import rematerialized_loop, rematerialized_loss
+from .._routes import unkeyable_layers
 from .._types import LossFn, Params, Reduce, Supports
-from ..inner import InnerOptimizer, LearnedLR, LearningRate, learned_rates, sgd
+from ..inner import InnerOptimizer, LearnedLR, LearningRate, LossScale, learned_rates, sgd
+from ..inner._loss_scale import DEFAULT as DEFAULT_LOSS_SCALE
+from ..inner._loss_scale import resolve_loss_scale
 from ._learner import Learner
 
 OptimizerFactory = Callable[[LearningRate], InnerOptimizer]
+
+# Where dropout cannot be keyed (metaddp._draws): the error says why.
+REBUILT = (
+    "memory='low' runs every inner step's forward again in the backward, where a keyed mask "
+    "would be numbered anew: use memory='default'"
+)
+EXACT = "deterministic mode runs the chunks of every task in one torch.vmap call"
+CLONED = (
+    "clone()'s learner runs forwards whose samples metaddp is not told: use meta_loss or "
+    "adapt, which key every forward by its batch"
+)
 # "default": every inner step's graph is kept for the outer backward (memory grows with the
 # steps); "low": each step's graph is rebuilt, one at a time (metaddp._remat), the same
 # meta-gradient in memory that does not grow with the steps.
@@ -91,6 +104,15 @@ class Algorithm(nn.Module):
     supports: ClassVar[Supports] = Supports()
     """What this algorithm offers (:class:`metaddp.Supports`); subclasses declare theirs."""
 
+    draw_seed: int = 0
+    """The seed of the dropout masks (:mod:`metaddp._draws`): with the meta-step, the task's
+    global index and the sample's, it keys every mask, so the masks are the same on any
+    number of processes. ``metaddp train`` sets it to the run's seed."""
+
+    draw_step: int = 0
+    """The meta-step the masks are keyed by: set by :meth:`at_step`, else advanced by one
+    after every ``meta_loss``."""
+
     metaddp_bound: Collectives | None = None
     """The reductions of the :class:`metaddp.MetaDDP` that wraps this algorithm, set by it
     (:mod:`metaddp._binding`); ``None``: one process's, or an error on several."""
@@ -106,6 +128,7 @@ class Algorithm(nn.Module):
         learn_lr: str | None = None,
         memory: str = "default",
         autocast: torch.dtype | None = None,
+        loss_scale: LossScale | bool | None = DEFAULT_LOSS_SCALE,
     ) -> None:
         super().__init__()
         inner_lr = positive(inner_lr, "inner_lr")
@@ -147,6 +170,39 @@ class Algorithm(nn.Module):
                 optimizer = optimizer(inner_lr)
             self.optimizer = optimizer or sgd(inner_lr)
             refuse_transform(self.optimizer)
+        self.loss_scale = loss_scale
+
+    @property
+    def loss_scale(self) -> LossScale | None:
+        """The inner steps' dynamic loss scaling (:class:`metaddp.LossScale`), or ``None``.
+
+        On by default (``LossScale()``) with ``autocast=torch.float16``, off otherwise; set
+        ``None`` or ``False`` to turn it off. It scales the inner loop that runs tasks one by
+        one in ``memory="default"`` (:func:`metaddp.inner_loop`): ``memory="low"`` keeps
+        float16 unscaled by default and refuses a ``LossScale`` given with float16; stacked
+        tasks (``batched``) and ``clone()`` run unscaled. Each task's scale starts at
+        ``init``, whichever rank runs it."""
+        return self._loss_scale
+
+    @loss_scale.setter
+    def loss_scale(self, value: LossScale | bool | None) -> None:
+        low = self.autocast == torch.float16 and self._rematerialized()
+        if low and value is DEFAULT_LOSS_SCALE:
+            value = None
+        scale = resolve_loss_scale(value, self.autocast)
+        if scale is not None and low:
+            raise ValueError(
+                "loss scaling of the inner steps with autocast=torch.float16 runs in "
+                "memory='default' only, which keeps every inner step's graph: use "
+                "memory='default', or loss_scale=None to run float16 unscaled in "
+                "memory='low' (small gradients may underflow), or autocast=torch.bfloat16"
+            )
+        self._loss_scale = scale
+
+    def _rematerialized(self) -> bool:
+        """Whether ``memory="low"`` rebuilds the inner steps (not first order, which keeps
+        no inner graph and runs the default loop)."""
+        return self.memory == "low" and not self.first_order
 
     # --- what subclasses change ------------------------------------------------------------
 
@@ -171,12 +227,14 @@ class Algorithm(nn.Module):
             "first_order": self.first_order,
             "learn_lr": None if self.lr is None else self.lr.per,
             "autocast": None if self.autocast is None else str(self.autocast),
+            "loss_scale": None if self.loss_scale is None else repr(self.loss_scale),
         }
 
     def at_step(self, step: int) -> None:
         """A training loop says which meta-step (0-based) comes next, before its
         ``meta_loss``. Algorithms with schedules (MAML++'s annealed losses and order) read
-        it; the rest have nothing to do."""
+        it; the rest key their dropout masks by it."""
+        self.draw_step = step
 
     def signature(self) -> str:
         """:meth:`settings` as text; ``MetaDDP`` checks that every rank has the same."""
@@ -199,16 +257,17 @@ class Algorithm(nn.Module):
     def collectives(self, reduce: Reduce | None = None) -> Collectives:
         """The reductions to use: those of the wrapping :class:`metaddp.MetaDDP`, with
         ``reduce`` in place of its sample-axis SUM when given. Under a wrapper that splits the
-        work, a model that draws random numbers (dropout) is refused."""
+        work, a model whose draws metaddp cannot key to samples is refused (dropout is
+        keyed: :mod:`metaddp._draws`)."""
         if reduce is None:
             found = collectives_for(self)
-            if found.split and (drawn := random_layers(self.model)):
+            if found.split and (drawn := unkeyable_layers(self.model)):
                 raise ValueError(
-                    f"layers {', '.join(drawn[:3])} draw random numbers in training mode, "
-                    "from each process's own generator: under MetaDDP the masks, and so the "
-                    "meta-gradient, would change with the number of processes and the split of "
-                    "the samples. Set their p to 0 or call .eval() on them (model.eval() for "
-                    "all) before meta-training; learner.local() runs them on one process"
+                    f"layers {'; '.join(drawn[:3])}: they draw random numbers in training mode "
+                    "that metaddp does not key to samples, so the meta-gradient would change "
+                    "with the number of processes and the split of the samples. Call .eval() "
+                    "on them or replace them (nn.Dropout is keyed); learner.local() runs them "
+                    "on one process"
                 )
             return found
         try:
@@ -237,16 +296,17 @@ class Algorithm(nn.Module):
         if self._rematerialize():
             if extra_grad is not None:
                 raise ValueError(f"{type(self).__name__} has no memory='low' mode")
-            return rematerialized_loop(
-                lambda fast, buffers: batch_share(module, fast, support, loss_fn, buffers),
-                start,
-                steps=steps,
-                optimizer=self.inner_optimizer(),
-                reduce=reduce,
-                extras=self._needing_grad(support),
-                buffers=dict(module.named_buffers()),
-                check=check_finite,
-            )
+            with _draws.unkeyed(REBUILT):
+                return rematerialized_loop(
+                    lambda fast, buffers: batch_share(module, fast, support, loss_fn, buffers),
+                    start,
+                    steps=steps,
+                    optimizer=self.inner_optimizer(),
+                    reduce=reduce,
+                    extras=self._needing_grad(support),
+                    buffers=dict(module.named_buffers()),
+                    check=check_finite,
+                )
         return inner_loop(
             module,
             start,
@@ -257,6 +317,7 @@ class Algorithm(nn.Module):
             first_order=self.first_order,
             reduce=reduce,
             extra_grad=extra_grad,
+            loss_scale=self.loss_scale,
         )
 
     def _rematerialize(self) -> bool:
@@ -292,17 +353,18 @@ class Algorithm(nn.Module):
         if not self._rematerialize():
             fast = self.inner_loop(support, loss_fn, reduce=reduce)
             return batch_share(module, fast, query, loss_fn)
-        return rematerialized_loss(
-            lambda fast, buffers: batch_share(module, fast, support, loss_fn, buffers),
-            lambda fast, buffers: batch_share(module, fast, query, loss_fn, buffers),
-            self.fast_weights(),
-            steps=self.steps,
-            optimizer=self.inner_optimizer(),
-            reduce=reduce,
-            extras=self._needing_grad(support, query),
-            buffers=dict(module.named_buffers()),
-            check=check_finite,
-        )
+        with _draws.unkeyed(REBUILT):
+            return rematerialized_loss(
+                lambda fast, buffers: batch_share(module, fast, support, loss_fn, buffers),
+                lambda fast, buffers: batch_share(module, fast, query, loss_fn, buffers),
+                self.fast_weights(),
+                steps=self.steps,
+                optimizer=self.inner_optimizer(),
+                reduce=reduce,
+                extras=self._needing_grad(support, query),
+                buffers=dict(module.named_buffers()),
+                check=check_finite,
+            )
 
     def adapt(
         self,
@@ -331,7 +393,12 @@ class Algorithm(nn.Module):
         self._not_exact("adapt()")
         c = self.collectives(reduce)
         self.check_batches({"the support": support}, c)
-        with self.autocasting(), refusing_draws(c.split):
+        with (
+            self.autocasting(),
+            refusing_draws(c.split),
+            _draws.meta_batch(self.draw_seed, self.draw_step, range(1)),
+            _draws.task(0),
+        ):
             yield c
 
     def __getstate__(self) -> dict[str, Any]:
@@ -379,7 +446,10 @@ class Algorithm(nn.Module):
 
     def task_losses(self, tasks: Sequence[Task], loss_fn: LossFn, reduce: Reduce) -> Tensor:
         """The sum of :meth:`task_loss` over ``tasks`` (one by one)."""
-        losses = [self.task_loss(task, loss_fn, reduce=reduce) for task in tasks]
+        losses = []
+        for i, task in enumerate(tasks):
+            with _draws.task(i):
+                losses.append(self.task_loss(task, loss_fn, reduce=reduce))
         total = losses[0]
         for loss in losses[1:]:
             total = total + loss
@@ -424,12 +494,26 @@ class Algorithm(nn.Module):
         _host.read()
         return loss
 
+    def _draws(self, tasks: Sequence[Task], n_tasks: int) -> Any:
+        """The dropout keys of this meta-batch: its tasks' global indices (a plain list holds
+        every task where its length is the global count; else they are unknown), then the
+        next meta-step's."""
+        if isinstance(tasks, MetaBatch):
+            indices: range | None = tasks.indices
+        else:
+            indices = range(len(tasks)) if len(tasks) == n_tasks else None
+        scope = _draws.meta_batch(self.draw_seed, self.draw_step, indices)
+        self.draw_step += 1
+        return scope
+
     def _meta_loss(self, tasks: Sequence[Task], loss_fn: LossFn, c: Collectives) -> Tensor:
         n_tasks = tasks.n if isinstance(tasks, MetaBatch) else c.count_tasks(len(tasks))
         if n_tasks <= 0:
             raise ValueError("a meta-batch needs at least one task, and no rank holds any")
+        draws = self._draws(tasks, n_tasks)  # every rank advances the step, tasks or none
         if c.exact is not None:
-            return self.exact_meta_loss(tasks, loss_fn, n_tasks, c.exact)
+            with _draws.unkeyed(EXACT):
+                return self.exact_meta_loss(tasks, loss_fn, n_tasks, c.exact)
         if not tasks:
             # A rank holding no task contributes nothing: a zero that backward() accepts but
             # that reaches no parameter. MetaDDP's gradient SUM counts its missing gradients
@@ -437,7 +521,8 @@ class Algorithm(nn.Module):
             like = next(self.parameters(), None)
             zero = torch.zeros(()) if like is None else like.detach().new_zeros(())
             return zero.requires_grad_()
-        return self.task_losses(tasks, loss_fn, c.reduce) / n_tasks
+        with draws:
+            return self.task_losses(tasks, loss_fn, c.reduce) / n_tasks
 
     def exact_meta_loss(
         self, tasks: Sequence[Task], loss_fn: LossFn, n_tasks: int, sums: Any
@@ -461,8 +546,9 @@ class Algorithm(nn.Module):
         self._not_exact("clone()")
         require_trained(self)
         c = self.collectives(reduce)
+        run = self._run if not c.split else self._run_unkeyed
         return Learner(
-            self._run,
+            run,
             self.fast_weights(),
             self.inner_optimizer(),
             first_order=self.first_order,
@@ -470,6 +556,12 @@ class Algorithm(nn.Module):
             extra_grad=self.extra_grad(),
             check_share=c.check_share,
         )
+
+    def _run_unkeyed(self, fast: Params, *args: Any, **kwargs: Any) -> Any:
+        # clone()'s forwards where the work is split: the loss the user builds from them says
+        # nothing of which samples they ran on, so their dropout cannot be keyed.
+        with _draws.unkeyed(CLONED):
+            return self._run(fast, *args, **kwargs)
 
     def _run(self, fast: Params, *args: Any, **kwargs: Any) -> Any:
         # Subclasses may take more inputs than ``x``; pass everything through untouched.

@@ -17,7 +17,8 @@ from .. import _draws
 from .._data import Task
 from .._functional import params_of
 from .._types import LossFn, Params, Reduce, Supports
-from ..inner import InnerOptimizer
+from ..inner import InnerOptimizer, LossScale
+from ..inner._loss_scale import DEFAULT as DEFAULT_LOSS_SCALE
 from ._base import Algorithm, OptimizerFactory
 from ._conv_ways import ConvChoice
 from ._exact import exact_meta_loss
@@ -89,6 +90,7 @@ class MAML(Algorithm):
         memory: str = "default",
         autocast: torch.dtype | None = None,
         conv: str = "auto",
+        loss_scale: LossScale | bool | None = DEFAULT_LOSS_SCALE,
     ) -> None:
         super().__init__(
             model,
@@ -99,6 +101,7 @@ class MAML(Algorithm):
             learn_lr=learn_lr,
             memory=memory,
             autocast=autocast,
+            loss_scale=loss_scale,
         )
         self.batched = batched
         self.conv = ConvChoice(conv)
@@ -155,7 +158,13 @@ class MAML(Algorithm):
                 "overrides: use batched=None or False (or set stackable = True on the class "
                 "if the override keeps MAML's loss)"
             )
-        if self.stackable and use_batched(self.batched, tasks, self.model):
+        scaled = self.loss_scale is not None and self.autocast == torch.float16
+        if scaled and self.batched:
+            raise ValueError(
+                "batched=True stacks the tasks, whose inner steps take no loss scale: use "
+                "batched=None or False for float16 with loss scaling, or loss_scale=None"
+            )
+        if self.stackable and not scaled and use_batched(self.batched, tasks, self.model):
             with _draws.unkeyed(STACKED):
                 return stacked_task_losses(
                     self.model,

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..inner import LossScale
+from ..inner._loss_scale import DEFAULT as DEFAULT_LOSS_SCALE
 from ._base import OptimizerFactory
 from ._maml import MAML
 
@@ -40,6 +42,7 @@ class MetaSGD(MAML):
         batched: bool | None = None,
         memory: str = "default",
         autocast: torch.dtype | None = None,
+        loss_scale: LossScale | bool | None = DEFAULT_LOSS_SCALE,
     ) -> None:
         super().__init__(
             model,
@@ -51,4 +54,5 @@ class MetaSGD(MAML):
             memory=memory,
             autocast=autocast,
             batched=batched,
+            loss_scale=loss_scale,
         )

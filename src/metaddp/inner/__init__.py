@@ -2,6 +2,7 @@
 
 from ._adaptive import adagrad, rmsprop
 from ._learned_lr import GRANULARITIES, LearnedLR
+from ._loss_scale import LossScale, TaskScale
 from ._optimizers import (
     InnerOptimizer,
     LearningRate,
@@ -22,8 +23,10 @@ __all__ = [
     "InnerOptimizer",
     "LearnedLR",
     "LearningRate",
+    "LossScale",
     "SlotState",
     "State",
+    "TaskScale",
     "adagrad",
     "adam",
     "adamw",
