@@ -53,6 +53,13 @@ def problems() -> list[S.Problem]:
     # A chained, clipped adaptive optimizer rebuilt step by step.
     out.append(S.Problem(optimizer="adamw", clip=1.0, layout="sample", steps=STEPS,
                          inner_lr=0.03, memory="low"))
+    # A transformer meta-trained with dropout 0.1 on (keyed masks, metaddp._draws): second
+    # order in every layout, first order once (tests/test_transformer.py's reference).
+    for layout in S.LAYOUTS:
+        out.append(S.Problem(model="transformer", layout=layout, steps=STEPS, n_tasks=3,
+                             n_support=7, n_query=6))
+    out.append(S.Problem(model="transformer", layout="hybrid", steps=STEPS, n_tasks=3,
+                         n_support=7, n_query=6, first_order=True))
     return out
 
 
@@ -60,6 +67,7 @@ def name(p: S.Problem) -> str:
     what = p.algorithm if p.optimizer == "sgd" else f"{p.optimizer}{'-clip' if p.clip else ''}"
     modes = ("-bn" if p.batchnorm else "") + ("-low" if p.memory == "low" else "")
     modes += {True: "-stacked", False: "-loop", None: ""}[p.batched]
+    modes += "-1st" if p.first_order else ""
     return f"{what}-{p.model}-{p.layout}" + (f"-at{p.meta_step}" if p.meta_step else "") + modes
 
 
