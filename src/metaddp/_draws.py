@@ -186,6 +186,32 @@ def unkeyed(why: str) -> Iterator[None]:
         _SCOPE.reset(token)
 
 
+def reserve(forwards: int) -> DrawScope | None:
+    """Number the next ``forwards`` forwards of the current scope now, for a loop that runs
+    them later, or again (a rebuilt inner step in a backward, outside the scope): returns the
+    scope as it stood, which :func:`numbered` re-enters; ``None`` outside a scope."""
+    scope = _SCOPE.get()
+    if scope is None:
+        return None
+    kept = dataclasses.replace(scope)
+    scope.forwards += forwards
+    return kept
+
+
+@contextlib.contextmanager
+def numbered(kept: DrawScope | None, number: int) -> Iterator[None]:
+    """Inside, the next forward is forward ``number`` of the reserved run (:func:`reserve`),
+    whenever it runs: the same masks every time."""
+    if kept is None:
+        yield
+        return
+    token = _SCOPE.set(dataclasses.replace(kept, forwards=kept.forwards + number))
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
+
+
 def batch_start(batch: Batch) -> int | None:
     """The global index of the first sample ``batch`` holds: 0 for a whole batch, a shard's
     own ``start`` where it was cut by metaddp, ``None`` where nobody said."""

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from . import _draws
 from ._adapt import grad
 from ._reach import shapes, unknown_leaves
 from ._types import Params, Reduce
@@ -78,8 +79,12 @@ class _Loop:
         check: Callable[[Params, int], None],
         extras: Sequence[Tensor],
         then: LossOf | None = None,
+        draws: _draws.DrawScope | None = None,
     ) -> None:
         self.loss_of, self.names, self.optimizer = loss_of, names, optimizer
+        # The dropout keys of the loop's forwards, numbered once: step k's forward is forward
+        # k, the query's forward ``steps``, each time it runs (metaddp._draws).
+        self.draws = draws
         self.steps, self.reduce, self.buffers, self.check = steps, reduce, buffers, check
         self.extras, self.then = list(extras), then
         # How the optimizer state's tensors go back into its structure (set by the forward of
@@ -104,7 +109,8 @@ class _Loop:
         buffers: Params | None = None,
         check: bool = False,
     ) -> tuple[Params, State]:
-        loss = self.loss_of(fast, buffers)
+        with _draws.numbered(self.draws, k):
+            loss = self.loss_of(fast, buffers)
         g = grad(loss, fast, reduce=self.reduce, create_graph=create_graph)
         if check:  # once per step, where it first runs; a rebuilt step is the same
             self.check(g, k)
@@ -262,7 +268,8 @@ class _RematerializedLoss(torch.autograd.Function):
             at = leaf
             if loop.steps:
                 at, _ = loop.step(leaf, leaf_state, loop.steps - 1, create_graph=True, check=True)
-            loss = loop.then(at, None)
+            with _draws.numbered(loop.draws, loop.steps):
+                loss = loop.then(at, None)
             _refuse_outside([loss], [*at.values(), *extras])
             a_fast, a_state, extra_grads = _vjp(loss, leaf, s_leaves, extras, None)
         a_fast = loop.walk(kept, a_fast, a_state, extra_grads)
@@ -316,7 +323,11 @@ def rematerialized_loop(
     names, n = list(params), len(params)
     # The first K - 1 steps in one function; the last one is built with its graph, which the
     # caller's query pass differentiates through (the last step is then not run twice).
-    loop = _Loop(loss_of, names, optimizer, steps - 1, reduce, dict(buffers or {}), check, extras)
+    draws = _draws.reserve(steps)
+    loop = _Loop(
+        loss_of, names, optimizer, steps - 1, reduce, dict(buffers or {}), check, extras,
+        draws=draws,
+    )  # fmt: skip
     if loop.steps:
         out = _Rematerialized.apply(loop, n, *params.values(), *extras)
         assert loop.put is not None  # set by the forward
@@ -350,12 +361,15 @@ def rematerialized_loss(
         Others: as :func:`rematerialized_loop`.
     """
     names = list(params)
+    draws = _draws.reserve(steps + 1)  # the steps' forwards, then the query's
     loop = _Loop(
-        loss_of, names, optimizer, steps, reduce, dict(buffers or {}), check, extras, query_of
-    )
+        loss_of, names, optimizer, steps, reduce, dict(buffers or {}), check, extras, query_of,
+        draws,
+    )  # fmt: skip
     inputs = (*params.values(), *extras)
     if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
         return _RematerializedLoss.apply(loop, len(names), *inputs)
     with torch.no_grad():  # no gradient to compute: the steps first order, then the loss
         fast = _sweep(loop, {k: v.detach() for k, v in params.items()}, steps)[1]
-        return query_of(fast, None)
+        with _draws.numbered(draws, steps):
+            return query_of(fast, None)

@@ -39,10 +39,6 @@ from ._learner import Learner
 OptimizerFactory = Callable[[LearningRate], InnerOptimizer]
 
 # Where dropout cannot be keyed (metaddp._draws): the error says why.
-REBUILT = (
-    "memory='low' runs every inner step's forward again in the backward, where a keyed mask "
-    "would be numbered anew: use memory='default'"
-)
 EXACT = "deterministic mode runs the chunks of every task in one torch.vmap call"
 CLONED = (
     "clone()'s learner runs forwards whose samples metaddp is not told: use meta_loss or "
@@ -296,17 +292,16 @@ class Algorithm(nn.Module):
         if self._rematerialize():
             if extra_grad is not None:
                 raise ValueError(f"{type(self).__name__} has no memory='low' mode")
-            with _draws.unkeyed(REBUILT):
-                return rematerialized_loop(
-                    lambda fast, buffers: batch_share(module, fast, support, loss_fn, buffers),
-                    start,
-                    steps=steps,
-                    optimizer=self.inner_optimizer(),
-                    reduce=reduce,
-                    extras=self._needing_grad(support),
-                    buffers=dict(module.named_buffers()),
-                    check=check_finite,
-                )
+            return rematerialized_loop(
+                lambda fast, buffers: batch_share(module, fast, support, loss_fn, buffers),
+                start,
+                steps=steps,
+                optimizer=self.inner_optimizer(),
+                reduce=reduce,
+                extras=self._needing_grad(support),
+                buffers=dict(module.named_buffers()),
+                check=check_finite,
+            )
         return inner_loop(
             module,
             start,
@@ -353,18 +348,17 @@ class Algorithm(nn.Module):
         if not self._rematerialize():
             fast = self.inner_loop(support, loss_fn, reduce=reduce)
             return batch_share(module, fast, query, loss_fn)
-        with _draws.unkeyed(REBUILT):
-            return rematerialized_loss(
-                lambda fast, buffers: batch_share(module, fast, support, loss_fn, buffers),
-                lambda fast, buffers: batch_share(module, fast, query, loss_fn, buffers),
-                self.fast_weights(),
-                steps=self.steps,
-                optimizer=self.inner_optimizer(),
-                reduce=reduce,
-                extras=self._needing_grad(support, query),
-                buffers=dict(module.named_buffers()),
-                check=check_finite,
-            )
+        return rematerialized_loss(
+            lambda fast, buffers: batch_share(module, fast, support, loss_fn, buffers),
+            lambda fast, buffers: batch_share(module, fast, query, loss_fn, buffers),
+            self.fast_weights(),
+            steps=self.steps,
+            optimizer=self.inner_optimizer(),
+            reduce=reduce,
+            extras=self._needing_grad(support, query),
+            buffers=dict(module.named_buffers()),
+            check=check_finite,
+        )
 
     def adapt(
         self,
