@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 import compared_workers  # tests/, on sys.path via conftest
+import hf_workers  # transformers is imported by its functions, not here
 import metaddp as md
 from metaddp import train as _train
 from metaddp.distributed._collectives import _next_sequence
@@ -146,6 +147,7 @@ def everything(root: str) -> dict:
         "rank": md.rank(),
         "deterministic": deterministic(root, md.world_size()),
         "compared": compared_workers.run_all(),
+        "hf": hf_workers.run_all(),  # world sizes 1 and 2; None without transformers
     }
 
 
