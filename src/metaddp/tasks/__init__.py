@@ -13,7 +13,15 @@ from ._fonts import FontSetError
 from .omniglot import LayoutError
 from .sinusoid import Sinusoid
 
-FAMILIES = ("sinusoid", "digits", "glyphs", "omniglot", "miniimagenet", "noisy-digits")
+FAMILIES = (
+    "sinusoid",
+    "digits",
+    "glyphs",
+    "omniglot",
+    "miniimagenet",
+    "noisy-digits",
+    "sequences",
+)
 
 
 def family_class(name: str) -> type[TaskFamily]:
@@ -36,6 +44,10 @@ def family_class(name: str) -> type[TaskFamily]:
         from .noisy import NoisyDigits
 
         return NoisyDigits
+    if name == "sequences":
+        from .sequences import Sequences
+
+        return Sequences
     if name == "miniimagenet":
         from .miniimagenet import MiniImageNet
 
