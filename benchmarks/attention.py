@@ -1,4 +1,4 @@
-"""Second-order attention: torch's math path against ``metaddp._attention.attention`` (exact,
+"""Second-order attention: torch's math path against ``metaddp.forward.attention`` (exact,
 recomputed in chunks of query rows), side by side in one run, and torch's fused default.
 
 One step is the forward, the gradients of a scalar of the output with respect to q, k and v
@@ -44,7 +44,7 @@ def _attend(path: str, chunk: int | None = None):  # type: ignore[no-untyped-def
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from metaddp._attention import attention
+    from metaddp.forward import attention
 
     if path == "metaddp":
         return lambda q, k, v: attention(q, k, v, chunk=chunk)

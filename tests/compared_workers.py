@@ -53,13 +53,16 @@ def problems() -> list[S.Problem]:
     # A chained, clipped adaptive optimizer rebuilt step by step.
     out.append(S.Problem(optimizer="adamw", clip=1.0, layout="sample", steps=STEPS,
                          inner_lr=0.03, memory="low"))
-    # A transformer meta-trained with dropout 0.1 on (keyed masks, metaddp._draws): second
-    # order in every layout, first order once (tests/test_transformer.py's reference).
+    # A transformer meta-trained with dropout 0.1 on (keyed masks, metaddp.forward): second
+    # order in every layout, first order once, and its tasks stacked under vmap, rebuilt step
+    # by step (tests/test_transformer.py's reference).
     for layout in S.LAYOUTS:
         out.append(S.Problem(model="transformer", layout=layout, steps=STEPS, n_tasks=3,
                              n_support=7, n_query=6))
     out.append(S.Problem(model="transformer", layout="hybrid", steps=STEPS, n_tasks=3,
                          n_support=7, n_query=6, first_order=True))
+    out.append(S.Problem(model="transformer", layout="sample", steps=STEPS, n_tasks=3,
+                         n_support=7, n_query=6, batched=True, memory="low"))
     return out
 
 

@@ -1,4 +1,4 @@
-"""metaddp._attention.attention against torch's math path: values and derivatives of first,
+"""metaddp.forward.attention against torch's math path: values and derivatives of first,
 second and third order, every mask and option, chunk sizes that do and do not divide the rows,
 and the memory its second-order graph saves (linear in T, the math path's quadratic)."""
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from metaddp._attention import attention
+from metaddp.forward import attention
 
 # float64 throughout: the math path and ours are the same formula in another order (the max
 # subtracted, the scale applied once, rows in chunks), so they agree to rounding: a few eps

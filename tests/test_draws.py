@@ -1,4 +1,4 @@
-"""Keyed dropout (metaddp._draws) and the routing of a forward (metaddp._routes) on one
+"""Keyed dropout and the routing of a forward (metaddp.forward) on one
 process: the hash's arithmetic, the masks' rate and their independence of the split, rebuilt
 inner steps drawing the masks they drew, and the layers routed to metaddp's attention giving
 PyTorch's values."""
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import metaddp as md
-from metaddp import _draws, _routes
+from metaddp.forward import _draws, _routes
 from metaddp.testing import scenarios as S
 
 

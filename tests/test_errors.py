@@ -226,7 +226,7 @@ def test_a_loss_reading_a_trained_tensor_outside_the_module_is_refused():
 
 
 def test_dropout_in_training_mode_draws_the_one_process_masks_on_two():
-    # Masks keyed by the samples' global indices (metaddp._draws): the same meta-steps on one
+    # Masks keyed by the samples' global indices (metaddp.forward): the same meta-steps on one
     # process and on two that split every batch.
     got = {n: run_local(workers.dropout_keyed, n) for n in (1, 2)}
     one = got[1][0]
@@ -261,8 +261,9 @@ def test_dropout_keeps_a_single_process_to_the_task_loop():
     assert auto.item() == loop.item()
     assert md.MAML(net, inner_lr=0.1, steps=1).eval().meta_loss(tasks, mse).item() != auto.item()
     net.train()
-    with pytest.raises(ValueError, match="draw random numbers in training mode"):
-        md.MAML(net, inner_lr=0.1, steps=1, batched=True).meta_loss(tasks, mse)
+    # Stacked, each task draws its own keyed masks under vmap: the loop's numbers.
+    stacked = md.MAML(net, inner_lr=0.1, steps=1, batched=True).meta_loss(tasks, mse)
+    assert stacked.item() == pytest.approx(loop.item(), rel=1e-14)  # float64 regrouped sums
 
     class Drops(nn.Module):  # dropout called in the forward, not as a layer
         def __init__(self):
@@ -273,14 +274,14 @@ def test_dropout_keeps_a_single_process_to_the_task_loop():
             return torch.nn.functional.dropout(self.layer(x), 0.5, training=True)
 
     # F.dropout in the forward is keyed too; the loop runs it (the routing is seen in the
-    # forward's source), and stacking it is refused under vmap.
+    # forward's source), and stacked tasks draw the same masks.
     drops = md.MAML(Drops(), inner_lr=0.1, steps=1)
     first, second = drops.meta_loss(tasks, mse).item(), drops.meta_loss(tasks, mse).item()
     assert first != second  # each meta-step draws its own masks
     drops.at_step(0)
     assert drops.meta_loss(tasks, mse).item() == first  # the same step, the same masks
-    with pytest.raises(ValueError, match="stacked tasks run every task in one torch.vmap call"):
-        md.MAML(Drops(), inner_lr=0.1, steps=1, batched=True).meta_loss(tasks, mse)
+    stacked = md.MAML(drops.model, inner_lr=0.1, steps=1, batched=True).meta_loss(tasks, mse)
+    assert stacked.item() == pytest.approx(first, rel=1e-14)
 
 
 def test_mistakes_that_would_change_the_numbers_with_the_world_size_are_errors():

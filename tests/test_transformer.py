@@ -182,8 +182,9 @@ def relative(got: dict, want: dict) -> float:
 
 
 def test_the_transformer_problems_are_compared():
-    kinds = {(problems()[i].layout, problems()[i].first_order) for i in INDICES}
-    assert kinds == {(layout, False) for layout in S.LAYOUTS} | {("hybrid", True)}
+    kinds = {(problems()[i].layout, problems()[i].first_order, problems()[i].batched) for i in INDICES}
+    want = {(layout, False, None) for layout in S.LAYOUTS} | {("hybrid", True, None), ("sample", False, True)}
+    assert kinds == want
 
 
 @pytest.mark.parametrize("index", INDICES, ids=[name(problems()[i]) for i in INDICES])

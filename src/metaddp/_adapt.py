@@ -19,12 +19,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from . import _host
 from ._binding import several_processes
 from ._data import Batch, Shard
-from ._draws import keyed_forward
 from ._functional import call, params_of
 from ._share import share
 from ._types import LossFn, Params, Reduce, identity_reduce
-from .inner import InnerOptimizer, State, apply_updates
-from .inner._loss_scale import LossScale, TaskScale
+from .forward import keyed_forward
+from .inner import InnerOptimizer, LossScale, State, TaskScale, apply_updates
 
 
 @overload
@@ -277,7 +276,7 @@ def batch_share(
 ) -> Tensor:
     """This process's share of the mean loss of ``params`` over the whole (global) ``batch``.
 
-    The forward's dropout masks are keyed by the batch's samples (:mod:`metaddp._draws`)."""
+    The forward's dropout masks are keyed by the batch's samples (:mod:`metaddp.forward`)."""
     with keyed_forward(batch):
         prediction = call(model, params, batch.x, buffers=buffers)
     return share(loss_fn(prediction, batch.y), batch)

@@ -105,7 +105,7 @@ class Batch(NamedTuple):
     def local(cls, x: Tensor, y: Tensor, n: int, *, start: int | None = None) -> Batch:
         """A shard already cut by the caller; checked for consistent lengths. ``start``, the
         global index of its first sample, lets dropout draw each sample's own masks
-        (:mod:`metaddp._draws`); without it a model that draws is refused on it."""
+        (:mod:`metaddp.forward`); without it a model that draws is refused on it."""
         if x.shape[0] != y.shape[0]:
             raise ValueError(
                 f"a shard's inputs and targets disagree in length: {x.shape[0]} inputs, "

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ._routes import routes
+from .forward import routes
 
 Params = dict[str, Tensor]
 
@@ -76,8 +76,8 @@ def refusing_draws(split: bool) -> Iterator[None]:
     from the default generators (``torch.randn`` in a forward, a loss that samples): each
     process draws from its own, so the numbers, and the meta-gradient, would change with the
     number of processes and the split. Dropout in metaddp's own forwards draws no number from
-    them (:mod:`metaddp._draws`); layers whose draws cannot be keyed are refused before they
-    run (:func:`metaddp._routes.unkeyable_layers`); this sees the rest."""
+    them (:mod:`metaddp.forward`); layers whose draws cannot be keyed are refused before they
+    run (:func:`metaddp.forward.unkeyable_layers`); this sees the rest."""
     if not split:
         yield
         return

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import _draws
+from . import forward as _draws
 from ._adapt import grad
 from ._reach import shapes, unknown_leaves
 from ._types import Params, Reduce
@@ -83,7 +83,7 @@ class _Loop:
     ) -> None:
         self.loss_of, self.names, self.optimizer = loss_of, names, optimizer
         # The dropout keys of the loop's forwards, numbered once: step k's forward is forward
-        # k, the query's forward ``steps``, each time it runs (metaddp._draws).
+        # k, the query's forward ``steps``, each time it runs (metaddp.forward).
         self.draws = draws
         self.steps, self.reduce, self.buffers, self.check = steps, reduce, buffers, check
         self.extras, self.then = list(extras), then

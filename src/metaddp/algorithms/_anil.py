@@ -18,8 +18,7 @@ from torch import Tensor, nn
 from .._data import Batch, Task
 from .._functional import call
 from .._types import LossFn, Params, Reduce, Supports
-from ..inner import InnerOptimizer, LossScale
-from ..inner._loss_scale import DEFAULT as DEFAULT_LOSS_SCALE
+from ..inner import DEFAULT_LOSS_SCALE, InnerOptimizer, LossScale
 from ._base import Algorithm, OptimizerFactory
 
 

@@ -17,7 +17,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from .. import _draws, _host
+from .. import _host
+from .. import forward as _draws
 from .._adapt import batch_share, check_finite, check_finite_loss, inner_loop
 from .._binding import Collectives, collectives_for
 from .._data import Batch, BatchKey, MetaBatch, Task, check_batches, named_batches, positive
@@ -29,16 +30,23 @@ from .._functional import (
     require_trained,
 )
 from .._remat import rematerialized_loop, rematerialized_loss
-from .._routes import unkeyable_layers
 from .._types import LossFn, Params, Reduce, Supports
-from ..inner import InnerOptimizer, LearnedLR, LearningRate, LossScale, learned_rates, sgd
-from ..inner._loss_scale import DEFAULT as DEFAULT_LOSS_SCALE
-from ..inner._loss_scale import resolve_loss_scale
+from ..forward import unkeyable_layers
+from ..inner import (
+    DEFAULT_LOSS_SCALE,
+    InnerOptimizer,
+    LearnedLR,
+    LearningRate,
+    LossScale,
+    learned_rates,
+    resolve_loss_scale,
+    sgd,
+)
 from ._learner import Learner
 
 OptimizerFactory = Callable[[LearningRate], InnerOptimizer]
 
-# Where dropout cannot be keyed (metaddp._draws): the error says why.
+# Where dropout cannot be keyed (metaddp.forward): the error says why.
 EXACT = "deterministic mode runs the chunks of every task in one torch.vmap call"
 CLONED = (
     "clone()'s learner runs forwards whose samples metaddp is not told: use meta_loss or "
@@ -101,7 +109,7 @@ class Algorithm(nn.Module):
     """What this algorithm offers (:class:`metaddp.Supports`); subclasses declare theirs."""
 
     draw_seed: int = 0
-    """The seed of the dropout masks (:mod:`metaddp._draws`): with the meta-step, the task's
+    """The seed of the dropout masks (:mod:`metaddp.forward`): with the meta-step, the task's
     global index and the sample's, it keys every mask, so the masks are the same on any
     number of processes. ``metaddp train`` sets it to the run's seed."""
 
@@ -254,7 +262,7 @@ class Algorithm(nn.Module):
         """The reductions to use: those of the wrapping :class:`metaddp.MetaDDP`, with
         ``reduce`` in place of its sample-axis SUM when given. Under a wrapper that splits the
         work, a model whose draws metaddp cannot key to samples is refused (dropout is
-        keyed: :mod:`metaddp._draws`)."""
+        keyed: :mod:`metaddp.forward`)."""
         if reduce is None:
             found = collectives_for(self)
             if found.split and (drawn := unkeyable_layers(self.model)):

@@ -13,18 +13,15 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from .. import _draws
+from .. import forward as _draws
 from .._data import Task
 from .._functional import params_of
 from .._types import LossFn, Params, Reduce, Supports
-from ..inner import InnerOptimizer, LossScale
-from ..inner._loss_scale import DEFAULT as DEFAULT_LOSS_SCALE
+from ..inner import DEFAULT_LOSS_SCALE, InnerOptimizer, LossScale
 from ._base import Algorithm, OptimizerFactory
 from ._conv_ways import ConvChoice
 from ._exact import exact_meta_loss
 from ._stacked import stacked_task_losses, use_batched
-
-STACKED = "stacked tasks run every task in one torch.vmap call: use batched=False"
 
 
 class MAML(Algorithm):
@@ -165,7 +162,7 @@ class MAML(Algorithm):
                 "batched=None or False for float16 with loss scaling, or loss_scale=None"
             )
         if self.stackable and not scaled and use_batched(self.batched, tasks, self.model):
-            with _draws.unkeyed(STACKED):
+            with _draws.stacked_tasks(len(tasks)):
                 return stacked_task_losses(
                     self.model,
                     self.fast_weights(),

@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..inner import LossScale
-from ..inner._loss_scale import DEFAULT as DEFAULT_LOSS_SCALE
+from ..inner import DEFAULT_LOSS_SCALE, LossScale
 from ._base import OptimizerFactory
 from ._maml import MAML
 

@@ -26,13 +26,14 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .. import forward as _draws
 from .._adapt import check_finite, inner_step
 from .._data import Batch, Task
 from .._functional import call, random_layers
 from .._remat import rematerialized_loss
-from .._routes import needs_routes
 from .._share import check_per_sample, share
 from .._types import LossFn, Params, Reduce
+from ..forward import needs_routes
 from ..inner import InnerOptimizer, State
 from ._conv_ways import GROUPED, ConvChoice
 from ._layers import has_convolutions, stacked_layers
@@ -62,6 +63,13 @@ def batchable(tasks: Sequence[Task]) -> str | None:
     return None
 
 
+def _start(batches: Sequence[Batch]) -> int | None:
+    """Where the samples of every batch's shard start, where it is one place (it is, for
+    tasks of one size cut alike), else ``None`` (dropout is then refused)."""
+    starts = {_draws.batch_start(b) for b in batches}
+    return starts.pop() if len(starts) == 1 else None
+
+
 def _stack(batches: Sequence[Batch]) -> tuple[Tensor, Tensor, int]:
     return torch.stack([b.x for b in batches]), torch.stack([b.y for b in batches]), batches[0].n
 
@@ -75,6 +83,7 @@ def stacked_shares(
     loss_fn: LossFn,
     buffers: Mapping[str, Tensor] | None = None,
     conv: ConvChoice = GROUPED,
+    start: int | None = None,
 ) -> Tensor:
     """Per-task shares ``[T]`` of stacked weights ``params[k]: [T, ...]`` on
     ``x: [T, n_local, ...]``, forward convolutions run the way ``conv`` gives; ``buffers``,
@@ -86,15 +95,20 @@ def stacked_shares(
         mean over its ``n`` global samples).
     """
 
-    def one(p: Mapping[str, Tensor], xt: Tensor, yt: Tensor, b: Params | None) -> Tensor:
-        losses = loss_fn(call(model, p, xt, buffers=b), yt)
+    def one(p: Mapping[str, Tensor], xt: Tensor, yt: Tensor, b: Params | None, slot: Tensor):
+        # Dropout keyed by each task's own keys (metaddp._draws), ``start`` the global index
+        # of the first sample every task's shard holds.
+        with _draws.stacked_forward(slot, start, xt.shape[0]):
+            prediction = call(model, p, xt, buffers=b)
+        losses = loss_fn(prediction, yt)
         check_per_sample(losses, xt.shape[0])  # shapes are a task's own under vmap
         return share(losses, n)
 
     with stacked_layers(model, conv):
         try:
-            return torch.vmap(one, in_dims=(0, 0, 0, None if buffers is None else 0))(
-                dict(params), x, y, None if buffers is None else dict(buffers)
+            slots = torch.arange(x.shape[0], device=x.device)
+            return torch.vmap(one, in_dims=(0, 0, 0, None if buffers is None else 0, 0))(
+                dict(params), x, y, None if buffers is None else dict(buffers), slots
             )
         except RuntimeError as e:
             if "random operation" not in str(e):
@@ -222,6 +236,7 @@ def stacked_task_losses(
     n_local = len(tasks)
     sx, sy, sn = _stack([t.support for t in tasks])
     qx, qy, qn = _stack([t.query for t in tasks])
+    s0, q0 = _start([t.support for t in tasks]), _start([t.query for t in tasks])
     # expand() is a view: every task starts from the meta-parameters, and the gradient flowing
     # back through it into params[k] is the sum over tasks, as in the loop.
     fast: Params = {k: params[k].unsqueeze(0).expand(n_local, *params[k].shape) for k in names}
@@ -238,8 +253,8 @@ def stacked_task_losses(
     if remat:
         # memory="low": every task's steps at once, one stacked step's graph at a time.
         return rematerialized_loss(
-            lambda w, buffers: stacked_shares(model, w, sx, sy, sn, loss_fn, conv=conv).sum(),
-            lambda w, buffers: stacked_shares(model, w, qx, qy, qn, loss_fn, conv=conv).sum(),
+            lambda w, _: stacked_shares(model, w, sx, sy, sn, loss_fn, conv=conv, start=s0).sum(),
+            lambda w, _: stacked_shares(model, w, qx, qy, qn, loss_fn, conv=conv, start=q0).sum(),
             fast,
             steps=steps,
             optimizer=optimizer,
@@ -252,11 +267,14 @@ def stacked_task_losses(
         for step in range(steps):
             # Task t's share depends on row t only, so the gradient of the sum is every
             # task's own gradient, row by row (module docstring).
-            total = stacked_shares(model, fast, sx, sy, sn, loss_fn, buffers, conv=conv).sum()
+            total = stacked_shares(
+                model, fast, sx, sy, sn, loss_fn, buffers, conv=conv, start=s0
+            ).sum()
             fast, state = inner_step(
                 total, fast, state, optimizer, step=step, reduce=reduce, first_order=first_order
             )
-        out = stacked_shares(model, fast, qx, qy, qn, loss_fn, buffers, conv=conv).sum()
+        out = stacked_shares(model, fast, qx, qy, qn, loss_fn, buffers, conv=conv, start=q0)
+        out = out.sum()
     if stats is not None:
         stats.commit()  # the layers' statistics as the loop leaves them
     return out
@@ -285,15 +303,9 @@ def use_batched(batched: bool | None, tasks: Sequence[Task], model: nn.Module) -
         return False
     if batched is None and needs_routes(model):
         # Attention or dropout inside the forward: the loop keys dropout by each task's
-        # samples (metaddp._draws), and runs attention on metaddp's own kernel.
+        # samples (metaddp.forward), and runs attention on metaddp's own kernel.
         return False
-    if drawn := random_layers(model):
-        if batched:
-            raise ValueError(
-                f"batched=True, but layers {', '.join(drawn[:3])} draw random numbers in "
-                "training mode, which stacked tasks cannot: use batched=None or False to adapt "
-                "the tasks one by one, or call .eval() on those layers"
-            )
+    if batched is None and random_layers(model):
         return False
     why = batchable(tasks)
     if batched:

@@ -80,14 +80,16 @@ def checks(scenario: str) -> list[Check]:
         ]  # fmt: skip
     if scenario == "transformer":
         # A transformer encoder layer and a causal attention block with dropout 0.1 on (keyed
-        # masks, metaddp._draws), second and first order; the same float64 tolerance: the masks
-        # are the one-process masks, so only the order of sums changes.
+        # masks, metaddp.forward), second and first order, tasks one by one and stacked; the
+        # same float64 tolerance: the masks are the one-process masks, so only the order of
+        # sums changes.
         return [
-            Check(scenario, f"{layout}, {order}",
+            Check(scenario, f"{layout}, {order}{', stacked' if stacked else ''}",
                   S.Problem(model="transformer", layout=layout, steps=2, n_tasks=3, n_support=7,
-                            n_query=6, first_order=order == "1st order"), 1e-10)
+                            n_query=6, first_order=order == "1st order",
+                            batched=True if stacked else None), 1e-10)
             for layout in S.LAYOUTS
-            for order in ("2nd order", "1st order")
+            for order, stacked in (("2nd order", False), ("1st order", False), ("2nd order", True))
         ]  # fmt: skip
     if scenario == "bn":
         # MAML on the conv model with BatchNorm synchronized over the sample axis.

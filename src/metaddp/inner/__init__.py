@@ -2,7 +2,8 @@
 
 from ._adaptive import adagrad, rmsprop
 from ._learned_lr import GRANULARITIES, LearnedLR
-from ._loss_scale import LossScale, TaskScale
+from ._loss_scale import DEFAULT as DEFAULT_LOSS_SCALE
+from ._loss_scale import LossScale, TaskScale, resolve_loss_scale
 from ._optimizers import (
     InnerOptimizer,
     LearningRate,
@@ -19,6 +20,7 @@ from ._optimizers import (
 from ._transforms import chain, clip_by_global_norm
 
 __all__ = [
+    "DEFAULT_LOSS_SCALE",
     "GRANULARITIES",
     "InnerOptimizer",
     "LearnedLR",
@@ -36,6 +38,7 @@ __all__ = [
     "learned_rates",
     "lr_for",
     "per_step_sgd",
+    "resolve_loss_scale",
     "rmsprop",
     "sgd",
 ]

@@ -7,7 +7,7 @@ direction ``u = (cos theta, sin theta)``, ``theta ~ U[0, 2 pi]``, and phase
 must pool over positions. The network is an input projection, one
 ``nn.TransformerEncoderLayer`` (dropout 0.1, samples first) and a linear read-out of the
 mean over positions. Dropout stays on during meta-training: its masks are keyed by the
-samples (:mod:`metaddp._draws`), the same on any number of processes.
+samples (:mod:`metaddp.forward`), the same on any number of processes.
 """
 
 from __future__ import annotations

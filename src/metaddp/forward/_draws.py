@@ -29,11 +29,10 @@ import hashlib
 import math
 import struct
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
-
-from ._data import Batch
 
 _M32 = 0xFFFFFFFF
 
@@ -63,7 +62,7 @@ def mix(*parts: int) -> tuple[int, int]:
     return a, b
 
 
-def uniform_bits(key: tuple[int, int], rows: Tensor, entries: Tensor) -> Tensor:
+def uniform_bits(key: tuple[int | Tensor, int | Tensor], rows: Tensor, entries: Tensor) -> Tensor:
     """32 random bits (as ``int64``) for every (row, entry) pair: ``[len(rows), *entries]``.
 
     Args:
@@ -77,7 +76,11 @@ def uniform_bits(key: tuple[int, int], rows: Tensor, entries: Tensor) -> Tensor:
 
 
 def keep_mask(
-    key: tuple[int, int], rows: Tensor, entries: Tensor, p: float, dtype: torch.dtype
+    key: tuple[int | Tensor, int | Tensor],
+    rows: Tensor,
+    entries: Tensor,
+    p: float,
+    dtype: torch.dtype,
 ) -> Tensor:
     """Dropout's multiplier: ``1 / (1 - p)`` where an entry is kept (probability ``1 - p``,
     exactly: the threshold is an integer of 32 bits), 0 where dropped."""
@@ -96,6 +99,8 @@ class DrawScope:
         step: the meta-step.
         task: the task's global index in the meta-batch; ``None`` where it is not known (a
             plain list of tasks split over processes), which refuses to draw.
+        stacked: the global indices of tasks run stacked under ``torch.vmap`` (their forwards
+            in lockstep, numbered alike), in place of ``task``.
         refuse: why no forward here can be keyed (``None``: they can).
         forwards: forwards numbered so far.
     """
@@ -105,6 +110,7 @@ class DrawScope:
     task: int | None
     refuse: str | None = None
     forwards: int = 0
+    stacked: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass
@@ -126,10 +132,36 @@ class ForwardKey:
         return torch.arange(self.start, self.start + self.rows, device=device, dtype=torch.int64)
 
 
+@dataclasses.dataclass
+class StackedKey:
+    """One forward of tasks stacked under ``torch.vmap``: each task's key parts, and its
+    position in the stack as a tensor batched by ``vmap`` (``slot``), so that a dropout call
+    draws each task's own keys, the ones its forward gets in the loop."""
+
+    parts: list[tuple[int, ...]]
+    slot: Tensor
+    start: int
+    rows: int
+    calls: int = 0
+
+    def next_call(self) -> tuple[Tensor, Tensor]:
+        self.calls += 1
+        keys = [mix(*p, self.calls) for p in self.parts]
+        table = torch.tensor(keys, dtype=torch.int64, device=self.slot.device)
+        mine = table[self.slot]  # this task's row: a gather batched by vmap
+        return mine[0], mine[1]
+
+    def row_indices(self, device: torch.device) -> Tensor:
+        return torch.arange(self.start, self.start + self.rows, device=device, dtype=torch.int64)
+
+
+Key = ForwardKey | StackedKey
+
+
 _SCOPE: contextvars.ContextVar[DrawScope | None] = contextvars.ContextVar(
     "metaddp_draw_scope", default=None
 )
-_FORWARD: contextvars.ContextVar[ForwardKey | None] = contextvars.ContextVar(
+_FORWARD: contextvars.ContextVar[Key | None] = contextvars.ContextVar(
     "metaddp_forward_key", default=None
 )
 
@@ -174,6 +206,49 @@ def task(i: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def stacked_tasks(count: int) -> Iterator[None]:
+    """Open the draw scope of this process's ``count`` tasks run stacked (all of the current
+    meta-batch's); nothing outside :func:`meta_batch`."""
+    batch = _BATCH.get()
+    if batch is None:
+        yield
+        return
+    indices = None if batch.indices is None else tuple(batch.indices[:count])
+    scope = DrawScope(batch.seed, batch.step, None, stacked=indices)
+    if indices is None:
+        scope.refuse = (
+            "the tasks' global indices are unknown (a plain list of tasks split over "
+            "processes): pass the tasks as a metaddp.MetaBatch (learner.shard(...))"
+        )
+    token = _SCOPE.set(scope)
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
+
+
+@contextlib.contextmanager
+def stacked_forward(slot: Tensor, start: int | None, rows: int) -> Iterator[None]:
+    """Key the dropout of one stacked forward (inside ``torch.vmap`` over the tasks, ``slot``
+    the task's position, batched) in the current scope."""
+    scope = _SCOPE.get()
+    if scope is None:
+        yield
+        return
+    number = scope.forwards
+    scope.forwards += 1
+    key: Key | None = None
+    if scope.refuse is None and scope.stacked is not None and start is not None:
+        parts: list[tuple[int, ...]] = [(scope.seed, scope.step, t, number) for t in scope.stacked]
+        key = StackedKey(parts, slot, start, rows)
+    token = _FORWARD.set(key)
+    try:
+        yield
+    finally:
+        _FORWARD.reset(token)
+
+
+@contextlib.contextmanager
 def unkeyed(why: str) -> Iterator[None]:
     """Inside, every forward refuses dropout, saying ``why`` (a stacked or rebuilt forward,
     whose draws could not be the one-process ones)."""
@@ -212,7 +287,7 @@ def numbered(kept: DrawScope | None, number: int) -> Iterator[None]:
         _SCOPE.reset(token)
 
 
-def batch_start(batch: Batch) -> int | None:
+def batch_start(batch: Any) -> int | None:
     """The global index of the first sample ``batch`` holds: 0 for a whole batch, a shard's
     own ``start`` where it was cut by metaddp, ``None`` where nobody said."""
     if batch.x.shape[0] == batch.n:
@@ -222,7 +297,7 @@ def batch_start(batch: Batch) -> int | None:
 
 
 @contextlib.contextmanager
-def keyed_forward(batch: Batch) -> Iterator[None]:
+def keyed_forward(batch: Any) -> Iterator[None]:
     """Key the dropout of one forward on ``batch`` inside the current scope (nothing to do
     outside one)."""
     scope = _SCOPE.get()
@@ -242,7 +317,7 @@ def keyed_forward(batch: Batch) -> Iterator[None]:
         _FORWARD.reset(token)
 
 
-def current_key(what: str) -> ForwardKey | None:
+def current_key(what: str) -> Key | None:
     """The key of the running forward for a draw of ``what``; ``None`` where no scope is
     open (the draw is PyTorch's own). Raises where a scope is open but this forward cannot
     be keyed, naming why."""
@@ -254,7 +329,7 @@ def current_key(what: str) -> ForwardKey | None:
         return None
     if scope.refuse is not None:
         why = scope.refuse
-    elif scope.task is None:
+    elif scope.task is None and scope.stacked is None:
         why = (
             "the task's global index is unknown (a plain list of tasks split over processes): "
             "pass the tasks as a metaddp.MetaBatch (learner.shard(...))"
@@ -272,7 +347,7 @@ def current_key(what: str) -> ForwardKey | None:
     )
 
 
-def dropout_mask(key: ForwardKey, x: Tensor, p: float, feature: bool, what: str) -> Tensor:
+def dropout_mask(key: Key, x: Tensor, p: float, feature: bool, what: str) -> Tensor:
     """The mask of one dropout call on ``x``, whose first dimension must hold the forward's
     samples (``feature``: one draw per channel, broadcast over the rest)."""
     if x.dim() == 0 or x.shape[0] != key.rows:
@@ -289,7 +364,7 @@ def dropout_mask(key: ForwardKey, x: Tensor, p: float, feature: bool, what: str)
 
 
 def attention_keep(
-    key: ForwardKey, shape: tuple[int, ...], p: float, dtype: torch.dtype, device: torch.device
+    key: Key, shape: tuple[int, ...], p: float, dtype: torch.dtype, device: torch.device
 ) -> Callable[[slice], Tensor]:
     """The dropout multiplier of attention probabilities of ``shape`` ``[N, *heads, L, S]``,
     for a slice of the query rows at a time (recomputed alike every time it is asked for)."""

@@ -83,13 +83,6 @@ def _dropout(func: Any, a: dict[str, Any], feature: bool) -> Tensor | None:
     if not training or p == 0.0:
         return x
     what = f"F.{func.__name__}(p={p})"
-    if _transformed(x):
-        if _draws.current_key(what) is None:  # outside metaddp's loops: PyTorch's own
-            return None
-        raise ValueError(
-            f"{what} runs under torch.vmap (stacked tasks), where metaddp cannot key its "
-            "masks: use batched=False, or set the dropout to 0"
-        )
     key = _draws.current_key(what)
     if key is None:
         return None
@@ -100,14 +93,15 @@ def _sdpa(a: dict[str, Any]) -> Tensor:
     q, k, v, p = a["query"], a["key"], a["value"], float(a["dropout_p"])
     rest = {n: a[n] for n in ("attn_mask", "is_causal", "scale", "enable_gqa")}
     if _transformed(q, k, v, a["attn_mask"]):
-        if p > 0:
-            _draws.current_key("attention dropout")
-            raise ValueError(
-                "attention dropout runs under torch.vmap (stacked tasks), where metaddp cannot "
-                "key its masks: use batched=False, or set the attention dropout to 0"
-            )
-        with sdpa_kernel(SDPBackend.MATH):
-            return F.scaled_dot_product_attention(q, k, v, **rest)
+        # Under torch.vmap (stacked tasks): attention written out, which vmap batches and
+        # autograd differentiates to any order, with each task's keyed mask.
+        key = _draws.current_key(f"attention dropout (p={p})") if p > 0 else None
+        if p > 0 and key is None:  # PyTorch's own draw: vmap refuses it, and says so
+            with sdpa_kernel(SDPBackend.MATH):
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, **rest)
+        shape = (*q.shape[:-1], k.shape[-2])
+        keep = None if key is None else _draws.attention_keep(key, shape, p, q.dtype, q.device)
+        return _written_out(q, k, v, keep=keep, **rest)
     keep = None
     if p > 0:
         key = _draws.current_key(f"attention dropout (p={p})")
@@ -117,6 +111,38 @@ def _sdpa(a: dict[str, Any]) -> Tensor:
         shape = (*q.shape[:-1], k.shape[-2])
         keep = _draws.attention_keep(key, shape, p, q.dtype, q.device)
     return attention(q, k, v, dropout_p=p, dropout_keep=keep, **rest)
+
+
+def _written_out(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attn_mask: Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    keep: Any,
+) -> Tensor:
+    """``F.scaled_dot_product_attention``'s definition in plain operations, the dropout
+    multiplier ``keep(rows)`` applied to the probabilities."""
+    length, source = q.shape[-2], k.shape[-2]
+    if enable_gqa and k.dim() >= 3 and q.shape[-3] != k.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    scores = q @ k.transpose(-2, -1) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if is_causal:
+        allowed = torch.ones(length, source, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask
+    weights = torch.softmax(scores, dim=-1)
+    if keep is not None:
+        weights = weights * keep(slice(None))
+    return weights @ v
 
 
 def _multi_head(a: dict[str, Any]) -> Any:
@@ -130,7 +156,6 @@ def _multi_head(a: dict[str, Any]) -> Any:
         or a["static_k"] is not None
         or a["static_v"] is not None
         or query.dim() != 3
-        or _transformed(query, key, value)
     ):
         return NotImplemented
     length, n, embed = query.shape
