@@ -14,10 +14,10 @@ on the CPU, one torch thread. Per (path, T), in a fresh process:
 - RSS MiB: the process's peak resident memory during one step above its resident memory before
   it (VmHWM after a reset; the CPU allocator's reuse hides some frees, so it is coarse).
 
-metaddp uses its default chunk unless ``--chunk`` (a [B, H, chunk, T] block of about 2**22
-elements: 2**20 / T rows at B * H = 4, so one chunk up to T = 1024, then T / 1024 chunks). The
-peak columns count one chunk's rebuilt graph, so they fall below the math path's only with
-several chunks. The fused default (flash attention on the CPU) has no double backward: its row
+metaddp uses its default chunk unless ``--chunk`` (a [B, H, chunk, T] block of about 2**19
+elements: 2**17 / T rows at B * H = 4, so one chunk up to T = 256, then T**2 / 2**17 chunks:
+2 at T = 512, 32 at T = 2048). The peak columns count one chunk's rebuilt graph, so they fall
+below the math path's only with several chunks. The fused default (flash attention on the CPU) has no double backward: its row
 gives the error.
 
     python benchmarks/attention.py --json benchmarks/results/attention.json

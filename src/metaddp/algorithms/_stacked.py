@@ -21,6 +21,7 @@ Finn, Abbeel & Levine, "Model-Agnostic Meta-Learning", ICML 2017, arXiv:1703.034
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -95,9 +96,10 @@ def stacked_shares(
         mean over its ``n`` global samples).
     """
 
-    def one(p: Mapping[str, Tensor], xt: Tensor, yt: Tensor, b: Params | None, slot: Tensor):
-        # Dropout keyed by each task's own keys (metaddp._draws), ``start`` the global index
-        # of the first sample every task's shard holds.
+    def one(p: Mapping[str, Tensor], xt: Tensor, yt: Tensor, b: Params | None, slot: Any):
+        # Dropout keyed by each task's own keys (metaddp.forward), ``start`` the global index
+        # of the first sample every task's shard holds; ``slot``, the task's position, only
+        # for a model whose forward may draw (no operation more for the others).
         with _draws.stacked_forward(slot, start, xt.shape[0]):
             prediction = call(model, p, xt, buffers=b)
         losses = loss_fn(prediction, yt)
@@ -106,8 +108,9 @@ def stacked_shares(
 
     with stacked_layers(model, conv):
         try:
-            slots = torch.arange(x.shape[0], device=x.device)
-            return torch.vmap(one, in_dims=(0, 0, 0, None if buffers is None else 0, 0))(
+            slots = torch.arange(x.shape[0], device=x.device) if needs_routes(model) else None
+            dims = (0, 0, 0, None if buffers is None else 0, None if slots is None else 0)
+            return torch.vmap(one, in_dims=dims)(
                 dict(params), x, y, None if buffers is None else dict(buffers), slots
             )
         except RuntimeError as e:

@@ -228,7 +228,7 @@ def stacked_tasks(count: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def stacked_forward(slot: Tensor, start: int | None, rows: int) -> Iterator[None]:
+def stacked_forward(slot: Tensor | None, start: int | None, rows: int) -> Iterator[None]:
     """Key the dropout of one stacked forward (inside ``torch.vmap`` over the tasks, ``slot``
     the task's position, batched) in the current scope."""
     scope = _SCOPE.get()
@@ -238,7 +238,12 @@ def stacked_forward(slot: Tensor, start: int | None, rows: int) -> Iterator[None
     number = scope.forwards
     scope.forwards += 1
     key: Key | None = None
-    if scope.refuse is None and scope.stacked is not None and start is not None:
+    if (
+        scope.refuse is None
+        and scope.stacked is not None
+        and start is not None
+        and slot is not None
+    ):
         parts: list[tuple[int, ...]] = [(scope.seed, scope.step, t, number) for t in scope.stacked]
         key = StackedKey(parts, slot, start, rows)
     token = _FORWARD.set(key)
