@@ -196,6 +196,9 @@ CASES_DETERMINISTIC = {
     "conv-bn-sample": S.Problem("conv", steps=2, batchnorm=True, running_stats=False),
     "conv-bn-hybrid": S.Problem("conv", n_tasks=3, steps=1, batchnorm=True, running_stats=False,
                                 layout="hybrid"),
+    # Dropout on: every chunk draws its samples' keyed masks.
+    "transformer-hybrid": S.Problem("transformer", n_tasks=3, steps=2, n_support=7, n_query=6,
+                                    layout="hybrid"),
 }
 DETERMINISTIC = {k: dataclasses.replace(p, dtype=F32, deterministic=True)
                  for k, p in CASES_DETERMINISTIC.items()}

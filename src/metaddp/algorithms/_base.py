@@ -47,7 +47,6 @@ from ._learner import Learner
 OptimizerFactory = Callable[[LearningRate], InnerOptimizer]
 
 # Where dropout cannot be keyed (metaddp.forward): the error says why.
-EXACT = "deterministic mode runs the chunks of every task in one torch.vmap call"
 CLONED = (
     "clone()'s learner runs forwards whose samples metaddp is not told: use meta_loss or "
     "adapt, which key every forward by its batch"
@@ -514,7 +513,7 @@ class Algorithm(nn.Module):
             raise ValueError("a meta-batch needs at least one task, and no rank holds any")
         draws = self._draws(tasks, n_tasks)  # every rank advances the step, tasks or none
         if c.exact is not None:
-            with _draws.unkeyed(EXACT):
+            with draws, _draws.stacked_tasks(len(tasks)):  # chunks keyed by their samples
                 return self.exact_meta_loss(tasks, loss_fn, n_tasks, c.exact)
         if not tasks:
             # A rank holding no task contributes nothing: a zero that backward() accepts but

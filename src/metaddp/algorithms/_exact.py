@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from .. import _mask
+from .. import _mask, forward
 from .._adapt import check_finite
 from .._data import Batch, Chunks, Task
 from .._functional import call
@@ -88,18 +88,26 @@ def _chunk_values(
     mask: Tensor,
     loss_fn: LossFn,
     divisor: float,
+    starts: list[int],
+    width: int,
 ) -> Tensor:
-    """Every chunk's sum of its samples' losses over ``divisor`` (``[U]``), chunks vmapped."""
+    """Every chunk's sum of its samples' losses over ``divisor`` (``[U]``), chunks vmapped.
+    ``starts``: each chunk's first global sample (its dropout masks are those samples'),
+    ``width`` chunks of each task in a row."""
 
-    def one(w: Mapping[str, Tensor], xc: Tensor, yc: Tensor, mc: Tensor) -> Tensor:
-        with _mask.sample_mask(mc):
+    def one(w: Mapping[str, Tensor], xc: Tensor, yc: Tensor, mc: Tensor, slot: Any) -> Tensor:
+        with _mask.sample_mask(mc), forward.stacked_forward(slot, starts, xc.shape[0], width):
             per = loss_fn(call(model, w, xc), yc)
         check_per_sample(per, xc.shape[0])
         per = one_per_sample(per)
         return (per * mc.to(per.dtype)).sum() / divisor
 
+    # A slot per chunk for a model that may draw only: the others dispatch nothing more.
+    slots = torch.arange(x.shape[0], device=x.device) if forward.needs_routes(model) else None
     with stacked_layers(model):
-        return torch.vmap(one)(dict(weights), x, y, mask)
+        return torch.vmap(one, in_dims=(0, 0, 0, 0, None if slots is None else 0))(
+            dict(weights), x, y, mask, slots
+        )
 
 
 def exact_meta_loss(
@@ -157,20 +165,24 @@ def exact_meta_loss(
     sx, sy, sm, sw = _chunked([t.support for t in tasks], support)
     qx, qy, qm, qw = _chunked([t.query for t in tasks], query)
 
-    def chunk_values(fast: Params, width: int, x, y, mask, divisor: int) -> tuple[list, Tensor]:
+    def chunk_values(
+        fast: Params, width: int, x, y, mask, divisor: int, cut: Chunks
+    ) -> tuple[list, Tensor]:
         # A copy of each task's weights per chunk; every chunk's loss, chunks vmapped.
         copies = sums.spread_units([fast[k] for k in names], width)
         flat = [c.reshape(n_local * width, *c.shape[2:]) for c in copies]
+        starts = [(cut.mine.start + c) * cut.size for _ in range(n_local) for c in range(width)]
         with sums.units(n_local, width):
             values = _chunk_values(
-                model, dict(zip(names, flat, strict=True)), x, y, mask, loss_fn, divisor
-            )
+                model, dict(zip(names, flat, strict=True)), x, y, mask, loss_fn, divisor,
+                starts, width,
+            )  # fmt: skip
         return flat, values
 
     state = optimizer.init(fast)
     with torch.enable_grad():
         for step in range(steps):
-            flat, values = chunk_values(fast, sw, sx, sy, sm, support.n)
+            flat, values = chunk_values(fast, sw, sx, sy, sm, support.n, support)
             grads = torch.autograd.grad(
                 values.sum(),
                 flat,
@@ -183,5 +195,5 @@ def exact_meta_loss(
             check_finite(g_fast, step)
             updates, state = optimizer.update(g_fast, state, fast)
             fast = apply_updates(fast, updates)
-        _, values = chunk_values(fast, qw, qx, qy, qm, query.n * n_tasks)
+        _, values = chunk_values(fast, qw, qx, qy, qm, query.n * n_tasks, query)
     return sums.total(values)

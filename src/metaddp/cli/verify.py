@@ -131,8 +131,6 @@ def deterministic(c: Check) -> Check | None:
     mode does not apply (the seed's hand-written loop; ANIL, Reptile, iMAML)."""
     if not isinstance(c.problem, S.Problem) or c.problem.algorithm not in DETERMINISTIC:
         return None
-    if c.problem.model == "transformer":  # dropout: not keyed inside the mode's vmap
-        return None
     # BatchNorm without running statistics (MAML's own): buffers cannot be updated per chunk.
     problem = dataclasses.replace(
         c.problem, dtype=torch.float32, deterministic=True, running_stats=False

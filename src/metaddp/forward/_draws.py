@@ -134,13 +134,14 @@ class ForwardKey:
 
 @dataclasses.dataclass
 class StackedKey:
-    """One forward of tasks stacked under ``torch.vmap``: each task's key parts, and its
-    position in the stack as a tensor batched by ``vmap`` (``slot``), so that a dropout call
-    draws each task's own keys, the ones its forward gets in the loop."""
+    """One forward of tasks (or of chunks of tasks) stacked under ``torch.vmap``: each
+    one's key parts and the global index of its first sample, and its position in the stack
+    as a tensor batched by ``vmap`` (``slot``), so that a dropout call draws each one's own
+    masks, the ones its samples get in the loop."""
 
     parts: list[tuple[int, ...]]
     slot: Tensor
-    start: int
+    start: int | list[int]
     rows: int
     calls: int = 0
 
@@ -152,7 +153,11 @@ class StackedKey:
         return mine[0], mine[1]
 
     def row_indices(self, device: torch.device) -> Tensor:
-        return torch.arange(self.start, self.start + self.rows, device=device, dtype=torch.int64)
+        rows = torch.arange(self.rows, device=device, dtype=torch.int64)
+        if isinstance(self.start, int):
+            return rows + self.start
+        starts = torch.tensor(self.start, dtype=torch.int64, device=self.slot.device)
+        return rows + starts[self.slot]  # this one's first sample: batched by vmap
 
 
 Key = ForwardKey | StackedKey
@@ -228,9 +233,13 @@ def stacked_tasks(count: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def stacked_forward(slot: Tensor | None, start: int | None, rows: int) -> Iterator[None]:
+def stacked_forward(
+    slot: Tensor | None, start: int | list[int] | None, rows: int, per_task: int = 1
+) -> Iterator[None]:
     """Key the dropout of one stacked forward (inside ``torch.vmap`` over the tasks, ``slot``
-    the task's position, batched) in the current scope."""
+    the task's position, batched) in the current scope. With ``per_task`` > 1 the stack holds
+    that many chunks of each task in a row (deterministic mode), ``start`` then each chunk's
+    first sample."""
     scope = _SCOPE.get()
     if scope is None:
         yield
@@ -244,7 +253,9 @@ def stacked_forward(slot: Tensor | None, start: int | None, rows: int) -> Iterat
         and start is not None
         and slot is not None
     ):
-        parts: list[tuple[int, ...]] = [(scope.seed, scope.step, t, number) for t in scope.stacked]
+        parts: list[tuple[int, ...]] = [
+            (scope.seed, scope.step, t, number) for t in scope.stacked for _ in range(per_task)
+        ]
         key = StackedKey(parts, slot, start, rows)
     token = _FORWARD.set(key)
     try:
