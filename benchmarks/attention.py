@@ -17,8 +17,8 @@ on the CPU, one torch thread. Per (path, T), in a fresh process:
 metaddp uses its default chunk unless ``--chunk`` (a [B, H, chunk, T] block of about 2**19
 elements: 2**17 / T rows at B * H = 4, so one chunk up to T = 256, then T**2 / 2**17 chunks:
 2 at T = 512, 32 at T = 2048). The peak columns count one chunk's rebuilt graph, so they fall
-below the math path's only with several chunks. The fused default (flash attention on the CPU) has no double backward: its row
-gives the error.
+below the math path's only with several chunks. The fused default (flash attention on the
+CPU) has no double backward: its row gives the error.
 
     python benchmarks/attention.py --json benchmarks/results/attention.json
     python benchmarks/attention.py --T 1024,2048 --chunk 128
