@@ -121,3 +121,16 @@ def test_unkeyable_draws_name_themselves():
     task = md.Task(md.Batch(x, x, 4), md.Batch(x, x, 4))
     with pytest.raises(ValueError, match="alpha_dropout draws random numbers that metaddp does not key"):
         md.MAML(Alpha(), inner_lr=0.1).meta_loss([task], lambda p, y: (p - y) ** 2)
+
+
+def test_a_moved_shard_keeps_its_start_and_predictions_are_keyed():
+    x = torch.linspace(-1, 1, 6, dtype=torch.float64)[:, None]
+    part = md.Batch.split(x, x, 1, 2)
+    assert part._replace(x=part.x.float()).start == 3  # moved or cast: the same samples
+    net = nn.Sequential(nn.Linear(1, 8), nn.Dropout(0.5), nn.Linear(8, 1)).double()
+    maml = md.MAML(net)
+    whole = maml.predict(md.Batch(x, x, 6))
+    # Rows 3 to 5 of the whole batch's prediction: the shard's samples draw their own masks.
+    torch.testing.assert_close(maml.predict(part), whole[3:], rtol=0, atol=0)
+    maml.at_step(1)
+    assert not torch.equal(maml.predict(part), whole[3:])  # another step, other masks

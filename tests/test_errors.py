@@ -243,6 +243,8 @@ def test_dropout_in_training_mode_draws_the_one_process_masks_on_two():
             # clone()'s forwards say nothing of their samples, and RReLU's random slopes are not
             # keyed: refused under MetaDDP at any size.
             assert "clone()'s learner runs forwards whose samples metaddp is not" in out["clone"]
+            assert "a forward you run yourself (learner(x, fast))" in out["own forward"]
+            assert out["local forward"] == "accepted"
             assert "RReLU's random slopes are not keyed" in out["rrelu"], out["rrelu"]
 
 

@@ -425,6 +425,9 @@ def dropout_keyed() -> dict:
     fast = learner.adapt(mine[0].support, mse)
     out["adapt"] = fast["0.weight"].reshape(-1).tolist()
     out["clone"] = refused(lambda: learner.module.clone()(x))
+    out["own forward"] = refused(lambda: learner(x, fast))  # masks of nobody's samples
+    with learner.local() as alg:  # one process's own work: PyTorch's masks
+        out["local forward"] = refused(lambda: alg(x, fast))
     rrelu = nn.Sequential(nn.Linear(1, 8), nn.RReLU(), nn.Linear(8, 1)).double()
     rough = md.MetaDDP(md.MAML(rrelu, inner_lr=0.1), md.Mesh.create())
     out["rrelu"] = refused(lambda: rough.meta_loss(rough.shard(whole), mse))

@@ -153,6 +153,12 @@ class Shard(Batch):
         out.start = start
         return out
 
+    def _replace(self, **changes: Any) -> Shard:
+        # The same samples, other tensors (moved, cast): where they start stays known.
+        out = super()._replace(**changes)
+        out.start = self.start
+        return out
+
 
 class Task(NamedTuple):
     """One task of a meta-batch: a support batch to adapt on, a query batch to score."""

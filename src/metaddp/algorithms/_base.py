@@ -47,6 +47,12 @@ from ._learner import Learner
 OptimizerFactory = Callable[[LearningRate], InnerOptimizer]
 
 # Where dropout cannot be keyed (metaddp.forward): the error says why.
+PREDICTION = -1  # the forward number of predict(): none of the loops' (0, 1, 2, ...)
+OWN = (
+    "a forward you run yourself (learner(x, fast)) under MetaDDP says nothing of which samples "
+    "it runs on: call model.eval() to evaluate, run it inside learner.local() for one "
+    "process's own work, or compute losses through meta_loss or adapt"
+)
 CLONED = (
     "clone()'s learner runs forwards whose samples metaddp is not told: use meta_loss or "
     "adapt, which key every forward by its batch"
@@ -557,6 +563,30 @@ class Algorithm(nn.Module):
             extra_grad=self.extra_grad(),
             check_share=c.check_share,
         )
+
+    def predict(self, batch: Batch, fast: Mapping[str, Tensor] | None = None) -> Any:
+        """The model's predictions on ``batch`` (this rank's part of it) with the fast weights
+        ``fast`` (default: the meta-parameters), in the forward passes' precision; dropout in
+        training mode draws keyed masks of the batch's samples (those of task 0 of the current
+        meta-step, as :meth:`adapt`, in a forward of their own), so predictions on a split
+        batch are the one-process ones. Evaluation after ``adapt`` under ``MetaDDP``."""
+        with (
+            self.autocasting(),
+            _draws.meta_batch(self.draw_seed, self.draw_step, range(1)),
+            _draws.task(0),
+            _draws.keyed_forward(batch, number=PREDICTION),
+        ):
+            return self(batch.x, fast)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # A forward outside metaddp's own loops where the work is split: its dropout cannot be
+        # keyed (nothing says which samples it runs on), so it draws nothing (the error says
+        # how to evaluate). Inside the loops, and on one process alone, the call is as ever.
+        bound = self.metaddp_bound
+        if bound is None or not bound.split or _draws.scope_open():
+            return super().__call__(*args, **kwargs)
+        with _draws.unkeyed(OWN):
+            return super().__call__(*args, **kwargs)
 
     def _run_unkeyed(self, fast: Params, *args: Any, **kwargs: Any) -> Any:
         # clone()'s forwards where the work is split: the loss the user builds from them says

@@ -303,6 +303,11 @@ def numbered(kept: DrawScope | None, number: int) -> Iterator[None]:
         _SCOPE.reset(token)
 
 
+def scope_open() -> bool:
+    """Whether a draw scope is open (metaddp's own loops are running a forward)."""
+    return _SCOPE.get() is not None
+
+
 def batch_start(batch: Any) -> int | None:
     """The global index of the first sample ``batch`` holds: 0 for a whole batch, a shard's
     own ``start`` where it was cut by metaddp, ``None`` where nobody said."""
@@ -313,16 +318,18 @@ def batch_start(batch: Any) -> int | None:
 
 
 @contextlib.contextmanager
-def keyed_forward(batch: Any) -> Iterator[None]:
+def keyed_forward(batch: Any, number: int | None = None) -> Iterator[None]:
     """Key the dropout of one forward on ``batch`` inside the current scope (nothing to do
-    outside one)."""
+    outside one): the scope's next forward, or forward ``number`` (one outside the loops'
+    numbering, which does not advance it)."""
     scope = _SCOPE.get()
     if scope is None:
         yield
         return
     start = batch_start(batch)
-    number = scope.forwards
-    scope.forwards += 1
+    if number is None:
+        number = scope.forwards
+        scope.forwards += 1
     key = None
     if scope.refuse is None and scope.task is not None and start is not None:
         key = ForwardKey((scope.seed, scope.step, scope.task, number), start, batch.x.shape[0])
@@ -339,6 +346,12 @@ def current_key(what: str) -> Key | None:
     be keyed, naming why."""
     key = _FORWARD.get()
     if key is not None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise ValueError(
+                f"{what} in a meta-step recorded as a CUDA graph: the graph would replay the "
+                "masks of the step it recorded at every step. Record models without dropout, "
+                "or run the step without a CUDA graph (cuda_graphs=False)"
+            )
         return key
     scope = _SCOPE.get()
     if scope is None:

@@ -329,6 +329,11 @@ class TrainConfig:
                 "implicit-cg's conjugate gradient reads its residual on the host, which a "
                 "CUDA graph cannot record: drop cuda_graphs or use another --method"
             )
+        if self.task == "sequences":
+            return (
+                "the sequences task's transformer draws dropout masks keyed by the meta-step, "
+                "which a CUDA graph would replay unchanged: drop cuda_graphs"
+            )
         return None
 
     def records_graphs(self, device: Any) -> bool:

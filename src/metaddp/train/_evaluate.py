@@ -24,7 +24,7 @@ def to(task: Task, dtype: torch.dtype, device: torch.device) -> Task:
     def cast(t: Tensor) -> Tensor:
         return t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
 
-    return Task(*(type(b)(cast(b.x), cast(b.y), b.n) for b in task))
+    return Task(*(b._replace(x=cast(b.x), y=cast(b.y)) for b in task))
 
 
 def evaluate(
@@ -67,8 +67,13 @@ def evaluate(
             fast = algorithm.adapt(task.support, family.loss, steps=k)
             fast = {name: p.detach() for name, p in fast.items()}
             with torch.no_grad():
-                # the algorithm reads its own fast weights
-                prediction = algorithm(task.query.x, fast)
+                # The algorithm reads its own fast weights; dropout, if the model has any, keyed
+                # by the query's samples (Algorithm.predict).
+                predict = getattr(algorithm, "predict", None)
+                if predict is not None:
+                    prediction = predict(task.query, fast)
+                else:
+                    prediction = algorithm(task.query.x, fast)
                 per_task[i, col] = share(
                     family.loss(prediction, task.query.y), task.query.n
                 ).double()
