@@ -246,6 +246,9 @@ def test_dropout_in_training_mode_draws_the_one_process_masks_on_two():
             assert "a forward you run yourself (learner(x, fast))" in out["own forward"]
             assert out["local forward"] == "accepted"
             assert "RReLU's random slopes are not keyed" in out["rrelu"], out["rrelu"]
+    assert got[1][0]["steps differ"] == "accepted"
+    for out in got[2]:  # the masks' meta-step is a setting: ranks that differ fail at the SUM
+        assert "settings" in out["steps differ"], out["steps differ"]
 
 
 def test_dropout_keeps_a_single_process_to_the_task_loop():

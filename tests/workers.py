@@ -434,6 +434,13 @@ def dropout_keyed() -> dict:
     rough.release()
     net.eval()
     out["eval"] = step()
+    net.train()
+    learner.module.at_step(5 + md.rank())  # ranks told different meta-steps: other masks
+    try:
+        step()
+        out["steps differ"] = "accepted"
+    except md.CollectiveError as e:
+        out["steps differ"] = str(e)
     learner.release()
     return out
 

@@ -31,7 +31,7 @@ from .._functional import (
 )
 from .._remat import rematerialized_loop, rematerialized_loss
 from .._types import LossFn, Params, Reduce, Supports
-from ..forward import unkeyable_layers
+from ..forward import needs_routes, unkeyable_layers
 from ..inner import (
     DEFAULT_LOSS_SCALE,
     InnerOptimizer,
@@ -237,6 +237,13 @@ class Algorithm(nn.Module):
             "learn_lr": None if self.lr is None else self.lr.per,
             "autocast": None if self.autocast is None else str(self.autocast),
             "loss_scale": None if self.loss_scale is None else repr(self.loss_scale),
+            # The dropout keys, for a model that may draw: ranks told different seeds or
+            # meta-steps would draw different masks, so they fail at the gradient SUM instead.
+            **(
+                {"draw_seed": self.draw_seed, "draw_step": self.draw_step}
+                if needs_routes(self.model)
+                else {}
+            ),
         }
 
     def at_step(self, step: int) -> None:
