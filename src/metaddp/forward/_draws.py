@@ -14,10 +14,12 @@ overflows, so every device computes the same bits.
 State is explicit and scoped. :func:`meta_batch` holds a meta-batch's keys and :func:`task`
 opens a :class:`DrawScope` for one task's work (an algorithm's ``meta_loss`` or ``adapt``);
 :func:`keyed_forward` gives one forward on one batch its :class:`ForwardKey`, numbered in the
-scope. The routing of
-:mod:`metaddp._routes` reads the key when the model calls dropout. Where no scope is open the
+scope; a rebuilt step re-enters its number (:func:`reserve`, :func:`numbered`), and stacked
+tasks or chunks gather their keys by their slot in ``torch.vmap`` (:class:`StackedKey`). The
+routing (``_routes``) reads the key when the model calls dropout. Where no scope is open the
 model's draws are PyTorch's own (and refused where the work is split); inside a scope, a
-forward that cannot be keyed (stacked tasks, rebuilt steps) refuses to draw, naming why.
+forward that cannot be keyed (``clone()``'s, a hand-run one under ``MetaDDP``) refuses to
+draw, naming why.
 """
 
 from __future__ import annotations

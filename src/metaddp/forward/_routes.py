@@ -3,20 +3,21 @@
 Inside :func:`routes`, entered by :func:`metaddp._functional.call` around every forward of a
 model that may need it (:func:`needs_routes`), a ``TorchFunctionMode`` routes:
 
-- ``F.scaled_dot_product_attention`` to :func:`metaddp._attention.attention`, exact, with
+- ``F.scaled_dot_product_attention`` to :func:`metaddp.forward.attention`, exact, with
   derivatives of every order and memory linear in the sequence length (PyTorch's fused
   kernels have no double backward, so second-order MAML through them fails);
 - ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``, ``nn.Transformer*``) to the
   same, for its common form (no ``bias_k``/``bias_v``, ``add_zero_attn`` or static keys: those
   run PyTorch's math path, without dropout);
-- ``F.dropout`` and ``F.dropout1d/2d/3d`` to masks keyed by the forward
-  (:mod:`metaddp._draws`): the same on any number of processes;
+- ``F.dropout`` and ``F.dropout1d/2d/3d`` to masks keyed by the forward (``_draws``): the
+  same on any number of processes;
 - the draws that cannot be keyed (``alpha_dropout``, ``feature_alpha_dropout``, ``rrelu``) to
   an error inside metaddp's loops.
 
 Outside a draw scope (a forward the user runs alone) dropout stays PyTorch's. Under
-``torch.vmap`` or another functorch transform, attention takes PyTorch's math path (which
-has second derivatives) and dropout is refused.
+``torch.vmap`` (stacked tasks, deterministic mode's chunks) attention is written out in plain
+operations, which vmap batches and autograd differentiates to any order, and dropout draws
+each stacked task's or chunk's own keyed masks.
 """
 
 from __future__ import annotations
