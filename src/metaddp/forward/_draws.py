@@ -186,14 +186,21 @@ _BATCH: contextvars.ContextVar[_MetaBatch | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def meta_batch(seed: int, step: int, indices: range | None) -> Iterator[None]:
-    """The keys of one meta-batch's work: the seed, the meta-step and the global indices of
-    this process's tasks (``None``: not known)."""
-    token = _BATCH.set(_MetaBatch(seed, step, indices))
+def _holding(var: contextvars.ContextVar[Any], value: Any) -> Iterator[None]:
+    """``var`` set to ``value`` inside, what it was after."""
+    token = var.set(value)
     try:
         yield
     finally:
-        _BATCH.reset(token)
+        var.reset(token)
+
+
+@contextlib.contextmanager
+def meta_batch(seed: int, step: int, indices: range | None) -> Iterator[None]:
+    """The keys of one meta-batch's work: the seed, the meta-step and the global indices of
+    this process's tasks (``None``: not known)."""
+    with _holding(_BATCH, _MetaBatch(seed, step, indices)):
+        yield
 
 
 @contextlib.contextmanager
@@ -205,11 +212,8 @@ def task(i: int) -> Iterator[None]:
         yield
         return
     index = None if batch.indices is None else batch.indices[i]
-    token = _SCOPE.set(DrawScope(batch.seed, batch.step, index))
-    try:
+    with _holding(_SCOPE, DrawScope(batch.seed, batch.step, index)):
         yield
-    finally:
-        _SCOPE.reset(token)
 
 
 @contextlib.contextmanager
@@ -227,11 +231,8 @@ def stacked_tasks(count: int) -> Iterator[None]:
             "the tasks' global indices are unknown (a plain list of tasks split over "
             "processes): pass the tasks as a metaddp.MetaBatch (learner.shard(...))"
         )
-    token = _SCOPE.set(scope)
-    try:
+    with _holding(_SCOPE, scope):
         yield
-    finally:
-        _SCOPE.reset(token)
 
 
 @contextlib.contextmanager
@@ -259,11 +260,8 @@ def stacked_forward(
             (scope.seed, scope.step, t, number) for t in scope.stacked for _ in range(per_task)
         ]
         key = StackedKey(parts, slot, start, rows)
-    token = _FORWARD.set(key)
-    try:
+    with _holding(_FORWARD, key):
         yield
-    finally:
-        _FORWARD.reset(token)
 
 
 @contextlib.contextmanager
@@ -272,11 +270,8 @@ def unkeyed(why: str) -> Iterator[None]:
     whose draws could not be the one-process ones)."""
     outer = _SCOPE.get()
     scope = DrawScope(0, 0, None, why) if outer is None else dataclasses.replace(outer, refuse=why)
-    token = _SCOPE.set(scope)
-    try:
+    with _holding(_SCOPE, scope):
         yield
-    finally:
-        _SCOPE.reset(token)
 
 
 def reserve(forwards: int) -> DrawScope | None:
@@ -298,11 +293,8 @@ def numbered(kept: DrawScope | None, number: int) -> Iterator[None]:
     if kept is None:
         yield
         return
-    token = _SCOPE.set(dataclasses.replace(kept, forwards=kept.forwards + number))
-    try:
+    with _holding(_SCOPE, dataclasses.replace(kept, forwards=kept.forwards + number)):
         yield
-    finally:
-        _SCOPE.reset(token)
 
 
 def scope_open() -> bool:
@@ -335,11 +327,8 @@ def keyed_forward(batch: Any, number: int | None = None) -> Iterator[None]:
     key = None
     if scope.refuse is None and scope.task is not None and start is not None:
         key = ForwardKey((scope.seed, scope.step, scope.task, number), start, batch.x.shape[0])
-    token = _FORWARD.set(key)
-    try:
+    with _holding(_FORWARD, key):
         yield
-    finally:
-        _FORWARD.reset(token)
 
 
 def current_key(what: str) -> Key | None:
