@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ._binding import SHARDED
 from .forward import routes
 
 Params = dict[str, Tensor]
@@ -45,6 +46,9 @@ def call(
     """
     weights: dict[str, Tensor] = dict(buffers) if buffers is not None else {}
     weights.update(params)
+    full = getattr(module, SHARDED, None)
+    if full is not None:  # sharded meta-parameters: gathered for this forward
+        weights = full(module, weights)
     with routes(module):
         return torch.func.functional_call(module, weights, args, kwargs, strict=False)
 

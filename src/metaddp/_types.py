@@ -40,6 +40,9 @@ class Supports:
         learn_lr: inner learning rates trained in the outer loop (``learn_lr=``).
         inner_optimizer: an inner optimizer other than plain SGD (``optimizer=``).
         capture: a meta-step that reads nothing on the host, so a CUDA graph records it.
+        sharded: meta-parameters sharded over the sample axis (``MetaDDP(..., shard=True)``):
+            every inner step elementwise on the shards, every forward through
+            :func:`metaddp.call`.
     """
 
     deterministic: bool = False
@@ -48,12 +51,17 @@ class Supports:
     learn_lr: bool = False
     inner_optimizer: bool = True
     capture: bool = True
+    sharded: bool = False
 
     def refuse(self, algorithm: str, **asked: bool) -> None:
         """Raise for the first capability in ``asked`` (``name=True``) not offered."""
         for name, wanted in asked.items():
             if wanted and not getattr(self, name):
-                option = {"low_memory": 'memory="low"', "deterministic": "deterministic=True"}
+                option = {
+                    "low_memory": 'memory="low"',
+                    "deterministic": "deterministic=True",
+                    "sharded": "sharded layout (MetaDDP(..., shard=True))",
+                }
                 raise ValueError(
                     f"{algorithm} has no {option.get(name, name)}: the algorithms that have "
                     "it are listed in docs/algorithms.md"

@@ -335,6 +335,23 @@ class Algorithm(nn.Module):
             loss_scale=self.loss_scale,
         )
 
+    def sharded_refusal(self) -> str | None:
+        """Why this algorithm, as configured, cannot run on sharded meta-parameters
+        (``MetaDDP(..., shard=True)``), or ``None``. Its inner steps must treat every entry
+        on its own (a norm or a learned per-entry rate would see one rank's rows)."""
+        name = type(self).__name__
+        if self.lr is not None:
+            return f"{name}(learn_lr=...) learns rates that must see every row of a weight"
+        if not self.inner_optimizer().rowwise:
+            return (
+                f"{name}'s inner optimizer is not entry by entry (a chain, a gradient clip, "
+                "learned or tensor rates), so on shards it would see one rank's rows: use "
+                "metaddp.sgd, adam, adamw, rmsprop or adagrad with number rates"
+            )
+        if self.loss_scale is not None:
+            return "float16 loss scaling skips steps by a verdict over every row: use bfloat16"
+        return None
+
     def _rematerialize(self) -> bool:
         return self.memory == "low" and not self.first_order and torch.is_grad_enabled()
 

@@ -81,7 +81,7 @@ class Bilevel(Algorithm):
 
     # Capture: every method but ImplicitCG, whose conjugate gradient reads its residual on
     # the host (recording it raises CaptureError, naming the read).
-    supports: ClassVar[Supports] = Supports(low_memory=True)
+    supports: ClassVar[Supports] = Supports(low_memory=True, sharded=True)
 
     def __init__(
         self,
@@ -190,6 +190,16 @@ class Bilevel(Algorithm):
         if self.start == "outer":
             return weights
         return {k: held({k: v}, v)[k] for k, v in weights.items()}
+
+    def sharded_refusal(self) -> str | None:
+        if not isinstance(self.method, Unrolled):
+            return (
+                f"{type(self.method).__name__} computes norms and dot products of whole "
+                "vectors; on shards it would see one rank's rows: use Unrolled"
+            )
+        if self.penalty is not None:
+            return "a penalty(fast) reads whole weights, which on shards are one rank's rows"
+        return super().sharded_refusal()
 
     def not_reached(self) -> set[str]:
         """The parameters the meta-loss does not reach by design (with ``start="current"``,

@@ -39,7 +39,9 @@ class BOIL(MAML):
     model: BodyHead
     # Deterministic mode sums the gradients of the fast weights only; the head's would stay
     # each rank's own.
-    supports: ClassVar[Supports] = dataclasses.replace(MAML.supports, deterministic=False)
+    supports: ClassVar[Supports] = dataclasses.replace(
+        MAML.supports, deterministic=False, sharded=False
+    )
 
     def __init__(
         self,

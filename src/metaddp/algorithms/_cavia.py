@@ -55,7 +55,9 @@ class CAVIA(MAML):
 
     model: WithContext
     # The order-free sums of deterministic mode reach the fast weights only.
-    supports: ClassVar[Supports] = dataclasses.replace(MAML.supports, deterministic=False)
+    supports: ClassVar[Supports] = dataclasses.replace(
+        MAML.supports, deterministic=False, sharded=False
+    )
 
     def __init__(
         self,

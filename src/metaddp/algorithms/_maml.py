@@ -58,7 +58,7 @@ class MAML(Algorithm):
     """
 
     supports: ClassVar[Supports] = Supports(
-        deterministic=True, low_memory=True, autocast=True, learn_lr=True
+        deterministic=True, low_memory=True, autocast=True, learn_lr=True, sharded=True
     )
 
     stackable: ClassVar[bool] = True

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import forward as _draws
 from .._adapt import check_finite, inner_step
+from .._binding import SHARDED
 from .._data import Batch, Task
 from .._functional import call, random_layers
 from .._remat import rematerialized_loss
@@ -303,6 +304,13 @@ def use_batched(batched: bool | None, tasks: Sequence[Task], model: nn.Module) -
         model: the network.
     """
     if batched is False or not tasks:
+        return False
+    if getattr(model, SHARDED, None) is not None:  # sharded weights gather in the loop's forwards
+        if batched:
+            raise ValueError(
+                "batched=True stacks the tasks under torch.vmap, where sharded meta-parameters "
+                "cannot be gathered; the sharded layout runs tasks one by one (batched=None)"
+            )
         return False
     if batched is None and needs_routes(model):
         # Attention or dropout inside the forward: the loop keys dropout by each task's

@@ -80,6 +80,9 @@ class CollectiveStats:
     calls: int = 0
     elements: int = 0
     bytes: int = 0
+    by_kind: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Bytes per kind of collective (``all_reduce``, ``all_gather``: the gathered buffer,
+    ``reduce_scatter``: the buffer before the scatter)."""
 
 
 _stats: list[CollectiveStats] = []
@@ -108,11 +111,12 @@ def counting() -> Iterator[CollectiveStats]:
         _stats.remove(stats)
 
 
-def _record(elements: int, nbytes: int) -> None:
+def _record(elements: int, nbytes: int, kind: str = "all_reduce") -> None:
     for s in _stats:
         s.calls += 1
         s.elements += elements
         s.bytes += nbytes
+        s.by_kind[kind] = s.by_kind.get(kind, 0) + nbytes
 
 
 def group_size(group: Group = None) -> int:

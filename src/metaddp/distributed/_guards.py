@@ -217,6 +217,9 @@ class StepGuards:
         # Each trained parameter's .grad as the last sum left it, with its version: while a
         # .grad is that tensor, unchanged, it holds a SUM over the ranks already.
         self._summed: dict[int, tuple[weakref.ref[Tensor], int]] = {}
+        # With shard=True: the ids of the sharded parameters and the group holding the same
+        # rows (set by the wrapper once it has cut them).
+        self.sharded: tuple[set[int], Any] | None = None
 
     # --- state ----------------------------------------------------------------------------
 
@@ -411,9 +414,18 @@ class StepGuards:
                 seen[key] = (r, j)
 
     def check_in_sync(self) -> None:
-        """Raise if any parameter or buffer differs between ranks (one collective)."""
+        """Raise if any parameter or buffer differs between ranks (one collective; sharded
+        parameters between the ranks that hold the same rows: a second one)."""
         named = list(self.module.named_parameters()) + list(self.module.named_buffers())
-        spread = max_abs_difference([t for _, t in named], group=self.mesh.group)
+        if self.sharded is not None:
+            ids, rows_group = self.sharded
+            mine = [(n, t) for n, t in named if id(t) in ids]
+            named = [(n, t) for n, t in named if id(t) not in ids]
+            self._compare(mine, rows_group)
+        self._compare(named, self.mesh.group)
+
+    def _compare(self, named: list[tuple[str, Tensor]], group: Any) -> None:
+        spread = max_abs_difference([t for _, t in named], group=group)
         bad = [
             f"{name} (max difference {d:.3g})"
             for (name, _), d in zip(named, spread, strict=True)

@@ -101,6 +101,63 @@ class BucketedSum:
         pass
 
 
+class ShardedSum:
+    """Sharded meta-parameters (``MetaDDP(..., shard=True)``): the backward's reduce-scatter
+    summed each shard's gradient over its sample group already, so shards are summed over
+    the task axis only (the ranks that hold the same rows); every other trained parameter,
+    the values and the rider over the whole mesh, as :class:`BucketedSum`."""
+
+    capture_refusal: str | None = "the sharded layout's gathers are not recorded in CUDA graphs"
+
+    def __init__(self, how: Summing, shards: set[int], shard_group: Group) -> None:
+        self.how, self.shards, self.shard_group = how, shards, shard_group
+
+    def finish(self, extra: list[Tensor]) -> list[float]:
+        how = self.how
+        named = _trained(how.module)
+        params = [p for _, p in named]
+        grads = [p.grad if p.grad is not None else p.detach().new_zeros(p.shape) for p in params]
+        has_grad = [float(p.grad is not None) for p in params]
+        flags = _host.upload(has_grad, params[0]) if params else torch.zeros(0)
+        tail = torch.cat([flags, *(v.to(flags) for v in extra), how.rider(flags)])
+        sharded = [i for i, p in enumerate(params) if id(p) in self.shards]
+        whole = [i for i, p in enumerate(params) if id(p) not in self.shards]
+        rows = launch_sum(
+            [grads[i] for i in sharded],
+            self.shard_group,
+            how.bucket_bytes,
+            Phase.GRADIENTS,
+            how.salt(),
+        )
+        rest = launch_sum(
+            [grads[i] for i in whole] + [tail],
+            how.group,
+            how.bucket_bytes,
+            Phase.GRADIENTS,
+            how.salt(),
+        )
+        reduced: list[Tensor | None] = [None] * len(params)
+        for i, g in zip(sharded, rows.wait(), strict=True):
+            reduced[i] = g
+        summed = rest.wait()
+        for i, g in zip(whole, summed, strict=False):
+            reduced[i] = g
+        (got,) = _host.read(summed[-1])
+        how.raise_missing([n for (n, _), f in zip(named, got, strict=False) if f == 0])
+        with torch.no_grad():
+            for p, r, f in zip(params, reduced, got, strict=False):
+                if f > 0 and r is not None:
+                    p.grad = r if p.grad is None else p.grad.copy_(r)
+        return got[len(params) :]
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        yield
+
+    def remove(self) -> None:
+        pass
+
+
 class OverlappedSum:
     """The buckets of :class:`BucketedSum`, launched during the backward
     (:class:`metaddp.distributed._overlap.GradReducer`)."""

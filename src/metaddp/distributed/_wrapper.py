@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .._adapt import grad
-from .._binding import LOCAL, Collectives, bind, unbind
+from .._binding import LOCAL, SHARDED, Collectives, bind, unbind
 from .._data import Batch, BatchKey, MetaBatch, Task
 from .._types import LossFn, MetaAlgorithm, Params, identity_reduce
 from ._batchnorm import BatchNormSync, has_batchnorm, sync_batchnorm
@@ -35,7 +35,8 @@ from ._collectives import (
 from ._exact import DEFAULT_CHUNKS, ExactSums, deterministic_kernels
 from ._guards import StepGuards, refuse_at_construction
 from ._mesh import Mesh
-from ._sums import BucketedSum, ExactSum, OverlappedSum, Summing
+from ._sharded import Sharding, refuse_sharded
+from ._sums import BucketedSum, ExactSum, OverlappedSum, ShardedSum, Summing
 
 
 class MetaDDP(nn.Module):
@@ -72,6 +73,14 @@ class MetaDDP(nn.Module):
             build, device type and thread count. Costs in BENCHMARKS.md.
         chunks: with ``deterministic``, the most chunks a batch is cut into. Keep it fixed
             across the runs to compare; sample axes longer than it leave ranks idle.
+        shard: keep only this rank's rows of every meta-parameter of the model (ZeRO-3 over
+            the sample axis, :mod:`metaddp.distributed._sharded`): forwards gather them, the
+            inner steps and the meta-gradient stay shards, and an optimizer built on
+            ``learner.parameters()`` keeps state for the rows this rank holds. The same
+            meta-gradient; each rank holds ``1/samples`` of the weights, gradients and
+            optimizer state. MAML (SGD, Adam... inner steps) and :class:`metaddp.Bilevel`
+            (``Unrolled``) run sharded; ``with learner.gathered():`` (on every rank) puts the
+            full weights in the model, for evaluation or a checkpoint.
 
     What the wrapper does to the module, so that results never depend on the world size:
 
@@ -96,11 +105,13 @@ class MetaDDP(nn.Module):
         check: bool | None = None,
         deterministic: bool = False,
         chunks: int = DEFAULT_CHUNKS,
+        shard: bool = False,
     ) -> None:
         super().__init__()
         if isinstance(module, MetaDDP):
             raise TypeError("this module is already wrapped in MetaDDP")
         refuse_at_construction(module, deterministic)
+        model = refuse_sharded(module, deterministic) if shard else None
         self.module = module
         self.mesh = mesh if mesh is not None else Mesh.create()
         self.bucket_bytes = bucket_bytes
@@ -111,6 +122,14 @@ class MetaDDP(nn.Module):
             broadcast_(state, src=0, group=self.mesh.group)
         else:
             self.check_in_sync()
+        # Cut after the weights agree: every rank keeps its rows of the same tensors.
+        self.sharding: Sharding | None = None
+        if model is not None and self.mesh.samples > 1:
+            self.sharding = Sharding(model, self.mesh.sample_group)
+            self.sharding.cut()
+            setattr(model, SHARDED, self.sharding)
+            shards = set(map(id, self.sharding.parameters().values()))
+            self.guards.sharded = (shards, self.mesh.task_group)
         self.exact = ExactSums(self.mesh, chunks) if deterministic else None
         # What a mode changed in the process, put back by release().
         self._restore_settings = deterministic_kernels(module) if deterministic else None
@@ -125,9 +144,11 @@ class MetaDDP(nn.Module):
             allow_unused,
             _not_reached(module),
         )
-        self.sums: BucketedSum | OverlappedSum | ExactSum
+        self.sums: BucketedSum | OverlappedSum | ExactSum | ShardedSum
         if self.exact is not None:
             self.sums = ExactSum(how, self.exact)
+        elif self.sharding is not None:
+            self.sums = ShardedSum(how, shards, self.mesh.task_group)
         elif overlap and group_size(self.mesh.group) > 1:
             self.sums = OverlappedSum(how)
         else:
@@ -152,7 +173,16 @@ class MetaDDP(nn.Module):
         return self.module(*args, **kwargs)
 
     def reduce(self, tensors: list[Tensor]) -> list[Tensor]:
-        """Differentiable SUM over the ranks that share a task's samples (for inner loops)."""
+        """Differentiable SUM over the ranks that share a task's samples (for inner loops).
+
+        Sharded (``shard=True``), the gradients of shards are already the global
+        gradient's rows (the gather's adjoint summed them), so they pass as they are; any
+        other tensor is refused, since it would be one rank's."""
+        if self.sharding is not None:
+            return self.sharding.passed(tensors)
+        return self._sample_sum(tensors)
+
+    def _sample_sum(self, tensors: list[Tensor]) -> list[Tensor]:
         return all_reduce_sum(tensors, group=self.mesh.sample_group, bucket_bytes=self.bucket_bytes)
 
     def _batch_statistics(self, tensors: list[Tensor]) -> list[Tensor]:
@@ -160,7 +190,7 @@ class MetaDDP(nn.Module):
         # adapt() in that mode) the differentiable SUM.
         if self.exact is not None and self.exact.pooling():
             return self.exact.pool(tensors)
-        return self.reduce(tensors)
+        return self._sample_sum(tensors)
 
     def _settings_salt(self) -> int:
         # The wrapped module's settings (an algorithm's inner steps, learning rate...) enter
@@ -175,6 +205,8 @@ class MetaDDP(nn.Module):
 
     def capture_refusal(self) -> str | None:
         """Why this learner's meta-step cannot be recorded in a CUDA graph, or ``None``."""
+        if self.sharding is not None:
+            return "the sharded layout's gathers are not recorded in CUDA graphs"
         if self.sums.capture_refusal is not None:
             return self.sums.capture_refusal
         if self.checking:
@@ -200,12 +232,31 @@ class MetaDDP(nn.Module):
             self._batchnorm = None
         self.guards.remove()
         self.sums.remove()
+        if self.sharding is not None:  # the full weights back in the model: a collective
+            self.sharding.remove()
+            self.sharding = None
+
+    def gathered(self) -> contextlib.AbstractContextManager[None]:
+        """With ``shard=True``: the full meta-parameters in the model inside the block, this
+        rank's rows again after it (changes made inside are kept). A collective: every rank
+        enters it. Evaluation on one rank (:meth:`local`) and plain ``model(x)`` calls go
+        inside it. Without sharding, nothing happens."""
+        if self.sharding is None:
+            return contextlib.nullcontext()
+        return self.sharding.gathered()
 
     @contextlib.contextmanager
     def local(self) -> Iterator[nn.Module]:
         """Run the module on this process alone inside the block (whole tasks, no collective):
         identity reductions, plain batch statistics, no check. For work one rank does by
-        itself, such as drawing a figure after training."""
+        itself, such as drawing a figure after training. With ``shard=True``, inside
+        :meth:`gathered` only (each rank holds its rows of the weights)."""
+        if self.sharding is not None and not self.sharding.holding_full():
+            raise RuntimeError(
+                "learner.local() runs the model on this process alone, but with shard=True it "
+                "holds this rank's rows of the weights: enter `with learner.gathered():` on "
+                "every rank first, then local() inside it"
+            )
         bind(self.module, LOCAL)
         if self._batchnorm is not None:
             self._batchnorm.reduce = identity_reduce

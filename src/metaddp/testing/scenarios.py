@@ -159,6 +159,7 @@ class Problem:
     schedule_steps: int | None = None  # MAML++: the run's length its schedules scale to
     meta_step: int = 0  # MAML++: the meta-step its schedules are at
     batched: bool | None = None  # MAML: tasks stacked (True), one by one (False), or chosen
+    shard: bool = False  # meta-parameters sharded over the sample axis (MetaDDP(shard=True))
 
     def build_model(self) -> nn.Module:
         torch.manual_seed(self.seed)
@@ -258,6 +259,7 @@ def run(problem: Problem) -> dict:
         Mesh.for_layout(problem.layout),
         deterministic=problem.deterministic,
         chunks=problem.chunks,
+        shard=problem.shard,
     )
     loss = learner.meta_loss(learner.shard(problem.n_tasks, problem.task), problem.loss_fn)
     loss.backward()
@@ -265,9 +267,11 @@ def run(problem: Problem) -> dict:
     algorithm = learner.module
     assert isinstance(algorithm, Algorithm)
     in_model = {id(b) for b in algorithm.model.buffers()}
+    with learner.gathered():  # sharded: the full meta-gradient, for the comparison
+        grads = meta_gradient(algorithm)
     return {
         "loss": float(learner.global_value(loss)),
-        "grads": meta_gradient(algorithm),
+        "grads": grads,
         "buffers": {k: b.detach().clone() for k, b in algorithm.model.named_buffers()},
         # The algorithm's own (MAML++'s per-step running statistics).
         "own_buffers": {
@@ -393,6 +397,8 @@ class BilevelProblem:
     dtype: torch.dtype = torch.float64
     seed: int = 0
     memory: str = "default"
+    penalty: bool = True  # the learned weight decay (and proximal term) in the inner loss
+    shard: bool = False  # the model's weights sharded over the sample axis
 
     def method_options(self) -> dict[str, Any]:
         """The method's own settings: fixed iterations, so every run takes the same iterate
@@ -436,7 +442,8 @@ class BilevelProblem:
 
         opt = sgd(self.inner_lr) if self.optimizer == "sgd" else adam(self.inner_lr)
         return Bilevel(
-            net, outer=weighting, inner_loss=weighted, outer_loss=ce_per_sample, penalty=decay,
+            net, outer=weighting, inner_loss=weighted, outer_loss=ce_per_sample,
+            penalty=decay if self.penalty else None,
             start=self.start, steps=self.steps, optimizer=opt, method=self.build_method(),
             memory=self.memory,
         )  # fmt: skip
@@ -457,13 +464,16 @@ class BilevelProblem:
 def run_bilevel(problem: BilevelProblem) -> dict:
     """One hypergradient step of ``problem`` on this rank: the global outer loss and every
     outer variable's gradient (by name in the Bilevel module)."""
-    learner = MetaDDP(problem.build_algorithm(), Mesh.for_layout(problem.layout))
+    learner = MetaDDP(
+        problem.build_algorithm(), Mesh.for_layout(problem.layout), shard=problem.shard
+    )
     loss = learner.meta_loss(learner.shard(problem.n_problems, problem.task))
     loss.backward()
     learner.sync_grads()
-    grads = {
-        k: p.grad.detach().clone()
-        for k, p in learner.module.named_parameters()
-        if p.grad is not None
-    }
+    with learner.gathered():  # sharded: the full gradients, for the comparison
+        grads = {
+            k: p.grad.detach().clone()
+            for k, p in learner.module.named_parameters()
+            if p.grad is not None
+        }
     return {"loss": float(learner.global_value(loss)), "grads": grads}
