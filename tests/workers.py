@@ -11,6 +11,7 @@ from torch import nn
 import compared_workers  # tests/, on sys.path via conftest
 import hf_workers  # transformers is imported by its functions, not here
 import metaddp as md
+import sharded_workers
 from metaddp import train as _train
 from metaddp.distributed._collectives import _next_sequence
 from metaddp.testing import scenarios as S
@@ -148,6 +149,7 @@ def everything(root: str) -> dict:
         "deterministic": deterministic(root, md.world_size()),
         "compared": compared_workers.run_all(),
         "hf": hf_workers.run_all(),  # world sizes 1 and 2; None without transformers
+        "sharded": sharded_workers.run_all(),
     }
 
 

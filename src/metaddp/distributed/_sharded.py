@@ -51,6 +51,7 @@ from ._collectives import (
     group_size,
     strict,
 )
+from ._regather import Regather
 
 _TAG_MODULUS = 4093  # as _collectives: world * tag stays exact in float32
 
@@ -314,6 +315,8 @@ class Sharding:
         self.parts = parts
         self._model = weakref.ref(model)
         self._full = False  # inside gathered(): the module holds its full weights
+        # Saved gathered weights kept in graphs as their shards (None: kept whole).
+        self.regather: Regather | None = Regather(self._gather_one)
         self._hook = model.register_forward_pre_hook(self._refuse_shards)
 
     # --- the module's own parameters ----------------------------------------------------
@@ -404,11 +407,24 @@ class Sharding:
                 continue
             names.append(name)
             shards.append(t)
-        for name, t in zip(
-            names, gather(shards, [self.cuts[n] for n in names], self.group), strict=True
+        cuts = [self.cuts[n] for n in names]
+        for name, shard, cut, t in zip(
+            names, shards, cuts, gather(shards, cuts, self.group), strict=True
         ):
             out[name] = t
+            if self.regather is not None:
+                self.regather.register(t, shard, cut)
         return out
+
+    def _gather_one(self, shard: Tensor, cut: Cut) -> Tensor:
+        return gather([shard], [cut], self.group)[0]
+
+    def saving(self) -> contextlib.AbstractContextManager[object]:
+        """Inside the block, graphs keep shards in place of gathered weights and gather
+        them again for the backward (:mod:`._regather`)."""
+        if self.regather is None:
+            return contextlib.nullcontext()
+        return self.regather.hooks()
 
     def _refuse_shards(self, module: nn.Module, args: Any) -> None:
         # Inside metaddp.call the module's attributes are full tensors; a direct
@@ -473,11 +489,12 @@ def refuse_sharded(module: nn.Module, deterministic: bool) -> nn.Module:
     model = getattr(module, "adapted_module")()  # noqa: B009
     if not isinstance(model, nn.Module) or model is not getattr(module, "model", model):
         raise ValueError(f"shard=True: {name} adapts part of its model only")
-    _refuse_dtensors(model)
     return model
 
 
-def _refuse_dtensors(model: nn.Module) -> None:
+def refuse_dtensors(model: nn.Module) -> None:
+    """Refuse parameters that are DTensors already (FSDP2's ``fully_shard``, or placements
+    of the user's): neither their gathers nor their gradients are exact here."""
     from torch.distributed.tensor import DTensor
 
     for pname, p in model.named_parameters():

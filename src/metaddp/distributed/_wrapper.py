@@ -35,7 +35,7 @@ from ._collectives import (
 from ._exact import DEFAULT_CHUNKS, ExactSums, deterministic_kernels
 from ._guards import StepGuards, refuse_at_construction
 from ._mesh import Mesh
-from ._sharded import Sharding, refuse_sharded
+from ._sharded import Sharding, refuse_dtensors, refuse_sharded
 from ._sums import BucketedSum, ExactSum, OverlappedSum, ShardedSum, Summing
 
 
@@ -111,6 +111,7 @@ class MetaDDP(nn.Module):
         if isinstance(module, MetaDDP):
             raise TypeError("this module is already wrapped in MetaDDP")
         refuse_at_construction(module, deterministic)
+        refuse_dtensors(module)
         model = refuse_sharded(module, deterministic) if shard else None
         self.module = module
         self.mesh = mesh if mesh is not None else Mesh.create()
@@ -236,6 +237,12 @@ class MetaDDP(nn.Module):
             self.sharding.remove()
             self.sharding = None
 
+    def _saving(self) -> contextlib.AbstractContextManager[object]:
+        # Sharded: graphs keep shards, and the backward gathers again (distributed/_regather).
+        if self.sharding is None:
+            return contextlib.nullcontext()
+        return self.sharding.saving()
+
     def gathered(self) -> contextlib.AbstractContextManager[None]:
         """With ``shard=True``: the full meta-parameters in the model inside the block, this
         rank's rows again after it (changes made inside are kept). A collective: every rank
@@ -319,7 +326,7 @@ class MetaDDP(nn.Module):
         algorithm = self._algorithm("meta_loss")
         self.guards.tasks_in(tasks)
         searches = self.guards.searches
-        with self.guards.own_loop():
+        with self.guards.own_loop(), self._saving():
             loss = (
                 algorithm.meta_loss(tasks)
                 if loss_fn is None
@@ -340,7 +347,7 @@ class MetaDDP(nn.Module):
         self.guards.refuse_whole(batches)
         if self.guards.schedule.due():
             self.guards.check_batch_sizes(batches)
-        with self.guards.own_loop():
+        with self.guards.own_loop(), self._saving():
             return self._algorithm("adapt").adapt(support, loss_fn, steps=steps)
 
     def clone(self) -> Any:

@@ -427,6 +427,8 @@ class BilevelProblem:
         from ..inner import adam, sgd
 
         net, weighting = self.build_model()
+        if not self.penalty:  # the learned decay is the penalty's: nothing else reads it
+            weighting.log_decay.requires_grad_(False)
 
         def weighted(pred: Tensor, y: Tensor) -> Tensor:
             losses = ce_per_sample(pred, y)

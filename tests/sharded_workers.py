@@ -1,0 +1,183 @@
+"""What every rank runs for tests/test_sharded.py, in the shared process groups of
+tests/conftest.py (``workers.everything`` at world sizes 1 to 4): meta-steps with sharded
+meta-parameters (``MetaDDP(..., shard=True)``), the gather's derivatives to third order,
+what each rank holds, what it communicates, and the refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+import metaddp as md
+from metaddp.distributed._sharded import Cut, gather
+from metaddp.testing import scenarios as S
+
+# Uneven shards at every world size: the MLP's 16-row layers over 3 ranks, its 1-row head
+# (ranks without a row), 13 support and 11 query samples, 3 tasks over 2 task groups.
+PROBLEMS = {
+    "maml-2nd-sample": S.Problem("mlp", steps=2, n_tasks=3),
+    "maml-1st-sample": S.Problem("mlp", steps=2, n_tasks=3, first_order=True),
+    "maml-2nd-hybrid": S.Problem("mlp", steps=2, n_tasks=3, layout="hybrid"),
+    "maml-adam-hybrid": S.Problem("mlp", steps=2, n_tasks=3, optimizer="adam", layout="hybrid",
+                                  inner_lr=0.03),
+    "maml-low-memory": S.Problem("mlp", steps=2, n_tasks=3, memory="low"),
+    "conv-batchnorm": S.Problem("conv", steps=2, n_tasks=2, batchnorm=True, running_stats=False),
+    "conv-batchnorm-running": S.Problem("conv", steps=1, n_tasks=2, batchnorm=True),
+    "transformer": S.Problem("transformer", steps=1, n_tasks=2, n_support=7, n_query=5),
+}
+BILEVEL = {
+    "bilevel-lookahead": S.BilevelProblem(penalty=False, n_problems=2),
+    "bilevel-maml-adam": S.BilevelProblem(penalty=False, start="outer", optimizer="adam",
+                                          inner_lr=0.05, layout="hybrid", n_problems=2),
+}
+
+
+def run_all() -> dict:
+    out = {"orders": third_order(), "held": held(), "refusals": refusals()}
+    out["problems"] = {name: S.run(dataclasses.replace(p, shard=True))
+                       for name, p in PROBLEMS.items()}
+    out["bilevel"] = {name: S.run_bilevel(dataclasses.replace(p, shard=True))
+                      for name, p in BILEVEL.items()}
+    out["regather"] = regather()
+    out["fsdp"] = fsdp_refused()
+    return out
+
+
+def third_order() -> list[list[float]]:
+    """Derivatives of orders 1 to 3 of sum_r c_r * sum(W^3), W gathered from shards of
+    w = [1, 2, 3, 4, 5] (uneven at 2 to 4 ranks), by each rank's shard; each level a
+    share: with C = sum_r c_r, the closed forms are 3C w^2, 6C w and 6C on the rank's rows."""
+    r, world = md.rank(), md.world_size()
+    cut = Cut(torch.Size([5]), world, r)
+    w = cut.take(torch.arange(1.0, 6.0, dtype=torch.float64)).requires_grad_()
+    (full,) = gather([w], [cut], None)
+    c = (r + 1) / 10
+    (g1,) = torch.autograd.grad(c * (full**3).sum(), w, create_graph=True)
+    (g2,) = torch.autograd.grad(g1.sum(), w, create_graph=True)
+    (g3,) = torch.autograd.grad(g2.sum(), w, allow_unused=True, materialize_grads=True)
+    return [full.tolist(), w.tolist(), g1.tolist(), g2.tolist(), g3.tolist()]
+
+
+def held() -> dict:
+    """What one rank holds and sends for a second-order MAML step with Adam as the outer
+    optimizer, sharded and replicated: entries of parameters, gradients and optimizer state,
+    and bytes communicated by kind."""
+    out = {}
+    for shard in (False, True):
+        p = S.Problem("mlp", steps=2, n_tasks=2, shard=shard)
+        learner = md.MetaDDP(p.build_algorithm(), S.mesh_for("sample"), shard=shard)
+        opt = torch.optim.Adam(learner.parameters(), lr=1e-3)
+        with md.counting() as stats:
+            loss = learner.meta_loss(learner.shard(p.n_tasks, p.task), p.loss_fn)
+            loss.backward()
+            learner.sync_grads()
+        opt.step()
+        params = list(learner.parameters())
+        state = [t for s in opt.state.values() for t in s.values() if t.dim() > 0]
+        out[shard] = {
+            "params": sum(t.numel() for t in params),
+            "grads": sum(t.grad.numel() for t in params if t.grad is not None),
+            "state": sum(t.numel() for t in state),
+            "by_kind": dict(stats.by_kind),
+            "loss": float(learner.global_value(loss)),
+        }
+        learner.release()
+    return out
+
+
+def regather() -> dict:
+    """The same sharded step with the graphs keeping shards (the default) and keeping the
+    gathered weights: the same meta-gradient; how many saved weights were packed, and the
+    all-gather bytes each way."""
+    out = {}
+    p = S.Problem("mlp", steps=2, n_tasks=2)
+    for keep_shards in (True, False):
+        learner = md.MetaDDP(p.build_algorithm(), S.mesh_for("sample"), shard=True)
+        if learner.sharding is not None and not keep_shards:
+            learner.sharding.regather = None
+        with md.counting() as stats:
+            loss = learner.meta_loss(learner.shard(p.n_tasks, p.task), p.loss_fn)
+            loss.backward()
+            learner.sync_grads()
+        with learner.gathered():
+            grads = {k: q.grad.clone() for k, q in learner.module.named_parameters()}
+        packed = learner.sharding.regather.packed if learner.sharding and keep_shards else 0
+        out[keep_shards] = {"grads": grads, "gathered": stats.by_kind.get("all_gather", 0),
+                            "packed": packed}
+    return out
+
+
+def refusals() -> dict:
+    """The error each mistake gives (``None``: it ran)."""
+    def outcome(fn) -> str | None:
+        try:
+            fn()
+        except (TypeError, ValueError, RuntimeError) as e:
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    p = S.Problem("mlp", steps=1, n_tasks=2)
+    sample = S.mesh_for("sample")
+    out = {
+        "metasgd": outcome(lambda: md.MetaDDP(md.MetaSGD(p.build_model()), sample, shard=True)),
+        "clip": outcome(lambda: md.MetaDDP(
+            md.MAML(p.build_model(), optimizer=md.chain(md.clip_by_global_norm(1.0),
+                                                        md.sgd(0.1))), sample, shard=True)),
+        "learn_lr": outcome(lambda: md.MetaDDP(
+            md.MAML(p.build_model(), learn_lr="scalar"), sample, shard=True)),
+        "deterministic": outcome(lambda: md.MetaDDP(md.MAML(p.build_model()), sample,
+                                                    shard=True, deterministic=True)),
+        "bare-model": outcome(lambda: md.MetaDDP(p.build_model(), sample, shard=True)),
+        "implicit": outcome(lambda: md.MetaDDP(
+            dataclasses.replace(S.BilevelProblem(penalty=False), method="implicit-cg")
+            .build_algorithm(), sample, shard=True)),
+        "penalty": outcome(lambda: md.MetaDDP(S.BilevelProblem().build_algorithm(), sample,
+                                              shard=True)),
+    }
+    learner = md.MetaDDP(md.MAML(p.build_model(), inner_lr=0.1), sample, shard=True)
+    model = learner.module.model
+    x = torch.zeros(3, 1, dtype=torch.float64)
+    out["model(x)"] = outcome(lambda: model(x))
+    out["local"] = outcome(lambda: learner.local().__enter__())
+    out["batched"] = outcome(lambda: _batched(learner, p))
+
+    def inside() -> None:
+        with learner.gathered(), learner.local():
+            model(x)
+
+    out["gathered-local"] = outcome(inside)
+    learner.release()
+    out["released-shape"] = [tuple(q.shape) for q in model.parameters()]
+    return out
+
+
+def _batched(learner: md.MetaDDP, p: S.Problem) -> None:
+    algorithm = learner.module
+    assert isinstance(algorithm, md.MAML)
+    algorithm.batched = True
+    try:
+        learner.meta_loss(learner.shard(p.n_tasks, p.task), p.loss_fn)
+    finally:
+        algorithm.batched = None
+
+
+def fsdp_refused() -> dict:
+    """A model wrapped by FSDP2's ``fully_shard`` (its parameters DTensors), under MetaDDP
+    sharded and replicated: the error each gives."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = S.mesh_for("sample")
+    if mesh.device_mesh is None:
+        return {}
+    out = {}
+    for shard in (True, False):
+        net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+        fully_shard(net, mesh=mesh.device_mesh["sample"])
+        try:
+            md.MetaDDP(md.MAML(net), mesh, shard=shard)
+            out[shard] = "ran"
+        except TypeError as e:
+            out[shard] = str(e)
+    return out

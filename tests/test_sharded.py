@@ -1,0 +1,179 @@
+"""Sharded meta-parameters (``MetaDDP(..., shard=True)``) at world sizes 1 to 4 (the shared
+process groups of tests/conftest.py; the problems are tests/sharded_workers.py's): the
+meta-gradient of an independent float64 reference (plain autograd on whole batches) for
+MAML of first and second order, with BatchNorm; the one-process replicated value for Adam
+inner steps, ``memory="low"``, the transformer and bilevel problems (those are checked
+against independent references by tests/test_transformer.py, test_bilevel.py and
+test_algorithms_compared.py); the gather's derivatives to third order in closed form; what
+each rank holds and sends; and the refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import sharded_workers as W
+from metaddp.testing import scenarios as S
+from reference import maml_meta_grad
+
+WORLDS = (1, 2, 3, 4)
+# Float64, relative to the largest entry. Sharded and replicated differ only in the order
+# of floating-point sums (a reduce-scatter adds the ranks' rows in another order than an
+# all-reduce). Observed: below 1e-15, except Adam inner steps on split samples (3e-13 for
+# the bilevel problem at 3 ranks: g / sqrt(v) amplifies a small gradient entry's rounding by
+# 1 / |g|). A missing reduction or a rank's own rows is off by 1e-2 or more.
+RTOL = 1e-12
+
+
+@pytest.fixture(scope="module")
+def results(worlds) -> dict[int, list[dict]]:
+    return {w: [rank["sharded"] for rank in worlds[w]] for w in WORLDS}
+
+
+def relative(got: dict, want: dict) -> float:
+    assert set(got) == set(want)
+    scale = max(float(v.abs().max()) for v in want.values())
+    return max(float((got[k] - want[k]).abs().max()) for k in want) / scale
+
+
+def reference(problem: S.Problem) -> tuple[float, dict]:
+    """Plain autograd, one process, whole batches (tests/reference.py)."""
+    model = problem.build_model()
+    tasks = [((t.support.x, t.support.y, None), (t.query.x, t.query.y, None))
+             for t in problem.tasks()]
+    return maml_meta_grad(model, tasks, steps=problem.steps, inner_lr=problem.inner_lr,
+                          first_order=problem.first_order, classification=problem.model == "conv")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("name", ["maml-2nd-sample", "maml-1st-sample", "maml-2nd-hybrid",
+                                  "conv-batchnorm"])
+def test_sharded_maml_is_the_independent_reference(results, world, name):
+    loss, want = reference(W.PROBLEMS[name])
+    for rank in results[world]:  # every rank holds the same full meta-gradient once gathered
+        got = rank["problems"][name]
+        assert relative(got["grads"], want) < RTOL
+        assert got["loss"] == pytest.approx(loss, rel=1e-13)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("name", ["maml-adam-hybrid", "maml-low-memory", "conv-batchnorm-running",
+                                  "transformer"])
+def test_sharded_is_the_replicated_one_process_value(results, world, name):
+    problem = W.PROBLEMS[name]
+    want = S.run(problem)  # one process, replicated (no process group)
+    tol = RTOL
+    got = results[world][0]["problems"][name]
+    assert relative(got["grads"], want["grads"]) < tol
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-12)
+    for k, b in want["buffers"].items():  # running statistics, synchronized over the shards
+        if b.is_floating_point():
+            torch.testing.assert_close(got["buffers"][k], b, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("name", list(W.BILEVEL))
+def test_sharded_bilevel_is_the_replicated_one_process_value(results, world, name):
+    problem = W.BILEVEL[name]
+    want = S.run_bilevel(problem)
+    got = results[world][0]["bilevel"][name]
+    tol = RTOL
+    assert relative(got["grads"], want["grads"]) < tol
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-12)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_gather_composes_to_third_order(results, world):
+    """Each level's gradient is the global one's rows: 3C w^2, 6C w, 6C (sharded_workers)."""
+    c = sum((r + 1) / 10 for r in range(world))
+    rows = []
+    for r, rank in enumerate(results[world]):
+        full, w, g1, g2, g3 = rank["orders"]
+        assert full == [1.0, 2.0, 3.0, 4.0, 5.0]
+        per = math.ceil(5 / world)
+        assert w == [float(i) for i in range(1 + r * per, min(6, 1 + (r + 1) * per))]
+        wt = torch.tensor(w, dtype=torch.float64)
+        torch.testing.assert_close(torch.tensor(g1, dtype=torch.float64), 3 * c * wt**2)
+        torch.testing.assert_close(torch.tensor(g2, dtype=torch.float64), 6 * c * wt)
+        torch.testing.assert_close(torch.tensor(g3, dtype=torch.float64), 6 * c * torch.ones_like(wt))
+        rows += w
+    assert rows == [1.0, 2.0, 3.0, 4.0, 5.0]  # the shards cover every row once
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_each_rank_holds_its_rows_of_weights_gradients_and_optimizer_state(results, world):
+    """The MLP 1-16-16-1 (321 entries): a rank holds ceil(rows / N)-row pieces of each
+    tensor, and the outer Adam state (two slots) follows; replicated, all of it."""
+    total = 321
+    sizes = []
+    for r, rank in enumerate(results[world]):
+        replicated, sharded = rank["held"][False], rank["held"][True]
+        assert replicated["params"] == replicated["grads"] == total
+        assert replicated["state"] == 2 * total
+        mine = sum(W.Cut(torch.Size(s), world, r).local_shape.numel()
+                   for s in [(16, 1), (16,), (16, 16), (16,), (1, 16), (1,)])
+        assert sharded["params"] == sharded["grads"] == mine
+        assert sharded["state"] == 2 * mine
+        assert sharded["loss"] == pytest.approx(replicated["loss"], rel=1e-13)
+        sizes.append(mine)
+    assert sum(sizes) == total
+    assert max(sizes) <= math.ceil(total / world) + 16 * 2  # about 1/N: uneven rows aside
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_sharded_step_gathers_and_reduce_scatters_instead_of_all_reducing(results, world):
+    """Sharded, the inner loop moves its weights by all-gathers and reduce-scatters; only
+    the small tail (flags, losses) and BatchNorm-free models' nothing else is all-reduced."""
+    rank = results[world][0]["held"]
+    replicated, sharded = rank[False]["by_kind"], rank[True]["by_kind"]
+    assert set(replicated) == {"all_reduce"}
+    assert sharded["all_gather"] > 0 and sharded["reduce_scatter"] > 0
+    # Replicated: K inner SUMs forward and backward, plus the meta-gradient SUM, each of the
+    # 321 float64 entries (+ a tag); sharded all-reduces only the tail.
+    assert replicated["all_reduce"] >= (2 * 2 + 1) * 321 * 8
+    assert sharded["all_reduce"] < 321 * 8
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_graphs_keep_shards_and_gather_again_for_the_backward(results, world):
+    on, off = results[world][0]["regather"][True], results[world][0]["regather"][False]
+    assert on["packed"] > 0  # saved weights were kept as shards
+    assert off["packed"] == 0
+    assert on["gathered"] > off["gathered"]  # ... and gathered again in the backward
+    for k, g in off["grads"].items():  # the same numbers (the same sums, gathered again)
+        assert torch.equal(on["grads"][k], g)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_mistakes_are_errors(results, world):
+    out = results[world][0]["refusals"]
+    assert "MetaSGD has no sharded layout" in out["metasgd"]
+    assert "not entry by entry" in out["clip"]
+    assert "learn_lr" in out["learn_lr"]
+    assert "deterministic=True and shard=True do not combine" in out["deterministic"]
+    assert "not one" in out["bare-model"]
+    assert "use Unrolled" in out["implicit"]
+    assert "penalty" in out["penalty"]
+    assert "the model's parameters are shards" in out["model(x)"]
+    assert "enter `with learner.gathered():`" in out["local"]
+    assert "batched=True" in out["batched"]
+    assert out["gathered-local"] is None  # inside gathered(), one rank may run it alone
+    assert out["released-shape"] == [(16, 1), (16,), (16, 16), (16,), (1, 16), (1,)]
+
+
+def test_fsdp2_models_are_refused_with_what_to_do(results):
+    for shard in (True, False):
+        message = results[2][0]["fsdp"][shard]
+        assert "is a DTensor" in message and "fully_shard" in message
+        assert "MetaDDP(algorithm, mesh, shard=True)" in message
+
+
+def test_one_process_shard_is_a_no_op():
+    """On one process (no group) there is nothing to cut: the same numbers as replicated."""
+    p = W.PROBLEMS["maml-2nd-sample"]
+    a, b = S.run(p), S.run(dataclasses.replace(p, shard=True))
+    for k in a["grads"]:
+        assert torch.equal(a["grads"][k], b["grads"][k])
