@@ -42,7 +42,20 @@ def run_all() -> dict:
                       for name, p in BILEVEL.items()}
     out["regather"] = regather()
     out["fsdp"] = fsdp_refused()
+    out["checked"] = checked()
     return out
+
+
+def checked() -> dict:
+    """The transformer's sharded step in check mode (every forward's weights compared across
+    the sample group, after each layer's gather): the meta-gradient, gathered."""
+    p = dataclasses.replace(PROBLEMS["transformer"], layout="hybrid")
+    learner = md.MetaDDP(p.build_algorithm(), S.mesh_for(p.layout), shard=True, check=True)
+    loss = learner.meta_loss(learner.shard(p.n_tasks, p.task), p.loss_fn)
+    loss.backward()
+    learner.sync_grads()
+    with learner.gathered():
+        return {k: q.grad.clone() for k, q in learner.module.model.named_parameters()}
 
 
 def third_order() -> list[list[float]]:

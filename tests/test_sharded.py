@@ -10,6 +10,7 @@ each rank holds and sends; and the refusals."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import pytest
@@ -39,6 +40,18 @@ def relative(got: dict, want: dict) -> float:
     return max(float((got[k] - want[k]).abs().max()) for k in want) / scale
 
 
+@functools.cache
+def replicated(problem: S.Problem) -> dict:
+    """One process, replicated (no process group), once per problem."""
+    return S.run(problem)
+
+
+@functools.cache
+def replicated_bilevel(problem: S.BilevelProblem) -> dict:
+    return S.run_bilevel(problem)
+
+
+@functools.cache
 def reference(problem: S.Problem) -> tuple[float, dict]:
     """Plain autograd, one process, whole batches (tests/reference.py)."""
     model = problem.build_model()
@@ -64,7 +77,7 @@ def test_sharded_maml_is_the_independent_reference(results, world, name):
                                   "transformer"])
 def test_sharded_is_the_replicated_one_process_value(results, world, name):
     problem = W.PROBLEMS[name]
-    want = S.run(problem)  # one process, replicated (no process group)
+    want = replicated(problem)
     tol = RTOL
     got = results[world][0]["problems"][name]
     assert relative(got["grads"], want["grads"]) < tol
@@ -78,7 +91,7 @@ def test_sharded_is_the_replicated_one_process_value(results, world, name):
 @pytest.mark.parametrize("name", list(W.BILEVEL))
 def test_sharded_bilevel_is_the_replicated_one_process_value(results, world, name):
     problem = W.BILEVEL[name]
-    want = S.run_bilevel(problem)
+    want = replicated_bilevel(problem)
     got = results[world][0]["bilevel"][name]
     tol = RTOL
     assert relative(got["grads"], want["grads"]) < tol
@@ -135,6 +148,14 @@ def test_sharded_step_gathers_and_reduce_scatters_instead_of_all_reducing(result
     # 321 float64 entries (+ a tag); sharded all-reduces only the tail.
     assert replicated["all_reduce"] >= (2 * 2 + 1) * 321 * 8
     assert sharded["all_reduce"] < 321 * 8
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_check_mode_compares_the_gathered_weights(results, world):
+    """Check mode's pre-hooks see each layer's full weights (gathered before them), which
+    agree across the sample group: no false alarm, the same meta-gradient as unchecked."""
+    want = replicated(dataclasses.replace(W.PROBLEMS["transformer"], layout="hybrid"))
+    assert relative(results[world][0]["checked"], want["grads"]) < RTOL
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

@@ -52,6 +52,7 @@ from ._collectives import (
     strict,
 )
 from ._regather import Regather
+from ._units import LayerGather
 
 _TAG_MODULUS = 4093  # as _collectives: world * tag stays exact in float32
 
@@ -303,7 +304,7 @@ class Sharding:
     are gathered; full-shaped ones pass as they are.
     """
 
-    def __init__(self, model: nn.Module, group: Group) -> None:
+    def __init__(self, model: nn.Module, group: Group, *, per_layer: bool = True) -> None:
         self.group = group
         parts, index = group_size(group), group_rank(group)
         # A 0-d parameter (a scalar) has no rows to cut: it stays whole on every rank.
@@ -317,7 +318,17 @@ class Sharding:
         self._full = False  # inside gathered(): the module holds its full weights
         # Saved gathered weights kept in graphs as their shards (None: kept whole).
         self.regather: Regather | None = Regather(self._gather_one)
-        self._hook = model.register_forward_pre_hook(self._refuse_shards)
+        # Per layer: each layer's weights gathered as it runs (._units); else all at once.
+        self.layers = (
+            LayerGather(model, {n: c.local_shape for n, c in self.cuts.items()}, self._gather_named)
+            if per_layer and parts > 1
+            else None
+        )
+        self._armed = False  # metaddp.call is about to run the model
+        self._hooks = [
+            model.register_forward_pre_hook(self._enter, prepend=True),
+            model.register_forward_hook(self._leave, always_call=True),
+        ]
 
     # --- the module's own parameters ----------------------------------------------------
 
@@ -379,7 +390,10 @@ class Sharding:
     def remove(self) -> None:
         """Give the module its full weights back (a collective) and forget it."""
         model = self._model()
-        self._hook.remove()
+        for h in self._hooks:
+            h.remove()
+        if self.layers is not None:
+            self.layers.remove()
         if model is None:
             return
         full = self.full()
@@ -396,6 +410,14 @@ class Sharding:
         parameters, shard-shaped ones gathered (one collective), full ones as they are."""
         out = dict(weights)
         if self._full or self.parts == 1:
+            return out
+        self._armed = True
+        if self.layers is not None and self.layers.readers is not None:
+            # Each layer gathers its own as it runs; the model's own shards go through
+            # functional_call too, which puts them back whatever the forward does.
+            for name in self.cuts:
+                if name not in out:
+                    out[name] = module.get_parameter(name)
             return out
         names, shards = [], []
         for name, cut in self.cuts.items():
@@ -419,6 +441,14 @@ class Sharding:
     def _gather_one(self, shard: Tensor, cut: Cut) -> Tensor:
         return gather([shard], [cut], self.group)[0]
 
+    def _gather_named(self, names: list[str], shards: list[Tensor]) -> list[Tensor]:
+        cuts = [self.cuts[n] for n in names]
+        fulls = gather(shards, cuts, self.group)
+        if self.regather is not None:
+            for full, shard, cut in zip(fulls, shards, cuts, strict=True):
+                self.regather.register(full, shard, cut)
+        return fulls
+
     def saving(self) -> contextlib.AbstractContextManager[object]:
         """Inside the block, graphs keep shards in place of gathered weights and gather
         them again for the backward (:mod:`._regather`)."""
@@ -426,10 +456,15 @@ class Sharding:
             return contextlib.nullcontext()
         return self.regather.hooks()
 
-    def _refuse_shards(self, module: nn.Module, args: Any) -> None:
-        # Inside metaddp.call the module's attributes are full tensors; a direct
-        # model(x) would run on this rank's rows.
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        # A forward that metaddp.call runs is armed; a direct model(x) would run on this
+        # rank's rows, and is refused.
         if self._full or self.parts == 1:
+            return
+        armed, self._armed = self._armed, False
+        if armed:
+            if self.layers is not None:
+                self.layers.start(record=self.layers.readers is None)
             return
         for name, cut in self.cuts.items():
             if _attr(module, name).shape != cut.shape:
@@ -440,6 +475,10 @@ class Sharding:
                     "gather them on every rank of the group first: `with learner.gathered():`"
                 )
             return
+
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.layers is not None and self.layers.forwarding:
+            self.layers.finish()
 
     def holding_full(self) -> bool:
         """Inside :meth:`gathered`: the module holds its full weights."""
