@@ -86,6 +86,9 @@ def held() -> dict:
             loss = learner.meta_loss(learner.shard(p.n_tasks, p.task), p.loss_fn)
             loss.backward()
             learner.sync_grads()
+        # Replicated: torch's own clipping; sharded: the learner's (torch's sees one rank's rows).
+        norm = float(learner.clip_grad_norm_(0.01) if shard
+                     else torch.nn.utils.clip_grad_norm_(learner.parameters(), 0.01))
         opt.step()
         params = list(learner.parameters())
         state = [t for s in opt.state.values() for t in s.values() if t.dim() > 0]
@@ -95,7 +98,10 @@ def held() -> dict:
             "state": sum(t.numel() for t in state),
             "by_kind": dict(stats.by_kind),
             "loss": float(learner.global_value(loss)),
+            "norm": norm,
         }
+        with learner.gathered():
+            out[shard]["stepped"] = {k: q.detach().clone() for k, q in learner.named_parameters()}
         learner.release()
     return out
 

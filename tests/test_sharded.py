@@ -131,6 +131,11 @@ def test_each_rank_holds_its_rows_of_weights_gradients_and_optimizer_state(resul
         assert sharded["params"] == sharded["grads"] == mine
         assert sharded["state"] == 2 * mine
         assert sharded["loss"] == pytest.approx(replicated["loss"], rel=1e-13)
+        # The whole meta-gradient's norm, clipped (torch's function on replicated weights),
+        # and one outer Adam step on the rows each rank holds: the same parameters.
+        assert sharded["norm"] == pytest.approx(replicated["norm"], rel=1e-12)
+        for k, want in replicated["stepped"].items():
+            torch.testing.assert_close(sharded["stepped"][k], want, rtol=1e-12, atol=1e-15)
         sizes.append(mine)
     assert sum(sizes) == total
     assert max(sizes) <= math.ceil(total / world) + 16 * 2  # about 1/N: uneven rows aside

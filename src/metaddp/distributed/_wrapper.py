@@ -402,6 +402,35 @@ class MetaDDP(nn.Module):
                 "float order. Use meta_loss, or build MetaDDP without deterministic=True"
             )
 
+    def clip_grad_norm_(self, max_norm: float, eps: float = 1e-6) -> Tensor:
+        """Scale every trained parameter's ``.grad`` by ``min(1, max_norm / (norm + eps))``
+        after :meth:`sync_grads`, ``norm`` the 2-norm of the whole meta-gradient, and return
+        the norm (as ``torch.nn.utils.clip_grad_norm_``). With ``shard=True`` a rank holds
+        rows of the gradients, so torch's function would see this rank's rows only; here
+        the squares of the rows are summed over the sample group (one small collective)."""
+        grads = [p.grad for p in self.module.parameters() if p.requires_grad and p.grad is not None]
+        if not grads:
+            return torch.zeros(())
+        rows = (
+            set()
+            if self.sharding is None
+            else {id(p.grad) for p in self.sharding.parameters().values()}
+        )
+        squares = [g.detach().double().square().sum() for g in grads]
+        part = sum(
+            (q for g, q in zip(grads, squares, strict=True) if id(g) in rows), squares[0] * 0
+        )
+        whole = sum(
+            (q for g, q in zip(grads, squares, strict=True) if id(g) not in rows), squares[0] * 0
+        )
+        if rows:
+            part = global_value(part, self.mesh.sample_group)
+        norm = (part + whole).sqrt()
+        coef = torch.clamp(max_norm / (norm + eps), max=1.0)
+        with torch.no_grad():
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        return norm.to(grads[0].dtype)
+
     def global_value(self, share: Tensor) -> Tensor:
         """The global value of a share (a loss, for logging): SUM over all ranks, detached."""
         return global_value(share, self.mesh.group)
