@@ -210,6 +210,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "over processes; hybrid: two task groups, each splitting its tasks",
     )
     g.add_argument(
+        "--shard",
+        action=argparse.BooleanOptionalAction,
+        default=S,
+        help="keep only each process's rows of the meta-parameters, their gradients and "
+        "Adam's state, cut over the processes that split each task (ZeRO-3; maml, fomaml, "
+        "reweight, erm): the same numbers, 1/N of the memory for them. Needs --layout sample, "
+        "or hybrid with more than one process per task group (4 or more processes); on one "
+        "process it cuts nothing. Checkpoints are then sharded (torch.distributed.checkpoint) "
+        "and resume at any --nproc; --no-shard resumes one replicated",
+    )
+    g.add_argument(
         "--backend",
         choices=("gloo", "nccl"),
         default=None,
@@ -325,8 +336,9 @@ def settings(args: argparse.Namespace, world: int) -> tuple[TrainConfig, Path, b
         check_folder(out, resume=False, force=args.force)
     family_class(cfg.task).check_data(cfg.data)
     family = cfg.family()  # building it runs the family's checks (e.g. enough classes for --ways)
-    # ... and building the algorithm its constructor's (a method that cannot rebuild its steps).
-    build(cfg.algorithm, family.model(), cfg.algorithm_settings())
+    # ... and building the algorithm its constructor's (a method that cannot rebuild its steps),
+    # and what it says of sharded meta-parameters.
+    cfg.check_algorithm(build(cfg.algorithm, family.model(), cfg.algorithm_settings()))
     if resume:
         # A run still going in the folder rotates its checkpoints under us: say that the
         # folder is busy before reading them (begin() takes the lock for good).

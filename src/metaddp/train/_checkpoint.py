@@ -2,7 +2,9 @@
 
 A checkpoint holds the meta-parameters, the outer optimizer's state, the step reached and the
 configuration. No random state is needed: every task is a function of (seed, global index),
-so the step number alone says where the data stream continues.
+so the step number alone says where the data stream continues. A sharded run's file holds,
+in place of the tensors, the folder of their sharded state (:mod:`._sharded_state`), written
+before it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from .._output import atomic_write
 
 FORMAT = "metaddp-checkpoint-1"
-KEYS = ("format", "step", "config", "model", "optimizer")
+KEYS = ("format", "step", "config")  # and "model" and "optimizer", or "sharded"
 
 
 class CheckpointError(ValueError):
@@ -49,8 +51,9 @@ def save(
     *,
     step: int,
     config: Mapping[str, Any],
-    model: Mapping[str, Any],
-    optimizer: Mapping[str, Any],
+    model: Mapping[str, Any] | None = None,
+    optimizer: Mapping[str, Any] | None = None,
+    sharded: Mapping[str, Any] | None = None,
     evaluation_due: bool = False,
     metrics: torch.Tensor | None = None,
     world: int | None = None,
@@ -67,20 +70,28 @@ def save(
         config: the run's resolved configuration (a plain dict).
         model: the algorithm's ``state_dict()``.
         optimizer: the outer optimizer's ``state_dict()``.
+        sharded: in place of ``model`` and ``optimizer``, the record of their sharded state
+            (:func:`._sharded_state.save`, already written): its folder, relative to the
+            file's.
         evaluation_due: the run stopped at this step before its due evaluation, which the
             resume runs first.
         metrics: the rows of ``metrics.csv`` so far (``MetricsLog.history``), from which a
             resume rebuilds a file that a full disk or a kill damaged.
         world: the number of processes the run runs on (a resume keeps it).
     """
-    state = {
+    if (sharded is None) == (model is None or optimizer is None):
+        raise TypeError("a checkpoint holds the model and the optimizer, or their sharded state")
+    state: dict[str, Any] = {
         "format": FORMAT,
         "step": int(step),
         "config": dict(config),
-        "model": dict(model),
-        "optimizer": optimizer,
         "evaluation_due": bool(evaluation_due),
     }
+    if sharded is not None:
+        state["sharded"] = dict(sharded)
+    else:
+        assert model is not None
+        state.update(model=dict(model), optimizer=optimizer)
     if metrics is not None:
         state["metrics"] = metrics
     if world is not None:
@@ -116,7 +127,8 @@ def load(path: Path, identity: Mapping[str, Any], map_location: Any = "cpu") -> 
         map_location: where tensors are loaded.
 
     Returns:
-        The checkpoint's dict (keys ``step``, ``config``, ``model``, ``optimizer``).
+        The checkpoint's dict (keys ``step``, ``config``, and ``model`` and ``optimizer`` or
+        ``sharded``).
 
     Raises:
         CheckpointError: missing, corrupt, not a metaddp checkpoint, or another configuration.
@@ -136,8 +148,22 @@ def load(path: Path, identity: Mapping[str, Any], map_location: Any = "cpu") -> 
         not isinstance(state, dict)
         or state.get("format") != FORMAT
         or any(k not in state for k in KEYS)
+        or not (("model" in state and "optimizer" in state) or "sharded" in state)
     ):
         raise CorruptCheckpoint(f"{path} is not a metaddp training checkpoint")
+    if "sharded" in state:
+        from ._sharded_state import complete
+
+        record = state["sharded"]
+        name = record.get("folder") if isinstance(record, dict) else None
+        if not isinstance(name, str):
+            raise CorruptCheckpoint(f"{path} is not a metaddp training checkpoint")
+        folder = path.parent / name
+        if not complete(folder):
+            raise CorruptCheckpoint(
+                f"checkpoint {path} names its sharded state {folder}, which is missing or "
+                "incomplete; restore it from a copy or start a new run"
+            )
     saved = {**settings_before(state["config"]), **state["config"]}
     diff = [
         f"{k}: checkpoint {saved.get(k)!r}, now {v!r}"

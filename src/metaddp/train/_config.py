@@ -81,6 +81,14 @@ class TrainConfig:
             default): wherever the run can (:meth:`records_graphs`); ``True``: required, an
             error where it cannot; ``False``: never. The same numbers, so not part of the
             identity: a resume may switch it.
+        shard: keep only each process's rows of every meta-parameter, of their gradients and
+            of Adam's state, cut over the processes that split each task
+            (``MetaDDP(shard=True)``: maml, fomaml, reweight, erm). It needs more than one
+            process per task: ``layout`` "sample", or "hybrid" on 4 or more processes. On one
+            process there is nothing to cut, and it changes only the checkpoint's form. The
+            same numbers (to rounding), so not part of the identity: a resume may switch it,
+            and a run resumes at any number of processes either way. Checkpoints of a sharded
+            run are sharded too (``torch.distributed.checkpoint``, :mod:`._sharded_state`).
     """
 
     task: str = "sinusoid"
@@ -113,6 +121,7 @@ class TrainConfig:
     deterministic: bool = False
     chunks: int = 8
     cuda_graphs: bool | None = None
+    shard: bool = False
     noise: float | None = None
     keep: str | None = None
     method: str | None = None
@@ -304,6 +313,8 @@ class TrainConfig:
                     "deterministic runs keep every inner step's graph in the run's dtype: "
                     "drop memory/autocast"
                 )
+        if self.shard and (why := self._not_shardable()):
+            raise ValueError(why)
         if self.cuda_graphs:
             if why := self._not_recordable():
                 raise ValueError(why)
@@ -318,12 +329,61 @@ class TrainConfig:
             if not (getattr(self, k) > 0 and math.isfinite(getattr(self, k))):
                 raise ValueError(f"{k} must be a positive finite number, got {getattr(self, k)!r}")
 
+    def _not_shardable(self) -> str | None:
+        """Why these settings' meta-parameters cannot be sharded, or ``None``. What only the
+        built algorithm knows is asked of it too (:meth:`check_algorithm`)."""
+        if self.algorithm not in having("sharded"):
+            return (
+                f"shard cuts the meta-parameters of {', '.join(having('sharded'))}, not of "
+                f"{self.algorithm}: drop shard"
+            )
+        if self.deterministic:
+            return (
+                "deterministic runs hold every weight whole on every process: drop shard or "
+                "deterministic"
+            )
+        if self.inner_clip is not None:
+            return (
+                "inner_clip clips by the norm of whole inner gradients, of which a sharded "
+                "process holds its rows only: drop inner_clip or shard"
+            )
+        if self.autocast == "fp16":
+            return (
+                "autocast fp16 scales the inner loss and skips a step by a verdict over every "
+                "entry, of which a sharded process holds its rows only: use autocast bf16, or "
+                "drop shard"
+            )
+        if self.method not in (None, "unrolled"):
+            return (
+                f"{self.method} takes norms and dot products of whole vectors, of which a "
+                "sharded process holds its rows only: shard takes method unrolled"
+            )
+        return None
+
+    def check_algorithm(self, algorithm: Any) -> None:
+        """The rules that need the built algorithm: with :attr:`shard`, its own refusal of
+        sharded meta-parameters (``Algorithm.sharded_refusal``)."""
+        refusal = getattr(algorithm, "sharded_refusal", None)
+        if self.shard and callable(refusal) and (why := refusal()) is not None:
+            raise ValueError(f"shard: {why}")
+
+    def samples_per_task(self, world: int) -> int:
+        """How many processes split each task on ``world`` processes under :attr:`layout`
+        (``Mesh.for_layout``)."""
+        if self.layout == "task":
+            return 1
+        if self.layout == "hybrid" and world % 2 == 0:
+            return world // 2
+        return world
+
     def _not_recordable(self) -> str | None:
         """Why these settings' meta-step cannot be recorded in a CUDA graph, or ``None``."""
         if self.algorithm not in having("capture"):
             return f"cuda_graphs records {', '.join(having('capture'))} steps, not {self.algorithm}"
         if self.deterministic:
             return "deterministic runs keep per-step state on the host: drop cuda_graphs"
+        if self.shard:
+            return "the sharded layout's gathers are not recorded in CUDA graphs: drop cuda_graphs"
         if self.method == "implicit-cg":
             return (
                 "implicit-cg's conjugate gradient reads its residual on the host, which a "
@@ -360,6 +420,13 @@ class TrainConfig:
             raise ValueError(
                 f"--layout hybrid makes two task groups of equal size, which {world} processes "
                 "cannot form: start an even number of processes, or use --layout sample or task"
+            )
+        if self.shard and world > 1 and self.samples_per_task(world) == 1:
+            raise ValueError(
+                f"shard cuts the meta-parameters over the processes that split each task, and "
+                f"--layout {self.layout} on {world} processes gives every task to one process: "
+                "use --layout sample, or hybrid with more than one process per task group (4 or "
+                "more processes), or drop shard (--no-shard)"
             )
 
     def family(self) -> TaskFamily:

@@ -28,6 +28,7 @@ ARTIFACTS = (
     "summary.json",
     "plots",
     "tensorboard",
+    "shards",  # a sharded run's checkpoint states (_sharded_state.SHARDS)
 )
 # Held (flock) by the process that writes the run; it names that process. Never removed, so
 # that every run opens the same file; a run leaves it empty when it ends.

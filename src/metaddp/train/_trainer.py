@@ -10,6 +10,7 @@ and gradients are exact sums, the run follows the same trajectory on any number 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -25,12 +26,13 @@ import torch.distributed as dist
 
 from .. import _output
 from .._adapt import finite_flags
+from .._binding import LOCAL, bind
 from .._data import Task
 from .._output import quoted
 from .._share import share
-from ..algorithms import NotPositiveDefinite, build
+from ..algorithms import Algorithm, NotPositiveDefinite, build
 from ..distributed import CapturedStep, Mesh, MetaDDP, rank
-from . import _checkpoint
+from . import _checkpoint, _sharded_state
 from ._config import TrainConfig
 from ._evaluate import baseline, evaluate, to
 from ._folder import CHECKPOINT, way_back
@@ -95,12 +97,15 @@ class Trainer:
         self.evaluate_first = False
         self.saved_metrics: torch.Tensor | None = None  # the checkpoint's copy of metrics.csv
         self.log: MetricsLog | None = None
+        state: dict[str, Any] | None = None
         if resume:
             state = _checkpoint.load_latest(
                 self.out / CHECKPOINT, cfg.identity(), map_location=self.device
             )
-            self.algorithm.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            if "model" in state:  # whole tensors (a replicated run's): cut by MetaDDP if sharded
+                self.algorithm.load_state_dict(state["model"])
+                if not cfg.shard:
+                    self.optimizer.load_state_dict(state["optimizer"])
             self.start = state["step"]
             # A stop at a step whose evaluation was due skipped it: the resume runs it first.
             self.evaluate_first = bool(state.get("evaluation_due", False))
@@ -118,7 +123,17 @@ class Trainer:
             chunks=cfg.chunks,
             # Overlapped sums start from backward hooks, which a replayed graph does not run.
             overlap=not self.graphs,
+            shard=cfg.shard,
         )
+        if state is not None and "sharded" in state:
+            # A sharded run's state, read as this layout holds it (on every process).
+            _sharded_state.load(
+                self.out, state["sharded"], self.algorithm, self.optimizer, self.learner
+            )
+        elif state is not None and cfg.shard:  # Adam's whole state, cut like the weights
+            self.optimizer.load_state_dict(
+                _sharded_state.cut_optimizer_state(state["optimizer"], self.optimizer, self.learner)
+            )
         self.captured = CapturedStep(self.learner, self.family.loss) if self.graphs else None
         self.saved = self.start  # the step of the newest checkpoint (0: none)
 
@@ -188,28 +203,31 @@ class Trainer:
         the adaptation from them (the inner one). Computed on this rank alone."""
         cfg = self.cfg
         kept = self._kept()
-        if not all(bool(torch.isfinite(p).all()) for p in self.algorithm.parameters()):
-            cause = (
-                f"the meta-parameters themselves are no longer finite: lower the outer "
-                f"learning rate (--outer-lr {cfg.outer_lr:g})"
-            )
-        else:
-            with torch.no_grad(), self.learner.local():
-                before = [
-                    share(self.family.loss(self.algorithm(t.query.x), t.query.y), t.query)
-                    for t in tasks
-                ]
-            if all(bool(torch.isfinite(b)) for b in before):
+        # Sharded: the whole weights on every process (a collective: every rank finds a step
+        # non-finite alike, by the SUM of the loss and of the gradients' verdicts).
+        with self.learner.gathered():
+            if not all(bool(torch.isfinite(p).all()) for p in self.algorithm.parameters()):
                 cause = (
-                    f"the meta-parameters give a finite loss before adaptation but not "
-                    f"after it: lower the inner learning rate (--inner-lr {cfg.inner_lr:g}) "
-                    f"or the inner steps (--inner-steps {cfg.inner_steps})"
+                    f"the meta-parameters themselves are no longer finite: lower the outer "
+                    f"learning rate (--outer-lr {cfg.outer_lr:g})"
                 )
             else:
-                cause = (
-                    f"the meta-parameters give a non-finite loss before any adaptation: "
-                    f"lower the outer learning rate (--outer-lr {cfg.outer_lr:g})"
-                )
+                with torch.no_grad(), self.learner.local():
+                    before = [
+                        share(self.family.loss(self.algorithm(t.query.x), t.query.y), t.query)
+                        for t in tasks
+                    ]
+                if all(bool(torch.isfinite(b)) for b in before):
+                    cause = (
+                        f"the meta-parameters give a finite loss before adaptation but not "
+                        f"after it: lower the inner learning rate (--inner-lr {cfg.inner_lr:g}) "
+                        f"or the inner steps (--inner-steps {cfg.inner_steps})"
+                    )
+                else:
+                    cause = (
+                        f"the meta-parameters give a non-finite loss before any adaptation: "
+                        f"lower the outer learning rate (--outer-lr {cfg.outer_lr:g})"
+                    )
         return (
             f"training stopped at step {step}: {what.split(';')[0]}. Likely cause: {cause}. "
             f"The weights were not updated; {kept}."
@@ -234,32 +252,46 @@ class Trainer:
             return run(False)
         # Whole tasks, each on one process alone: the same kernels on the same data at any
         # world size, so the same bits.
-        with self.learner.local():
+        with self.learner.gathered(), self.learner.local():
             return run(True)
 
     def save(self, step: int, evaluation_due: bool = False) -> None:
         """Write the checkpoint (rank 0), atomically; ``evaluation_due``: a stop skipped
-        this step's evaluation."""
+        this step's evaluation. Sharded, every process writes its rows first
+        (:mod:`._sharded_state`), and rank 0 then the file that names them."""
         self.saved = step
+        common: dict[str, Any] = dict(
+            step=step,
+            config=self.cfg.to_dict(),
+            evaluation_due=evaluation_due,
+            world=dist.get_world_size() if dist.is_initialized() else 1,
+        )
+        if self.cfg.shard:
+            record = _sharded_state.save(
+                self.out, step, self.algorithm, self.optimizer, self.learner
+            )
+            if rank() == 0:
+                metrics = None if self.log is None else self.log.history()
+                _checkpoint.save(self.out / CHECKPOINT, sharded=record, metrics=metrics, **common)
+                _sharded_state.collect(self.out, self.out / CHECKPOINT)
+            return
         if rank() == 0:
             _checkpoint.save(
                 self.out / CHECKPOINT,
-                step=step,
-                config=self.cfg.to_dict(),
                 model=self.algorithm.state_dict(),
                 optimizer=self.optimizer.state_dict(),
-                evaluation_due=evaluation_due,
                 metrics=None if self.log is None else self.log.history(),
-                world=dist.get_world_size() if dist.is_initialized() else 1,
+                **common,
             )
 
     def _evaluation_due(self, done: int) -> bool:
         cfg = self.cfg
         return done == cfg.steps or bool(cfg.eval_every and done % cfg.eval_every == 0)
 
-    def plots(self, summary: dict[str, Any]) -> list[str]:
+    def plots(self, summary: dict[str, Any], whole: Algorithm | None = None) -> list[str]:
         """The run's PNG figures (rank 0; none without matplotlib): training curves (with the
-        baseline of ``summary``, if any), then the task family's own."""
+        baseline of ``summary``, if any), then the task family's own. ``whole``: a sharded
+        run's algorithm with the whole weights (:meth:`_whole_copy`), to draw from."""
         if not _output.available():
             return []
         folder = self.out / "plots"
@@ -276,15 +308,31 @@ class Trainer:
                 else None
             ),
         )
-        with self.learner.local():  # whole held-out tasks on this process alone
+        # Whole held-out tasks on this process alone.
+        alone = self.learner.local() if whole is None else contextlib.nullcontext()
+        with alone:
             paths += self.family.plots(
-                self.algorithm,
+                self.algorithm if whole is None else whole,
                 seed=self.cfg.seed,
                 folder=folder,
                 dtype=self.dtype,
                 device=self.device,
             )
         return [str(p) for p in paths]
+
+    def _whole_copy(self) -> Algorithm:
+        """The algorithm outside MetaDDP with the model's whole weights, on this process
+        alone (inside ``learner.gathered()``). A sharded run draws its figures on rank 0 from
+        it: inside ``gathered()`` the parameters themselves are whole, but graphs of the run's
+        steps may still hold them as shards, which a derivative by them would meet."""
+        cfg = self.cfg
+        with torch.random.fork_rng(devices=[]):  # its initialisation draws from no stream
+            copy = build(cfg.algorithm, self.family.model(), cfg.algorithm_settings())
+        copy = copy.to(device=self.device, dtype=self.dtype)
+        copy.draw_seed = cfg.seed
+        copy.load_state_dict(self.algorithm.state_dict())
+        bind(copy, LOCAL)  # the identity reductions: every task whole here
+        return copy
 
     def run(self, *, progress: bool = True) -> dict[str, Any]:
         """Train from the start (or checkpoint) step to ``cfg.steps``.
@@ -335,7 +383,8 @@ class Trainer:
                 bar.close()
             if log is not None:
                 log.close()
-        weights = {k: v.detach().cpu().clone() for k, v in self.algorithm.state_dict().items()}
+        with self.learner.gathered():  # sharded: the whole weights (on every process)
+            weights = {k: v.detach().cpu().clone() for k, v in self.algorithm.state_dict().items()}
         result: dict[str, Any] = {
             "losses": losses,
             "final": last_eval,
@@ -409,29 +458,37 @@ class Trainer:
             **last_eval,
             **baseline(self.family, seed=cfg.seed, n_tasks=cfg.eval_tasks),
         }
+        whole = None
+        if self.learner.sharding is not None:  # the figures' weights, gathered on every rank
+            with self.learner.gathered():
+                whole = self._whole_copy() if rank() == 0 else None
         if dist.is_initialized():
             # Every rank has finished its steps. The summary and the plots are rank 0's alone:
             # no rank waits in a collective (bounded by --timeout) while they are drawn.
             dist.barrier()
         if rank() == 0:
-            # The run is trained and its last checkpoint written: a full disk now costs the
-            # summary file or the figures, said in one line each, not the run.
-            try:
-                _checkpoint.atomic_write(
-                    self.out / "summary.json",
-                    lambda f: f.write(json.dumps(summary, indent=2).encode()),
-                )
-            except OSError as e:
-                warnings.warn(f"summary.json not written ({e}); the run is trained", stacklevel=1)
-            try:
-                summary["plots"] = self.plots(summary)
-            except OSError as e:
-                warnings.warn(
-                    f"the plots were not written ({e}); the run is trained and checkpointed",
-                    stacklevel=1,
-                )
-                summary["plots"] = []
+            self._write_summary(summary, whole)
         return summary
+
+    def _write_summary(self, summary: dict[str, Any], whole: Algorithm | None) -> None:
+        """summary.json and the figures (rank 0). The run is trained and its last checkpoint
+        written: a full disk now costs the summary file or the figures, said in one line
+        each, not the run."""
+        try:
+            _checkpoint.atomic_write(
+                self.out / "summary.json",
+                lambda f: f.write(json.dumps(summary, indent=2).encode()),
+            )
+        except OSError as e:
+            warnings.warn(f"summary.json not written ({e}); the run is trained", stacklevel=1)
+        try:
+            summary["plots"] = self.plots(summary, whole)
+        except OSError as e:
+            warnings.warn(
+                f"the plots were not written ({e}); the run is trained and checkpointed",
+                stacklevel=1,
+            )
+            summary["plots"] = []
 
 
 def train(
