@@ -167,6 +167,15 @@ def refusals() -> dict:
             model(x)
 
     out["gathered-local"] = outcome(inside)
+
+    def torch_clip() -> None:  # after a sharded step: torch's clipping sees one rank's rows
+        loss = learner.meta_loss(learner.shard(p.n_tasks, p.task), p.loss_fn)
+        loss.backward()
+        learner.sync_grads()
+        torch.nn.utils.clip_grad_norm_(learner.parameters(), 1.0)
+
+    out["torch-clip"] = outcome(torch_clip)
+    learner.zero_grad()
     learner.release()
     out["released-shape"] = [tuple(q.shape) for q in model.parameters()]
     return out

@@ -101,6 +101,35 @@ class BucketedSum:
         pass
 
 
+_NORMS = frozenset(
+    {
+        torch._foreach_norm,
+        torch.linalg.vector_norm,
+        torch.linalg.norm,
+        torch.norm,
+        Tensor.norm,
+    }
+)
+
+
+class Rows(Tensor):
+    """The rows of a meta-gradient that a rank holds (``shard=True``): every elementwise
+    use (an optimizer's step) as a plain tensor, a norm refused, since it would be one rank's
+    rows' (``torch.nn.utils.clip_grad_norm_`` on ``learner.parameters()``)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _NORMS:
+            raise RuntimeError(
+                "a norm of sharded gradients: with shard=True each rank holds its rows of the "
+                "meta-gradient, so torch.nn.utils.clip_grad_norm_ (or any norm of .grad) would "
+                "see one rank's rows. Use learner.clip_grad_norm_(max_norm), which sums the "
+                "squares over the ranks"
+            )
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
 class ShardedSum:
     """Sharded meta-parameters (``MetaDDP(..., shard=True)``): the backward's reduce-scatter
     summed each shard's gradient over its sample group already, so shards are summed over
@@ -147,7 +176,7 @@ class ShardedSum:
         with torch.no_grad():
             for p, r, f in zip(params, reduced, got, strict=False):
                 if f > 0 and r is not None:
-                    p.grad = r if p.grad is None else p.grad.copy_(r)
+                    p.grad = r.as_subclass(Rows) if id(p) in self.shards else r
         return got[len(params) :]
 
     @contextlib.contextmanager

@@ -416,7 +416,7 @@ class MetaDDP(nn.Module):
             if self.sharding is None
             else {id(p.grad) for p in self.sharding.parameters().values()}
         )
-        squares = [g.detach().double().square().sum() for g in grads]
+        squares = [g.detach().as_subclass(Tensor).double().square().sum() for g in grads]
         part = sum(
             (q for g, q in zip(grads, squares, strict=True) if id(g) in rows), squares[0] * 0
         )
