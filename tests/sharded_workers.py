@@ -176,6 +176,12 @@ def refusals() -> dict:
 
     out["torch-clip"] = outcome(torch_clip)
     learner.zero_grad()
+
+    def adapt_alone() -> None:  # after a step: one rank adapts on the full weights alone
+        with learner.gathered(), learner.local():
+            learner.module.adapt(p.task(0).support, p.loss_fn, steps=1)
+
+    out["adapt-alone"] = outcome(adapt_alone)
     learner.release()
     out["released-shape"] = [tuple(q.shape) for q in model.parameters()]
     return out

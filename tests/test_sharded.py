@@ -187,6 +187,7 @@ def test_sharded_mistakes_are_errors(results, world):
     assert "enter `with learner.gathered():`" in out["local"]
     assert "batched=True" in out["batched"]
     assert out["gathered-local"] is None  # inside gathered(), one rank may run it alone
+    assert out["adapt-alone"] is None  # ... and adapt, after a sharded step (a backward)
     if world > 1:  # on one rank nothing is cut, and torch's clipping is right
         assert "Use learner.clip_grad_norm_(max_norm)" in out["torch-clip"]
     assert out["released-shape"] == [(16, 1), (16,), (16, 16), (16,), (1, 16), (1,)]

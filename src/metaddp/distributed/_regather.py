@@ -18,8 +18,9 @@ order and the gathers match (their tags check it).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -61,13 +62,25 @@ class Regather:
         storage = full.untyped_storage()
         self._live[storage.data_ptr()] = (StorageWeakRef(storage), shard, cut)
         self._since_sweep += 1
-        if self._since_sweep >= 64:  # forget the freed ones (and the shards they hold)
-            self._since_sweep = 0
-            for ptr in [k for k, v in self._live.items() if v[0].expired()]:
-                del self._live[ptr]
+        if self._since_sweep >= 64:
+            self.sweep()
 
-    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+    def sweep(self) -> None:
+        """Forget the weights already freed, and the shards their entries hold: a shard
+        computed from the parameters keeps their gradient accumulators alive, which would
+        then refuse the parameters at another shape (``learner.gathered()``)."""
+        self._since_sweep = 0
+        for ptr in [k for k, v in self._live.items() if v[0].expired()]:
+            del self._live[ptr]
+
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """The hooks for the block; what they registered and was freed is forgotten after."""
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self.sweep()
 
     def _pack(self, t: Tensor) -> Any:
         if not self._live or t.layout != torch.strided:

@@ -364,6 +364,8 @@ class Sharding:
         if self._full:
             yield
             return
+        if self.regather is not None:  # nothing may hold the parameters at their rows' shape
+            self.regather.sweep()
         params, full = self.parameters(), self.full()
         # Gradients too, where every rank has one (the meta-gradient after sync_grads).
         names = [n for n, p in params.items() if p.grad is not None]
@@ -454,7 +456,7 @@ class Sharding:
         them again for the backward (:mod:`._regather`)."""
         if self.regather is None:
             return contextlib.nullcontext()
-        return self.regather.hooks()
+        return self.regather.saving()
 
     def _enter(self, module: nn.Module, args: Any) -> None:
         # A forward that metaddp.call runs is armed; a direct model(x) would run on this

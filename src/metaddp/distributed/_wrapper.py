@@ -471,6 +471,8 @@ class MetaDDP(nn.Module):
         if self.exact is None:
             self.guards.before_sum()
         got = self.sums.finish([] if values is None else [values.detach().reshape(-1)])
+        if self.sharding is not None and self.sharding.regather is not None:
+            self.sharding.regather.sweep()  # the backward's gathers are freed by now
         # The guards' meta-loss rode last in the same SUM: judged alike on every rank.
         self.guards.after_sum(got[-1], summed=self.exact is None)
         return got[:-1]
