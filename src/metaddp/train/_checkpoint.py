@@ -35,6 +35,14 @@ class CorruptCheckpoint(CheckpointError):
 KEEP = 3
 
 
+DCP_INDEX = ".metadata"  # the index torch.distributed.checkpoint writes last
+
+
+def complete(folder: Path) -> bool:
+    """Whether ``folder`` holds a whole sharded (DCP) state: its index is written last."""
+    return (Path(folder) / DCP_INDEX).is_file()
+
+
 def history(path: Path, keep: int = KEEP) -> list[Path]:
     """``path`` and its older copies, newest first (``checkpoint.pt``, ``checkpoint.1.pt``...)."""
     path = Path(path)
@@ -152,8 +160,6 @@ def load(path: Path, identity: Mapping[str, Any], map_location: Any = "cpu") -> 
     ):
         raise CorruptCheckpoint(f"{path} is not a metaddp training checkpoint")
     if "sharded" in state:
-        from ._sharded_state import complete
-
         record = state["sharded"]
         name = record.get("folder") if isinstance(record, dict) else None
         if not isinstance(name, str):

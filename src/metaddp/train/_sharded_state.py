@@ -30,15 +30,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ._checkpoint import CheckpointError, CorruptCheckpoint, history
+from ._checkpoint import DCP_INDEX, CheckpointError, CorruptCheckpoint, history
 
 SHARDS = "shards"  # the run folder's folder of sharded states
-_METADATA = ".metadata"  # DCP's index, written last (to a temporary name, then renamed)
-
-
-def complete(folder: Path) -> bool:
-    """Whether ``folder`` holds a whole DCP checkpoint (its index is written last)."""
-    return (Path(folder) / _METADATA).is_file()
+_METADATA = DCP_INDEX  # DCP's index, written last (to a temporary name, then renamed)
 
 
 def _cuts(learner: Any) -> dict[int, Any]:
