@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import functools
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 
@@ -215,6 +216,10 @@ def _plan(tensors: Sequence[Tensor], bucket_bytes: int) -> list[list[int]]:
     return buckets
 
 
+def _bits_agree(world: int, got: list[float]) -> bool:
+    return all(b in (0, world) for b in got)
+
+
 class PendingSum:
     """SUM all-reduces launched asynchronously; :meth:`wait` returns the reduced tensors.
 
@@ -242,22 +247,25 @@ class PendingSum:
         if dtype in _TAGGED:
             value = float(1 + code % _TAG_MODULUS)
             parts.append(torch.full((1,), value, dtype=dtype, device=parts[0].device))
-            tag = (1, self._tag_verdict(lambda got: got == [self._world * value], seq, numel))
+            # The verdicts hold numbers, not this object: a closure over it would tie its
+            # buckets into a reference cycle that only the garbage collector frees.
+            world = self._world
+            tag = (1, self._tag_verdict(lambda got: got == [world * value], seq, numel))
         elif self._world <= _BIT_TAGGED.get(dtype, 0):
             # Made on the device (a fill and a shift), so no host-to-device copy waits.
             shifts = torch.arange(_TAG_BITS, device=parts[0].device)
             bits = torch.full((_TAG_BITS,), code % 2**_TAG_BITS, device=parts[0].device)
             parts.append(((bits >> shifts) & 1).to(dtype))
-            tag = (_TAG_BITS, self._tag_verdict(self._bits_agree, seq, numel))
+            tag = (
+                _TAG_BITS,
+                self._tag_verdict(functools.partial(_bits_agree, self._world), seq, numel),
+            )
         flat = torch.cat(parts).to(device)
         if _strict:
             _check_header(group, seq, numel, int(self._phase), what, device)
         _record(flat.numel(), flat.numel() * flat.element_size())
         work = _guard(lambda: dist.all_reduce(flat, group=group, async_op=True), what)
         self._launched.append((idx, flat, work, tag))
-
-    def _bits_agree(self, got: list[float]) -> bool:
-        return all(b in (0, self._world) for b in got)
 
     def _tag_verdict(
         self, agree: Callable[[list[float]], bool], seq: int, numel: int
