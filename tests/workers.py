@@ -50,14 +50,27 @@ def third_order() -> list[float]:
 
 
 def bucketing() -> dict:
-    """Twelve tensors of mixed dtype summed in 64-byte buckets: values and the call count."""
+    """Twelve tensors of mixed dtype summed in 64-byte buckets: values and the call count;
+    then what only the garbage collector would have freed of them once dropped (their
+    buckets, in a reference cycle, until it ran)."""
+    import gc
+
     r = md.rank()
     ts = [torch.full((5,), float(r + i), dtype=torch.float64 if i % 3 else torch.float32)
           for i in range(12)]
-    with md.counting() as stats:
-        out = md.all_reduce_sum(ts, bucket_bytes=64)
-    return {"values": [t.tolist() for t in out], "dtypes": [str(t.dtype) for t in out],
-            "calls": stats.calls}
+    gc.collect()
+    gc.disable()
+    try:
+        with md.counting() as stats:
+            out = md.all_reduce_sum(ts, bucket_bytes=64)
+        result = {"values": [t.tolist() for t in out], "dtypes": [str(t.dtype) for t in out],
+                  "calls": stats.calls}
+        md.global_value(torch.ones(()))  # reads the pending tag checks
+        del out
+        result["cyclic"] = gc.collect()
+    finally:
+        gc.enable()
+    return result
 
 
 def broadcast_and_errors() -> dict:
