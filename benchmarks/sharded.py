@@ -703,6 +703,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nthis CPU, one thread: {rates['flops'] / 1e9:.1f} GFLOP/s float32 (batched matrix "
           f"products at the step's shapes), {rates['bandwidth'] / 1e9:.1f} GB/s (an add of "
           "model-sized tensors)")
+    if {1, 2, 4} - {r["world"] for r in rows}:
+        print("\nthe cost model is fitted from the runs at 1, 2 and 4 processes: pass them in "
+              "--worlds to see it")
+        return 0
     cal = calibrate(rows, cfg, rates)
     gpus = [8, 16, 32, 64, 128, 256, 512]
     sizes = [0.5e9, 1e9, 2e9, 4e9, 8e9, 16e9, 32e9]
