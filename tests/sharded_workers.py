@@ -15,7 +15,9 @@ from metaddp.distributed._sharded import Cut, gather
 from metaddp.testing import scenarios as S
 
 # Uneven shards at every world size: the MLP's 16-row layers over 3 ranks, its 1-row head
-# (ranks without a row), 13 support and 11 query samples, 3 tasks over 2 task groups.
+# (ranks without a row), 13 support and 11 query samples, 3 tasks over 2 task groups. The
+# models are tiny: unit_bytes=0 gathers every layer on its own, and graphs keep every
+# gathered weight as its rows (the default leaves layers under 1 MiB whole: "default-units").
 PROBLEMS = {
     "maml-2nd-sample": S.Problem("mlp", steps=2, n_tasks=3),
     "maml-1st-sample": S.Problem("mlp", steps=2, n_tasks=3, first_order=True),
@@ -27,10 +29,13 @@ PROBLEMS = {
     "conv-batchnorm-running": S.Problem("conv", steps=1, n_tasks=2, batchnorm=True),
     "transformer": S.Problem("transformer", steps=1, n_tasks=2, n_support=7, n_query=5),
 }
+PROBLEMS = {k: dataclasses.replace(p, unit_bytes=0) for k, p in PROBLEMS.items()}
+PROBLEMS["default-units"] = S.Problem("mlp", steps=2, n_tasks=3)
 BILEVEL = {
-    "bilevel-lookahead": S.BilevelProblem(penalty=False, n_problems=2),
+    "bilevel-lookahead": S.BilevelProblem(penalty=False, n_problems=2, unit_bytes=0),
     "bilevel-maml-adam": S.BilevelProblem(penalty=False, start="outer", optimizer="adam",
-                                          inner_lr=0.05, layout="hybrid", n_problems=2),
+                                          inner_lr=0.05, layout="hybrid", n_problems=2,
+                                          unit_bytes=0),
 }
 
 
@@ -50,7 +55,8 @@ def checked() -> dict:
     """The transformer's sharded step in check mode (every forward's weights compared across
     the sample group, after each layer's gather): the meta-gradient, gathered."""
     p = dataclasses.replace(PROBLEMS["transformer"], layout="hybrid")
-    learner = md.MetaDDP(p.build_algorithm(), S.mesh_for(p.layout), shard=True, check=True)
+    learner = md.MetaDDP(p.build_algorithm(), S.mesh_for(p.layout), shard=True, check=True,
+                         unit_bytes=0)
     loss = learner.meta_loss(learner.shard(p.n_tasks, p.task), p.loss_fn)
     loss.backward()
     learner.sync_grads()
@@ -107,24 +113,28 @@ def held() -> dict:
 
 
 def regather() -> dict:
-    """The same sharded step with the graphs keeping shards (the default) and keeping the
-    gathered weights: the same meta-gradient; how many saved weights were packed, and the
-    all-gather bytes each way."""
+    """The same sharded step with every layer gathered on its own and the graphs keeping
+    rows (``unit_bytes=0``), keeping the gathered weights (no re-gather), and with the
+    default units (this tiny model's layers all gathered together, kept whole): the same
+    meta-gradient; saved weights packed as rows, all-gather bytes and collective calls."""
     out = {}
     p = S.Problem("mlp", steps=2, n_tasks=2)
-    for keep_shards in (True, False):
-        learner = md.MetaDDP(p.build_algorithm(), S.mesh_for("sample"), shard=True)
-        if learner.sharding is not None and not keep_shards:
+    for way in ("rows", "whole", "default"):
+        learner = md.MetaDDP(p.build_algorithm(), S.mesh_for("sample"), shard=True,
+                             **({} if way == "default" else {"unit_bytes": 0}))
+        if learner.sharding is not None and way == "whole":
             learner.sharding.regather = None
-        with md.counting() as stats:
-            loss = learner.meta_loss(learner.shard(p.n_tasks, p.task), p.loss_fn)
-            loss.backward()
-            learner.sync_grads()
+        for _ in range(2):  # the first forward learns the layers; count the second step
+            learner.zero_grad()
+            with md.counting() as stats:
+                loss = learner.meta_loss(learner.shard(p.n_tasks, p.task), p.loss_fn)
+                loss.backward()
+                learner.sync_grads()
         with learner.gathered():
             grads = {k: q.grad.clone() for k, q in learner.module.named_parameters()}
-        packed = learner.sharding.regather.packed if learner.sharding and keep_shards else 0
-        out[keep_shards] = {"grads": grads, "gathered": stats.by_kind.get("all_gather", 0),
-                            "packed": packed}
+        regathers = learner.sharding.regather if learner.sharding else None
+        out[way] = {"grads": grads, "gathered": stats.by_kind.get("all_gather", 0),
+                    "calls": stats.calls, "packed": regathers.packed if regathers else 0}
     return out
 
 

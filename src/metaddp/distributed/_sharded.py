@@ -55,6 +55,7 @@ from ._regather import Regather
 from ._units import LayerGather
 
 _TAG_MODULUS = 4093  # as _collectives: world * tag stays exact in float32
+DEFAULT_UNIT_BYTES = 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,8 +305,13 @@ class Sharding:
     are gathered; full-shaped ones pass as they are.
     """
 
-    def __init__(self, model: nn.Module, group: Group, *, per_layer: bool = True) -> None:
+    def __init__(
+        self, model: nn.Module, group: Group, *, unit_bytes: int = DEFAULT_UNIT_BYTES
+    ) -> None:
         self.group = group
+        # Layers smaller than this are gathered together at the forward's start and kept
+        # whole in graphs: for them a collective costs more than the memory it saves.
+        self.unit_bytes = unit_bytes
         parts, index = group_size(group), group_rank(group)
         # A 0-d parameter (a scalar) has no rows to cut: it stays whole on every rank.
         self.cuts: dict[str, Cut] = {
@@ -318,10 +324,19 @@ class Sharding:
         self._full = False  # inside gathered(): the module holds its full weights
         # Saved gathered weights kept in graphs as their shards (None: kept whole).
         self.regather: Regather | None = Regather(self._gather_one)
-        # Per layer: each layer's weights gathered as it runs (._units); else all at once.
+        # Each layer's weights gathered as it runs (._units), the small ones together.
         self.layers = (
-            LayerGather(model, {n: c.local_shape for n, c in self.cuts.items()}, self._gather_named)
-            if per_layer and parts > 1
+            LayerGather(
+                model,
+                {n: c.local_shape for n, c in self.cuts.items()},
+                self._gather_named,
+                {
+                    n: math.prod(c.shape) * model.get_parameter(n).element_size()
+                    for n, c in self.cuts.items()
+                },
+                unit_bytes,
+            )
+            if parts > 1
             else None
         )
         self._armed = False  # metaddp.call is about to run the model
@@ -436,9 +451,13 @@ class Sharding:
             names, shards, cuts, gather(shards, cuts, self.group), strict=True
         ):
             out[name] = t
-            if self.regather is not None:
-                self.regather.register(t, shard, cut)
+            self._keep_rows(t, shard, cut)
         return out
+
+    def _keep_rows(self, full: Tensor, shard: Tensor, cut: Cut) -> None:
+        """Graphs keep ``full`` as its rows, if it is large enough to be worth a gather."""
+        if self.regather is not None and full.nbytes >= self.unit_bytes:
+            self.regather.register(full, shard, cut)
 
     def _gather_one(self, shard: Tensor, cut: Cut) -> Tensor:
         return gather([shard], [cut], self.group)[0]
@@ -446,9 +465,8 @@ class Sharding:
     def _gather_named(self, names: list[str], shards: list[Tensor]) -> list[Tensor]:
         cuts = [self.cuts[n] for n in names]
         fulls = gather(shards, cuts, self.group)
-        if self.regather is not None:
-            for full, shard, cut in zip(fulls, shards, cuts, strict=True):
-                self.regather.register(full, shard, cut)
+        for full, shard, cut in zip(fulls, shards, cuts, strict=True):
+            self._keep_rows(full, shard, cut)
         return fulls
 
     def saving(self) -> contextlib.AbstractContextManager[object]:

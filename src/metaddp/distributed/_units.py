@@ -9,7 +9,9 @@ while it runs, and, kept out of the autograd graph by :mod:`._regather`, never l
 Which module reads which weights is learned from the first forward (run with every weight
 gathered): every module that was called gathers its own weights and those of its
 descendants that were not (``nn.MultiheadAttention`` reads ``out_proj.weight`` without
-calling ``out_proj``); the model itself gathers the rest. Ranks run the same forward, so
+calling ``out_proj``); the model itself gathers the rest, and the weights of modules smaller
+than ``unit_bytes``, all in one collective (for them a collective costs more than the memory
+it saves). Ranks run the same forward, so
 their per-layer gathers match in order (their tags check it).
 """
 
@@ -33,10 +35,21 @@ class LayerGather:
         shards: name -> the shard shape of every sharded parameter.
         gather: ``gather(names, shards)``, the full tensors (registered for
             :mod:`._regather` by the caller).
+        sizes: name -> bytes of the full tensor.
+        unit_bytes: a module whose weights come to fewer bytes leaves them to the model,
+            which gathers them all at the forward's start in one collective.
     """
 
-    def __init__(self, model: nn.Module, shards: dict[str, Any], gather: GatherMany) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        shards: dict[str, Any],
+        gather: GatherMany,
+        sizes: dict[str, int],
+        unit_bytes: int,
+    ) -> None:
         self._shards, self._gather = shards, gather
+        self._sizes, self._unit_bytes = sizes, unit_bytes
         self._owner_of = {name: name.rpartition(".")[0] for name in shards}
         self._paths = {
             path
@@ -78,6 +91,13 @@ class LayerGather:
             # The innermost called module at or above the weight's; the model's if none.
             path = next((p for p in _ancestors(owner) if p in called), "")
             readers.setdefault(path, []).append(name)
+        small = [
+            p
+            for p, names in readers.items()
+            if p and sum(self._sizes[n] for n in names) < self._unit_bytes
+        ]
+        for path in small:
+            readers.setdefault("", []).extend(readers.pop(path))
         self.readers = readers
 
     def _pre(self, path: str) -> Callable[[nn.Module, Any], None]:

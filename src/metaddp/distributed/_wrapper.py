@@ -35,7 +35,7 @@ from ._collectives import (
 from ._exact import DEFAULT_CHUNKS, ExactSums, deterministic_kernels
 from ._guards import StepGuards, refuse_at_construction
 from ._mesh import Mesh
-from ._sharded import Sharding, refuse_dtensors, refuse_sharded
+from ._sharded import DEFAULT_UNIT_BYTES, Sharding, refuse_dtensors, refuse_sharded
 from ._sums import BucketedSum, ExactSum, OverlappedSum, ShardedSum, Summing
 
 
@@ -81,6 +81,10 @@ class MetaDDP(nn.Module):
             optimizer state. MAML (SGD, Adam... inner steps) and :class:`metaddp.Bilevel`
             (``Unrolled``) run sharded; ``with learner.gathered():`` (on every rank) puts the
             full weights in the model, for evaluation or a checkpoint.
+        unit_bytes: with ``shard``, a layer whose weights come to fewer bytes is gathered
+            with the other small ones at the start of every forward and kept whole in the
+            autograd graph; larger layers are gathered as they run, and again for the
+            backward. 0: every layer on its own.
 
     What the wrapper does to the module, so that results never depend on the world size:
 
@@ -106,6 +110,7 @@ class MetaDDP(nn.Module):
         deterministic: bool = False,
         chunks: int = DEFAULT_CHUNKS,
         shard: bool = False,
+        unit_bytes: int = DEFAULT_UNIT_BYTES,
     ) -> None:
         super().__init__()
         if isinstance(module, MetaDDP):
@@ -126,7 +131,7 @@ class MetaDDP(nn.Module):
         # Cut after the weights agree: every rank keeps its rows of the same tensors.
         self.sharding: Sharding | None = None
         if model is not None and self.mesh.samples > 1:
-            self.sharding = Sharding(model, self.mesh.sample_group)
+            self.sharding = Sharding(model, self.mesh.sample_group, unit_bytes=unit_bytes)
             self.sharding.cut()
             setattr(model, SHARDED, self.sharding)
             shards = set(map(id, self.sharding.parameters().values()))

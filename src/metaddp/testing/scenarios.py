@@ -22,6 +22,7 @@ from ..algorithms import ALGORITHMS as REGISTRY
 from ..algorithms import Algorithm, Settings, build
 from ..distributed import LAYOUTS as LAYOUTS  # re-exported: the layouts every scenario runs
 from ..distributed import Mesh, MetaDDP, global_value
+from ..distributed._sharded import DEFAULT_UNIT_BYTES
 
 ALGORITHMS = tuple(REGISTRY)
 
@@ -160,6 +161,7 @@ class Problem:
     meta_step: int = 0  # MAML++: the meta-step its schedules are at
     batched: bool | None = None  # MAML: tasks stacked (True), one by one (False), or chosen
     shard: bool = False  # meta-parameters sharded over the sample axis (MetaDDP(shard=True))
+    unit_bytes: int | None = None  # sharded: MetaDDP's unit_bytes (None: its default)
 
     def build_model(self) -> nn.Module:
         torch.manual_seed(self.seed)
@@ -260,6 +262,7 @@ def run(problem: Problem) -> dict:
         deterministic=problem.deterministic,
         chunks=problem.chunks,
         shard=problem.shard,
+        unit_bytes=DEFAULT_UNIT_BYTES if problem.unit_bytes is None else problem.unit_bytes,
     )
     loss = learner.meta_loss(learner.shard(problem.n_tasks, problem.task), problem.loss_fn)
     loss.backward()
@@ -399,6 +402,7 @@ class BilevelProblem:
     memory: str = "default"
     penalty: bool = True  # the learned weight decay (and proximal term) in the inner loss
     shard: bool = False  # the model's weights sharded over the sample axis
+    unit_bytes: int | None = None  # sharded: MetaDDP's unit_bytes (None: its default)
 
     def method_options(self) -> dict[str, Any]:
         """The method's own settings: fixed iterations, so every run takes the same iterate
@@ -467,7 +471,10 @@ def run_bilevel(problem: BilevelProblem) -> dict:
     """One hypergradient step of ``problem`` on this rank: the global outer loss and every
     outer variable's gradient (by name in the Bilevel module)."""
     learner = MetaDDP(
-        problem.build_algorithm(), Mesh.for_layout(problem.layout), shard=problem.shard
+        problem.build_algorithm(),
+        Mesh.for_layout(problem.layout),
+        shard=problem.shard,
+        unit_bytes=DEFAULT_UNIT_BYTES if problem.unit_bytes is None else problem.unit_bytes,
     )
     loss = learner.meta_loss(learner.shard(problem.n_problems, problem.task))
     loss.backward()
