@@ -39,8 +39,10 @@ BILEVEL = {
 }
 
 
-def run_all() -> dict:
+def run_all(root: str | None = None) -> dict:
     out = {"orders": third_order(), "held": held(), "refusals": refusals()}
+    if root is not None:
+        out["dcp"] = checkpoint(root)
     out["problems"] = {name: S.run(dataclasses.replace(p, shard=True))
                        for name, p in PROBLEMS.items()}
     out["bilevel"] = {name: S.run_bilevel(dataclasses.replace(p, shard=True))
@@ -62,6 +64,38 @@ def checked() -> dict:
     learner.sync_grads()
     with learner.gathered():
         return {k: q.grad.clone() for k, q in learner.module.model.named_parameters()}
+
+
+def checkpoint(root: str) -> dict:
+    """``learner.sharded_state_dict()`` saved with torch.distributed.checkpoint by the first
+    world size that shards (2 processes, into a folder beside ``root`` that every world size
+    sees) and loaded by the others: the full weights each time."""
+    from pathlib import Path
+
+    import torch.distributed.checkpoint as dcp
+
+    folder = Path(root).parent / "sharded-dcp"
+    p = S.Problem("mlp", steps=1, n_tasks=2)
+    # 1 x 2 when saved, 1 x 3 and 2 x 2 when loaded (task groups x sample ranks).
+    layout = "hybrid" if md.world_size() == 4 else "sample"
+    learner = md.MetaDDP(p.build_algorithm(), S.mesh_for(layout), shard=True)
+    out: dict = {"dtensors": sum(type(v).__name__ == "DTensor"
+                                 for v in learner.sharded_state_dict().values())}
+    if md.world_size() == 2:
+        with torch.no_grad():  # weights of their own, to tell a load from a fresh build
+            for q in learner.parameters():
+                q.add_(0.5)
+        dcp.save(learner.sharded_state_dict(), checkpoint_id=str(folder))
+        out["saved"] = True
+    elif md.world_size() > 2 and folder.exists():
+        state = learner.sharded_state_dict()
+        dcp.load(state, checkpoint_id=str(folder))
+        learner.load_sharded_state_dict(state)
+        out["loaded"] = True
+    with learner.gathered():
+        out["weights"] = {k: q.detach().clone() for k, q in learner.module.named_parameters()}
+    learner.release()
+    return out
 
 
 def third_order() -> list[list[float]]:

@@ -212,3 +212,22 @@ def test_one_process_shard_is_a_no_op():
     a, b = S.run(p), S.run(dataclasses.replace(p, shard=True))
     for k in a["grads"]:
         assert torch.equal(a["grads"][k], b["grads"][k])
+
+
+def test_a_sharded_state_saved_on_two_processes_loads_on_three_and_four(results):
+    """``learner.sharded_state_dict()`` through torch.distributed.checkpoint: saved at 2
+    processes (1 task group x 2 sample ranks), loaded at 3 (1 x 3) and 4 (2 x 2), each rank
+    reading the rows it holds now; the gathered weights are the saved ones, bit for bit."""
+    saved = results[2][0]["dcp"]
+    assert saved["saved"]
+    assert results[1][0]["dcp"]["dtensors"] == 0  # one process: nothing cut, plain tensors
+    for world in (2, 3, 4):  # the MLP's six sharded tensors, as DTensors of the mesh
+        assert results[world][0]["dcp"]["dtensors"] == 6
+    fresh = results[1][0]["dcp"]["weights"]  # built, not loaded: the weights before the edit
+    for k, w in saved["weights"].items():
+        assert torch.equal(w, fresh[k] + 0.5)
+    for world in (3, 4):
+        for rank in results[world]:
+            assert rank["dcp"]["loaded"]
+            for k, w in saved["weights"].items():
+                assert torch.equal(rank["dcp"]["weights"][k], w)

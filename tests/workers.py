@@ -162,7 +162,7 @@ def everything(root: str) -> dict:
         "deterministic": deterministic(root, md.world_size()),
         "compared": compared_workers.run_all(),
         "hf": hf_workers.run_all(),  # world sizes 1 and 2; None without transformers
-        "sharded": sharded_workers.run_all(),
+        "sharded": sharded_workers.run_all(root),
     }
 
 

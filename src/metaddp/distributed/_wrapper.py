@@ -407,6 +407,41 @@ class MetaDDP(nn.Module):
                 "float order. Use meta_loss, or build MetaDDP without deterministic=True"
             )
 
+    def sharded_state_dict(self) -> dict[str, Tensor]:
+        """The wrapped module's ``state_dict`` with every sharded parameter as a DTensor of
+        the mesh (``Shard(0)`` along ``"sample"``, ``Replicate()`` along ``"task"``) holding
+        this rank's rows, not a copy: save it with ``torch.distributed.checkpoint.save``,
+        which writes every row once. To resume, on any number of processes, build the
+        learner, take its ``sharded_state_dict()``, ``torch.distributed.checkpoint.load``
+        into it and :meth:`load_sharded_state_dict` it. Without sharding: the plain one."""
+        state = self.module.state_dict()
+        if self.sharding is None or self.mesh.device_mesh is None:
+            return state
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        cuts = {id(p): self.sharding.cuts[n] for n, p in self.sharding.parameters().items()}
+        for name, p in self.module.named_parameters():
+            cut = cuts.get(id(p))
+            if cut is not None and name in state:
+                state[name] = DTensor.from_local(
+                    p.detach(),
+                    self.mesh.device_mesh,
+                    [Replicate(), Shard(0)],
+                    run_check=False,
+                    shape=cut.shape,
+                    stride=torch.empty(cut.shape, device="meta").stride(),
+                )
+        return state
+
+    def load_sharded_state_dict(self, state: Mapping[str, Tensor]) -> None:
+        """Load what :meth:`sharded_state_dict` gave (filled by
+        ``torch.distributed.checkpoint.load``): this rank's rows of each DTensor."""
+        from torch.distributed.tensor import DTensor
+
+        self.module.load_state_dict(
+            {k: v.to_local() if isinstance(v, DTensor) else v for k, v in state.items()}
+        )
+
     def clip_grad_norm_(self, max_norm: float, eps: float = 1e-6) -> Tensor:
         """Scale every trained parameter's ``.grad`` by ``min(1, max_norm / (norm + eps))``
         after :meth:`sync_grads`, ``norm`` the 2-norm of the whole meta-gradient, and return
