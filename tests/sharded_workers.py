@@ -24,6 +24,8 @@ PROBLEMS = {
     "maml-2nd-hybrid": S.Problem("mlp", steps=2, n_tasks=3, layout="hybrid"),
     "maml-adam-hybrid": S.Problem("mlp", steps=2, n_tasks=3, optimizer="adam", layout="hybrid",
                                   inner_lr=0.03),
+    "maml-adamw-hybrid": S.Problem("mlp", steps=2, n_tasks=3, optimizer="adamw",
+                                   layout="hybrid", inner_lr=0.03),
     "maml-low-memory": S.Problem("mlp", steps=2, n_tasks=3, memory="low"),
     "conv-batchnorm": S.Problem("conv", steps=2, n_tasks=2, batchnorm=True, running_stats=False),
     "conv-batchnorm-running": S.Problem("conv", steps=1, n_tasks=2, batchnorm=True),

@@ -16,9 +16,12 @@ import math
 import pytest
 import torch
 
+import reference_bilevel as R
 import sharded_workers as W
 from metaddp.testing import scenarios as S
 from reference import maml_meta_grad
+from test_algorithms_compared import reference as compared_reference
+from test_algorithms_compared import reference_maml_bn
 
 WORLDS = (1, 2, 3, 4)
 # Float64, relative to the largest entry. Sharded and replicated differ only in the order
@@ -70,6 +73,42 @@ def test_sharded_maml_is_the_independent_reference(results, world, name):
         got = rank["problems"][name]
         assert relative(got["grads"], want) < RTOL
         assert got["loss"] == pytest.approx(loss, rel=1e-13)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_sharded_adamw_and_running_statistics_are_the_independent_references(results, world):
+    """AdamW inner steps as torch.optim defines them, and BatchNorm moving its running
+    statistics task after task: the float64 references of tests/test_algorithms_compared.py,
+    written without metaddp."""
+    got = results[world][0]["problems"]["maml-adamw-hybrid"]
+    assert relative(got["grads"], compared_reference(W.PROBLEMS["maml-adamw-hybrid"])) < RTOL
+    grads, buffers = reference_maml_bn(W.PROBLEMS["conv-batchnorm-running"])
+    got = results[world][0]["problems"]["conv-batchnorm-running"]
+    assert relative(got["grads"], grads) < RTOL
+    for k, b in buffers.items():
+        if b.is_floating_point():  # synchronized over the shards: the whole batch's statistics
+            torch.testing.assert_close(got["buffers"][k], b, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_sharded_lookahead_is_the_independent_bilevel_reference(results, world):
+    """The reweighting lookahead against tests/reference_bilevel.py (plain autograd), its
+    learned weight decay off: exp(-inf) = 0 there, frozen here."""
+    problem = W.BILEVEL["bilevel-lookahead"]
+    algorithm = problem.build_algorithm()
+    params = dict(algorithm.named_parameters(remove_duplicate=False))
+    layers = ("0.weight", "0.bias", "2.weight", "2.bias")
+    pb = R.Problem([params[f"model.{k}"] for k in layers], [params[f"outer.net.{k}"] for k in layers],
+                   torch.tensor(-math.inf, dtype=torch.float64, requires_grad=True),
+                   lr=problem.inner_lr, optimizer=problem.optimizer, start=problem.start,
+                   proximal=S.PROXIMAL)
+    tasks = [((t.support.x, t.support.y), (t.query.x, t.query.y))
+             for t in map(problem.task, range(problem.n_problems))]
+    loss, grads = R.hypergradient(pb, tasks, problem.method, problem.steps, problem.method_options())
+    want = dict(zip([f"outer.net.{k}" for k in layers], grads))
+    got = results[world][0]["bilevel"]["bilevel-lookahead"]
+    assert relative(got["grads"], want) < RTOL
+    assert got["loss"] == pytest.approx(loss, rel=1e-12)
 
 
 @pytest.mark.parametrize("world", WORLDS)
