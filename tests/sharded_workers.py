@@ -16,28 +16,29 @@ from metaddp.testing import scenarios as S
 
 # Uneven shards at every world size: the MLP's 16-row layers over 3 ranks, its 1-row head
 # (ranks without a row), 13 support and 11 query samples, 3 tasks over 2 task groups. The
-# models are tiny: unit_bytes=0 gathers every layer on its own, and graphs keep every
-# gathered weight as its rows (the default leaves layers under 1 MiB whole: "default-units").
+# models are tiny: the default gathers all their layers at once, and unit_bytes=0 (PER_LAYER)
+# every layer on its own, with graphs keeping every gathered weight as its rows.
 PROBLEMS = {
-    "maml-2nd-sample": S.Problem("mlp", steps=2, n_tasks=3),
-    "maml-1st-sample": S.Problem("mlp", steps=2, n_tasks=3, first_order=True),
+    "maml-2nd-sample": S.Problem("mlp", steps=2, n_tasks=2),
+    "maml-1st-sample": S.Problem("mlp", steps=2, n_tasks=2, first_order=True),
     "maml-2nd-hybrid": S.Problem("mlp", steps=2, n_tasks=3, layout="hybrid"),
     "maml-adam-hybrid": S.Problem("mlp", steps=2, n_tasks=3, optimizer="adam", layout="hybrid",
                                   inner_lr=0.03),
     "maml-adamw-hybrid": S.Problem("mlp", steps=2, n_tasks=3, optimizer="adamw",
                                    layout="hybrid", inner_lr=0.03),
-    "maml-low-memory": S.Problem("mlp", steps=2, n_tasks=3, memory="low"),
+    "maml-low-memory": S.Problem("mlp", steps=2, n_tasks=2, memory="low"),
     "conv-batchnorm": S.Problem("conv", steps=2, n_tasks=2, batchnorm=True, running_stats=False),
     "conv-batchnorm-running": S.Problem("conv", steps=1, n_tasks=2, batchnorm=True),
     "transformer": S.Problem("transformer", steps=1, n_tasks=2, n_support=7, n_query=5),
 }
-PROBLEMS = {k: dataclasses.replace(p, unit_bytes=0) for k, p in PROBLEMS.items()}
-PROBLEMS["default-units"] = S.Problem("mlp", steps=2, n_tasks=3)
+PER_LAYER = ("maml-2nd-sample", "maml-low-memory", "conv-batchnorm", "transformer")
+PROBLEMS = {k: dataclasses.replace(p, unit_bytes=0) if k in PER_LAYER else p
+            for k, p in PROBLEMS.items()}
+PROBLEMS["default-units"] = S.Problem("mlp", steps=2, n_tasks=2)
 BILEVEL = {
     "bilevel-lookahead": S.BilevelProblem(penalty=False, n_problems=2, unit_bytes=0),
     "bilevel-maml-adam": S.BilevelProblem(penalty=False, start="outer", optimizer="adam",
-                                          inner_lr=0.05, layout="hybrid", n_problems=2,
-                                          unit_bytes=0),
+                                          inner_lr=0.05, layout="hybrid", n_problems=2),
 }
 
 

@@ -30,10 +30,12 @@ from ._mesh import (
     shutdown,
     world_size,
 )
+from ._sharded import DEFAULT_UNIT_BYTES
 from ._wrapper import MetaDDP
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "DEFAULT_UNIT_BYTES",
     "Phase",
     "LAYOUTS",
     "CapturedStep",

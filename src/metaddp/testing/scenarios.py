@@ -20,9 +20,8 @@ from .._functional import call
 from .._share import share
 from ..algorithms import ALGORITHMS as REGISTRY
 from ..algorithms import Algorithm, Settings, build
+from ..distributed import DEFAULT_UNIT_BYTES, Mesh, MetaDDP, global_value
 from ..distributed import LAYOUTS as LAYOUTS  # re-exported: the layouts every scenario runs
-from ..distributed import Mesh, MetaDDP, global_value
-from ..distributed._sharded import DEFAULT_UNIT_BYTES
 
 ALGORITHMS = tuple(REGISTRY)
 
