@@ -131,3 +131,22 @@ def test_readme_quickstart_trajectory_is_the_same_on_every_world_size(results, w
         # in the loss from one step to the next (~1e-2 relative).
         assert r["quickstart"] == pytest.approx(results[1][0]["quickstart"], rel=1e-5)
     assert results[world][0]["quickstart"][0] != pytest.approx(results[world][0]["quickstart"][-1], rel=1e-3)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_task_groups_keep_their_own_running_statistics(results, world):
+    """Task groups adapt other tasks, so BatchNorm's running statistics differ between them
+    (docs/algorithms.md): the checked steps after the first compare buffers within each
+    sample group, and a three-step run goes on; within a group they agree bit for bit."""
+    ranks = [r["running"] for r in results[world]]
+    assert all(r["error"] is None for r in ranks), ranks[0]["error"]
+    groups: dict[int, list[dict]] = {}
+    for r in ranks:
+        groups.setdefault(r["task_group"], []).append(r["buffers"])
+    for members in groups.values():
+        for other in members[1:]:
+            for k, b in members[0].items():
+                assert torch.equal(other[k], b)
+    if len(groups) > 1:  # they did move apart: the check would have failed on them
+        a, b = groups[0][0], groups[1][0]
+        assert any(not torch.equal(a[k], b[k]) for k in a if a[k].is_floating_point())

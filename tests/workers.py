@@ -163,7 +163,25 @@ def everything(root: str) -> dict:
         "compared": compared_workers.run_all(),
         "hf": hf_workers.run_all(),  # world sizes 1 and 2; None without transformers
         "sharded": sharded_workers.run_all(root),
+        "running": running_statistics_steps(),
     }
+
+
+def running_statistics_steps() -> dict:
+    """Three meta-steps of the BatchNorm conv model with running statistics, task groups
+    adapting other tasks (hybrid layout): the error, if any, and the buffers after."""
+    p = S.Problem("conv", steps=1, n_tasks=3, batchnorm=True, layout="hybrid")
+    learner = md.MetaDDP(p.build_algorithm(), S.mesh_for(p.layout))
+    try:
+        for step in range(3):
+            learner.zero_grad()
+            tasks = learner.shard(p.n_tasks, lambda i, step=step: p.task(step * p.n_tasks + i))
+            learner.meta_loss(tasks, p.loss_fn).backward()
+            learner.sync_grads()
+    except ValueError as e:
+        return {"error": str(e)}
+    return {"error": None, "task_group": learner.mesh.task_index,
+            "buffers": {k: b.clone() for k, b in learner.module.model.named_buffers()}}
 
 
 def quickstart_losses() -> list[float]:

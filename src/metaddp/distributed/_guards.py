@@ -316,7 +316,7 @@ class StepGuards:
         if not isinstance(tasks, MetaBatch):
             self._refuse_repeats(tasks)
         if self.schedule.step > 0:
-            self.check_in_sync()
+            self.check_in_sync(trained=True)
 
     def check_sizes(self, tasks: Sequence[Task]) -> None:
         """Raise :class:`metaddp.OutOfSyncError` unless the ranks that split tasks' samples
@@ -413,15 +413,24 @@ class StepGuards:
                     )
                 seen[key] = (r, j)
 
-    def check_in_sync(self) -> None:
+    def check_in_sync(self, *, trained: bool = False) -> None:
         """Raise if any parameter or buffer differs between ranks (one collective; sharded
-        parameters between the ranks that hold the same rows: a second one)."""
-        named = list(self.module.named_parameters()) + list(self.module.named_buffers())
+        parameters between the ranks that hold the same rows: a second one).
+
+        ``trained``: after meta-steps, buffers are compared within each sample group only.
+        Task groups adapt other tasks, so statistics that forwards move (BatchNorm's running
+        ones) legitimately differ between them (docs/algorithms.md)."""
+        named = list(self.module.named_parameters())
+        buffers = list(self.module.named_buffers())
         if self.sharded is not None:
             ids, rows_group = self.sharded
             mine = [(n, t) for n, t in named if id(t) in ids]
             named = [(n, t) for n, t in named if id(t) not in ids]
             self._compare(mine, rows_group)
+        if trained and self.mesh.tasks > 1:
+            self._compare(buffers, self.mesh.sample_group)
+        else:
+            named += buffers
         self._compare(named, self.mesh.group)
 
     def _compare(self, named: list[tuple[str, Tensor]], group: Any) -> None:
