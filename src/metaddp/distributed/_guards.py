@@ -420,8 +420,8 @@ class StepGuards:
         ``trained``: after meta-steps, buffers are compared within each sample group only.
         Task groups adapt other tasks, so statistics that forwards move (BatchNorm's running
         ones) legitimately differ between them (docs/algorithms.md)."""
-        named = list(self.module.named_parameters())
-        buffers = list(self.module.named_buffers())
+        named: list[tuple[str, Tensor]] = list(self.module.named_parameters())
+        buffers: list[tuple[str, Tensor]] = list(self.module.named_buffers())
         if self.sharded is not None:
             ids, rows_group = self.sharded
             mine = [(n, t) for n, t in named if id(t) in ids]
