@@ -162,20 +162,27 @@ def _scatter_sum(fulls: Sequence[Tensor], cuts: Sequence[Cut], group: Group, pha
     """Each rank's rows of the SUM over ranks of the full tensors (one reduce-scatter)."""
     world = cuts[0].parts
     like = fulls[0]
-    columns: list[Tensor] = []
-    for g, cut in zip(fulls, cuts, strict=True):
-        rows = g.detach().reshape(cut.rows, cut.width)
-        pad = world * cut.per - cut.rows
-        if pad:
-            rows = torch.cat([rows, rows.new_zeros(pad, cut.width)])
-        columns.append(rows.reshape(world, cut.piece))
     numel = sum(c.piece for c in cuts)
     seq, tag = _tag(group, numel, phase)
     tagged = like.dtype in (torch.float32, torch.float64)
+    # One buffer, each tensor copied into its columns once (padding rows zero): a gradient
+    # the size of the layer is the largest thing here, and it is not copied twice.
+    table = like.new_zeros(world, numel + int(tagged))
+    offset = 0
+    for g, cut in zip(fulls, cuts, strict=True):
+        block = table[:, offset : offset + cut.piece].view(world, cut.per, cut.width)
+        rows = g.detach().reshape(cut.rows, cut.width)
+        if not cut.per:  # a tensor without rows
+            continue
+        whole = cut.rows // cut.per  # ranks with a full piece; the next one's is shorter
+        block[:whole].copy_(rows[: whole * cut.per].view(whole, cut.per, cut.width))
+        if whole < world and cut.rows > whole * cut.per:
+            block[whole, : cut.rows - whole * cut.per].copy_(rows[whole * cut.per :])
+        offset += cut.piece
     if tagged:
-        columns.append(like.new_full((world, 1), tag))
+        table[:, -1] = tag
     device = comm_device(group)
-    send = torch.cat(columns, dim=1).reshape(-1).to(device)
+    send = table.reshape(-1).to(device)
     recv = send.new_empty(send.numel() // world)
     what = "the reduce-scatter SUM of sharded weights' gradients" + (
         " (in a forward pass)" if phase == Phase.FORWARD else ""
