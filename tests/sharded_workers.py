@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import metaddp as md
-from metaddp.distributed._sharded import Cut, gather
+from metaddp.distributed._rows import Cut, gather
 from metaddp.testing import scenarios as S
 
 # Uneven shards at every world size: the MLP's 16-row layers over 3 ranks, its 1-row head

@@ -1,0 +1,280 @@
+"""Rows of a tensor over a process group, and the differentiable pair that moves them: an
+all-gather whose adjoint is a reduce-scatter SUM, and the reverse.
+
+[Note: why the gradient of a shard is complete]
+Rank ``s`` of a group of ``S`` holds rows ``[s*c, (s+1)*c)`` of a tensor
+(``c = ceil(rows / S)``; the last pieces shorter or empty, as ``torch.chunk`` and DTensor's
+``Shard(0)`` cut). A forward gathers the full tensor ``W = G(w_0, ..., w_{S-1})`` on every
+rank of the group. Each rank's loss is its *share*, so the global loss is
+``L = sum_r L_r(W)``. The adjoint of "concatenate the pieces, give everyone the result" is
+"sum everyone's cotangent, give each its own rows":
+``dw_s = sum_r (dL_r/dW)[rows of s]``, a reduce-scatter SUM. So ``autograd.grad`` of a rank's
+share by its shard *is* the shard of the global gradient, and no further reduction follows.
+The adjoint of the reduce-scatter SUM is the all-gather again. Each Function's backward calls
+the other (not a bare collective), so the pair stays on the graph under
+``create_graph=True`` and composes to any order of differentiation, as ``_AllReduceSum``.
+
+torch's ``DTensor.full_tensor()`` takes the other adjoint: its backward treats the incoming
+gradient as replicated and keeps each rank's own slice, so with shares each rank keeps the
+inner gradient of its own samples, the gradient of another problem.
+
+Both collectives carry a sequence tag, as the all-reduces do (:mod:`._collectives`): a rank
+at another collective is a :class:`CollectiveError` at the step's read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import _host
+from ._collectives import (
+    CollectiveError,
+    Group,
+    Phase,
+    _check_header,
+    _describe,
+    _guard,
+    _next_sequence,
+    _record,
+    comm_device,
+    group_rank,
+    strict,
+)
+
+_TAG_MODULUS = 4093  # as _collectives: world * tag stays exact in float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Cut:
+    """One tensor's cut over ``parts`` ranks along its first dimension: rank ``index`` holds
+    rows ``[start, start + length)``."""
+
+    shape: torch.Size
+    parts: int
+    index: int
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0]
+
+    @property
+    def width(self) -> int:
+        """Entries per row."""
+        return math.prod(self.shape[1:])
+
+    @property
+    def per(self) -> int:
+        """Rows per rank before the last (every rank's padded piece)."""
+        return -(-self.rows // self.parts)
+
+    @property
+    def start(self) -> int:
+        return min(self.index * self.per, self.rows)
+
+    @property
+    def length(self) -> int:
+        return max(0, min(self.per, self.rows - self.index * self.per))
+
+    @property
+    def local_shape(self) -> torch.Size:
+        return torch.Size((self.length, *self.shape[1:]))
+
+    @property
+    def piece(self) -> int:
+        """Entries in every rank's padded piece."""
+        return self.per * self.width
+
+    def take(self, full: Tensor) -> Tensor:
+        """This rank's rows of ``full`` (a copy)."""
+        rows = full.reshape(self.rows, self.width)[self.start : self.start + self.length]
+        return rows.reshape(self.local_shape).clone()
+
+
+def _tag(group: Group, numel: int, phase: Phase) -> tuple[int, float]:
+    seq = _next_sequence(group)
+    return seq, float(1 + (seq * 31 + numel + int(phase) * 1021) % _TAG_MODULUS)
+
+
+def _out_of_step(what: str, seq: int, numel: int, rank: int) -> CollectiveError:
+    return CollectiveError(
+        f"ranks are out of step at {_describe(what, seq, numel)} on rank {rank}: another rank "
+        "was at a different collective (the sequence tags disagree). Every rank of a sample "
+        "group must run the same forwards and inner steps in the same order"
+    )
+
+
+def _gather(shards: Sequence[Tensor], cuts: Sequence[Cut], group: Group, phase: Phase):
+    """Every rank's pieces, concatenated into the full tensors (one all-gather)."""
+    world = len(cuts) and cuts[0].parts
+    like = shards[0]
+    parts: list[Tensor] = []
+    for t, cut in zip(shards, cuts, strict=True):
+        flat = t.detach().reshape(-1)
+        parts.append(flat)
+        if cut.piece > flat.numel():
+            parts.append(flat.new_zeros(cut.piece - flat.numel()))
+    numel = sum(c.piece for c in cuts)
+    seq, tag = _tag(group, numel, phase)
+    tagged = like.dtype in (torch.float32, torch.float64)
+    if tagged:
+        parts.append(like.new_full((1,), tag))
+    device = comm_device(group)
+    send = torch.cat(parts).to(device)
+    recv = send.new_empty(world * send.numel())
+    what = "the all-gather of sharded weights" + (
+        " (in a backward pass)" if phase == Phase.BACKWARD else ""
+    )
+    if strict():
+        _check_header(group, seq, numel, 8 + int(phase), what, device)
+    _record(recv.numel(), recv.numel() * recv.element_size(), "all_gather")
+    _guard(lambda: dist.all_gather_single(recv, send, group=group), what)
+    table = recv.view(world, send.numel()).to(like.device)
+    if tagged:
+        rank = group_rank(group)
+
+        def verdict(got: list[float]) -> Exception | None:
+            return None if all(g == tag for g in got) else _out_of_step(what, seq, numel, rank)
+
+        _host.check(table[:, -1].clone(), verdict)
+    out, offset = [], 0
+    for cut in cuts:
+        block = table[:, offset : offset + cut.piece].reshape(world * cut.per, cut.width)
+        out.append(block[: cut.rows].reshape(cut.shape).clone())
+        offset += cut.piece
+    return out
+
+
+def _scatter_sum(fulls: Sequence[Tensor], cuts: Sequence[Cut], group: Group, phase: Phase):
+    """Each rank's rows of the SUM over ranks of the full tensors (one reduce-scatter)."""
+    world = cuts[0].parts
+    like = fulls[0]
+    numel = sum(c.piece for c in cuts)
+    seq, tag = _tag(group, numel, phase)
+    tagged = like.dtype in (torch.float32, torch.float64)
+    # One buffer, each tensor copied into its columns once (padding rows zero): a gradient
+    # the size of the layer is the largest thing here, and it is not copied twice.
+    table = like.new_zeros(world, numel + int(tagged))
+    offset = 0
+    for g, cut in zip(fulls, cuts, strict=True):
+        block = table[:, offset : offset + cut.piece].view(world, cut.per, cut.width)
+        rows = g.detach().reshape(cut.rows, cut.width)
+        if not cut.per:  # a tensor without rows
+            continue
+        whole = cut.rows // cut.per  # ranks with a full piece; the next one's is shorter
+        block[:whole].copy_(rows[: whole * cut.per].view(whole, cut.per, cut.width))
+        if whole < world and cut.rows > whole * cut.per:
+            block[whole, : cut.rows - whole * cut.per].copy_(rows[whole * cut.per :])
+        offset += cut.piece
+    if tagged:
+        table[:, -1] = tag
+    device = comm_device(group)
+    send = table.reshape(-1).to(device)
+    recv = send.new_empty(send.numel() // world)
+    what = "the reduce-scatter SUM of sharded weights' gradients" + (
+        " (in a forward pass)" if phase == Phase.FORWARD else ""
+    )
+    if strict():
+        _check_header(group, seq, numel, 16 + int(phase), what, device)
+    _record(send.numel(), send.numel() * send.element_size(), "reduce_scatter")
+    _guard(lambda: dist.reduce_scatter_single(recv, send, group=group), what)
+    recv = recv.to(like.device)
+    if tagged:
+        rank = group_rank(group)
+
+        def verdict(got: list[float]) -> Exception | None:
+            return None if got == [world * tag] else _out_of_step(what, seq, numel, rank)
+
+        _host.check(recv[-1:].clone(), verdict)
+    out, offset = [], 0
+    for cut in cuts:
+        out.append(recv[offset : offset + cut.length * cut.width].reshape(cut.local_shape))
+        offset += cut.piece
+    return out
+
+
+_ADJOINT = {Phase.FORWARD: Phase.BACKWARD, Phase.BACKWARD: Phase.FORWARD}
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(cuts, group, phase, *shards):
+        return tuple(_gather(shards, cuts, group, phase))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.cuts, ctx.group, ctx.phase = inputs[:3]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        # The adjoint of the all-gather: each rank's rows of the SUM of every rank's
+        # cotangent (the Note above). A Function, so it stays on the graph.
+        return (
+            None,
+            None,
+            None,
+            *_ScatterSum.apply(ctx.cuts, ctx.group, _ADJOINT[ctx.phase], *grads),
+        )
+
+
+class _ScatterSum(torch.autograd.Function):
+    @staticmethod
+    def forward(cuts, group, phase, *fulls):
+        return tuple(_scatter_sum(fulls, cuts, group, phase))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.cuts, ctx.group, ctx.phase = inputs[:3]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        # The adjoint of the reduce-scatter SUM: every rank receives every rank's rows.
+        return (None, None, None, *_Gather.apply(ctx.cuts, ctx.group, _ADJOINT[ctx.phase], *grads))
+
+
+def gather(shards: Sequence[Tensor], cuts: Sequence[Cut], group: Group) -> list[Tensor]:
+    """The full tensors from every rank's shards: differentiable to any order, with a
+    reduce-scatter SUM as the adjoint. One collective per dtype and device."""
+    shards = list(shards)
+    if not shards:
+        return []
+    if cuts[0].parts == 1:
+        return [s.reshape(c.shape) for s, c in zip(shards, cuts, strict=True)]
+    out: list[Tensor | None] = [None] * len(shards)
+    for idx in _by_kind(shards):
+        got = _Gather.apply(
+            tuple(cuts[i] for i in idx), group, Phase.FORWARD, *(shards[i] for i in idx)
+        )
+        for i, t in zip(idx, got, strict=True):
+            out[i] = t
+    return out  # type: ignore[return-value]
+
+
+def scatter_sum(fulls: Sequence[Tensor], cuts: Sequence[Cut], group: Group) -> list[Tensor]:
+    """Each rank's rows of the SUM over ranks: differentiable to any order, with the
+    all-gather as the adjoint."""
+    fulls = list(fulls)
+    if not fulls:
+        return []
+    if cuts[0].parts == 1:
+        return [f.reshape(c.local_shape) for f, c in zip(fulls, cuts, strict=True)]
+    out: list[Tensor | None] = [None] * len(fulls)
+    for idx in _by_kind(fulls):
+        got = _ScatterSum.apply(
+            tuple(cuts[i] for i in idx), group, Phase.FORWARD, *(fulls[i] for i in idx)
+        )
+        for i, t in zip(idx, got, strict=True):
+            out[i] = t
+    return out  # type: ignore[return-value]
+
+
+def _by_kind(tensors: Sequence[Tensor]) -> list[list[int]]:
+    kinds: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i, t in enumerate(tensors):
+        kinds.setdefault((t.dtype, t.device), []).append(i)
+    return list(kinds.values())
