@@ -182,8 +182,9 @@ def test_each_rank_holds_its_rows_of_weights_gradients_and_optimizer_state(resul
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_sharded_step_gathers_and_reduce_scatters_instead_of_all_reducing(results, world):
-    """Sharded, the inner loop moves its weights by all-gathers and reduce-scatters; only
-    the small tail (flags, losses) and BatchNorm-free models' nothing else is all-reduced."""
+    """Sharded, the inner loop moves its weights by all-gathers and reduce-scatters; the
+    only all-reduce left is the small tail (has-gradient flags, the loss): this model has no
+    BatchNorm, whose statistics would be summed too."""
     rank = results[world][0]["held"]
     replicated, sharded = rank[False]["by_kind"], rank[True]["by_kind"]
     assert set(replicated) == {"all_reduce"}
@@ -202,7 +203,7 @@ def test_check_mode_compares_the_gathered_weights(results, world):
     assert relative(results[world][0]["checked"], want["grads"]) < RTOL
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, 4])
 def test_graphs_keep_shards_and_gather_again_for_the_backward(results, world):
     ways = results[world][0]["regather"]
     rows, whole, default = ways["rows"], ways["whole"], ways["default"]
