@@ -240,41 +240,34 @@ class _ScatterSum(torch.autograd.Function):
 def gather(shards: Sequence[Tensor], cuts: Sequence[Cut], group: Group) -> list[Tensor]:
     """The full tensors from every rank's shards: differentiable to any order, with a
     reduce-scatter SUM as the adjoint. One collective per dtype and device."""
-    shards = list(shards)
-    if not shards:
-        return []
-    if cuts[0].parts == 1:
+    if cuts and cuts[0].parts == 1:
         return [s.reshape(c.shape) for s, c in zip(shards, cuts, strict=True)]
-    out: list[Tensor | None] = [None] * len(shards)
-    for idx in _by_kind(shards):
-        got = _Gather.apply(
-            tuple(cuts[i] for i in idx), group, Phase.FORWARD, *(shards[i] for i in idx)
-        )
-        for i, t in zip(idx, got, strict=True):
-            out[i] = t
-    return out  # type: ignore[return-value]
+    return _by_kind(_Gather, shards, cuts, group)
 
 
 def scatter_sum(fulls: Sequence[Tensor], cuts: Sequence[Cut], group: Group) -> list[Tensor]:
     """Each rank's rows of the SUM over ranks: differentiable to any order, with the
-    all-gather as the adjoint."""
-    fulls = list(fulls)
-    if not fulls:
-        return []
-    if cuts[0].parts == 1:
+    all-gather as the adjoint. One collective per dtype and device."""
+    if cuts and cuts[0].parts == 1:
         return [f.reshape(c.local_shape) for f, c in zip(fulls, cuts, strict=True)]
-    out: list[Tensor | None] = [None] * len(fulls)
-    for idx in _by_kind(fulls):
-        got = _ScatterSum.apply(
-            tuple(cuts[i] for i in idx), group, Phase.FORWARD, *(fulls[i] for i in idx)
-        )
-        for i, t in zip(idx, got, strict=True):
-            out[i] = t
-    return out  # type: ignore[return-value]
+    return _by_kind(_ScatterSum, fulls, cuts, group)
 
 
-def _by_kind(tensors: Sequence[Tensor]) -> list[list[int]]:
+def _by_kind(
+    function: type[torch.autograd.Function],
+    tensors: Sequence[Tensor],
+    cuts: Sequence[Cut],
+    group: Group,
+) -> list[Tensor]:
+    """``function`` applied to the tensors of each dtype and device together."""
     kinds: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     for i, t in enumerate(tensors):
         kinds.setdefault((t.dtype, t.device), []).append(i)
-    return list(kinds.values())
+    out: list[Tensor] = list(tensors)
+    for idx in kinds.values():
+        got = function.apply(
+            tuple(cuts[i] for i in idx), group, Phase.FORWARD, *(tensors[i] for i in idx)
+        )
+        for i, t in zip(idx, got, strict=True):
+            out[i] = t
+    return out

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .._binding import SHARDED
-from ._collectives import Group, group_rank, group_size
+from ._collectives import Group, comm_device, group_rank, group_size
 from ._regather import Regather
 from ._rows import Cut, gather
 from ._units import LayerGather
@@ -37,7 +37,7 @@ def _attr(module: nn.Module, name: str) -> Tensor:
 
 def _agree(flag: bool, group: Group) -> bool:
     """Whether ``flag`` holds on every rank of ``group`` (one tiny MIN all-reduce)."""
-    t = torch.tensor([float(flag)])
+    t = torch.tensor([float(flag)], device=comm_device(group))  # NCCL: on the GPU
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return bool(t.item())
 
@@ -55,6 +55,7 @@ class Sharding:
     def __init__(
         self, model: nn.Module, group: Group, *, unit_bytes: int = DEFAULT_UNIT_BYTES
     ) -> None:
+        # Built where the group has more than one rank (MetaDDP: a sample axis to cut over).
         self.group = group
         # Layers smaller than this are gathered together at the forward's start and kept
         # whole in graphs: for them a collective costs more than the memory it saves.
@@ -66,25 +67,21 @@ class Sharding:
             for name, p in model.named_parameters()
             if p.requires_grad and p.dim() > 0
         }
-        self.parts = parts
+        self._shard_shapes = {c.local_shape for c in self.cuts.values()}
         self._model = weakref.ref(model)
         self._full = False  # inside gathered(): the module holds its full weights
         # Saved gathered weights kept in graphs as their shards (None: kept whole).
         self.regather: Regather | None = Regather(self._gather_one)
         # Each layer's weights gathered as it runs (._units), the small ones together.
-        self.layers = (
-            LayerGather(
-                model,
-                {n: c.local_shape for n, c in self.cuts.items()},
-                self._gather_named,
-                {
-                    n: math.prod(c.shape) * model.get_parameter(n).element_size()
-                    for n, c in self.cuts.items()
-                },
-                unit_bytes,
-            )
-            if parts > 1
-            else None
+        self.layers = LayerGather(
+            model,
+            {n: c.local_shape for n, c in self.cuts.items()},
+            self._gather_named,
+            {
+                n: math.prod(c.shape) * model.get_parameter(n).element_size()
+                for n, c in self.cuts.items()
+            },
+            unit_bytes,
         )
         self._armed = False  # metaddp.call is about to run the model
         self._hooks = [
@@ -156,8 +153,7 @@ class Sharding:
         model = self._model()
         for h in self._hooks:
             h.remove()
-        if self.layers is not None:
-            self.layers.remove()
+        self.layers.remove()
         if model is None:
             return
         full = self.full()
@@ -173,10 +169,10 @@ class Sharding:
         """``weights`` with every sharded name full: missing names from the module's own
         parameters, shard-shaped ones gathered (one collective), full ones as they are."""
         out = dict(weights)
-        if self._full or self.parts == 1:
+        if self._full:
             return out
         self._armed = True
-        if self.layers is not None and self.layers.readers is not None:
+        if self.layers.readers is not None:
             # Each layer gathers its own as it runs; the model's own shards go through
             # functional_call too, which puts them back whatever the forward does.
             for name in self.cuts:
@@ -193,12 +189,8 @@ class Sharding:
                 continue
             names.append(name)
             shards.append(t)
-        cuts = [self.cuts[n] for n in names]
-        for name, shard, cut, t in zip(
-            names, shards, cuts, gather(shards, cuts, self.group), strict=True
-        ):
+        for name, t in zip(names, self._gather_named(names, shards), strict=True):
             out[name] = t
-            self._keep_rows(t, shard, cut)
         return out
 
     def _keep_rows(self, full: Tensor, shard: Tensor, cut: Cut) -> None:
@@ -226,12 +218,11 @@ class Sharding:
     def _enter(self, module: nn.Module, args: Any) -> None:
         # A forward that metaddp.call runs is armed; a direct model(x) would run on this
         # rank's rows, and is refused.
-        if self._full or self.parts == 1:
+        if self._full:
             return
         armed, self._armed = self._armed, False
         if armed:
-            if self.layers is not None:
-                self.layers.start(record=self.layers.readers is None)
+            self.layers.start(record=self.layers.readers is None)
             return
         for name, cut in self.cuts.items():
             if _attr(module, name).shape != cut.shape:
@@ -244,7 +235,7 @@ class Sharding:
             return
 
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.layers is not None and self.layers.forwarding:
+        if self.layers.forwarding:
             self.layers.finish()
 
     def holding_full(self) -> bool:
@@ -257,7 +248,7 @@ class Sharding:
         """The gradients of shards as they are (already the global gradient's rows); any
         tensor not shaped like one of this rank's shards is refused: its gradient would be
         this rank's own."""
-        shapes = {c.local_shape for c in self.cuts.values()}
+        shapes = self._shard_shapes
         for t in tensors:
             if t.shape not in shapes:
                 raise TypeError(

@@ -81,17 +81,25 @@ class BucketedSum:
         has_grad = [float(p.grad is not None) for p in params]
         flags = _host.upload(has_grad, params[0]) if params else torch.zeros(0)
         tail = torch.cat([flags, *(v.to(flags) for v in extra), how.rider(flags)])
-        reduced = launch_sum(
-            grads + [tail], how.group, how.bucket_bytes, Phase.GRADIENTS, how.salt()
-        ).wait()
+        reduced = self._sum(params, grads, tail)
         # The step's one host read: these flags and every check the step left on the device.
         (got,) = _host.read(reduced[-1])
         how.raise_missing([n for (n, _), f in zip(named, got, strict=False) if f == 0])
         with torch.no_grad():
             for p, g, f in zip(params, reduced, got, strict=False):
                 if f > 0:
-                    p.grad = g if p.grad is None else p.grad.copy_(g)
+                    self._store(p, g)
         return got[len(params) :]
+
+    def _sum(self, params: list[nn.Parameter], grads: list[Tensor], tail: Tensor) -> list[Tensor]:
+        """The SUM of each gradient, then of the tail, over the mesh."""
+        how = self.how
+        return launch_sum(
+            grads + [tail], how.group, how.bucket_bytes, Phase.GRADIENTS, how.salt()
+        ).wait()
+
+    def _store(self, p: nn.Parameter, summed: Tensor) -> None:
+        p.grad = summed if p.grad is None else p.grad.copy_(summed)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -130,61 +138,41 @@ class Rows(Tensor):
             return func(*args, **(kwargs or {}))
 
 
-class ShardedSum:
+class ShardedSum(BucketedSum):
     """Sharded meta-parameters (``MetaDDP(..., shard=True)``): the backward's reduce-scatter
     summed each shard's gradient over its sample group already, so shards are summed over
     the task axis only (the ranks that hold the same rows); every other trained parameter,
-    the values and the rider over the whole mesh, as :class:`BucketedSum`."""
+    the values and the rider over the whole mesh, as :class:`BucketedSum`. Summed shards
+    are stored as :class:`Rows`, which refuse a norm."""
 
     capture_refusal: str | None = "the sharded layout's gathers are not recorded in CUDA graphs"
 
     def __init__(self, how: Summing, shards: set[int], shard_group: Group) -> None:
-        self.how, self.shards, self.shard_group = how, shards, shard_group
+        super().__init__(how)
+        self.shards, self.shard_group = shards, shard_group
 
-    def finish(self, extra: list[Tensor]) -> list[float]:
+    def _sum(self, params: list[nn.Parameter], grads: list[Tensor], tail: Tensor) -> list[Tensor]:
         how = self.how
-        named = _trained(how.module)
-        params = [p for _, p in named]
-        grads = [p.grad if p.grad is not None else p.detach().new_zeros(p.shape) for p in params]
-        has_grad = [float(p.grad is not None) for p in params]
-        flags = _host.upload(has_grad, params[0]) if params else torch.zeros(0)
-        tail = torch.cat([flags, *(v.to(flags) for v in extra), how.rider(flags)])
         sharded = [i for i, p in enumerate(params) if id(p) in self.shards]
         whole = [i for i, p in enumerate(params) if id(p) not in self.shards]
-        rows = launch_sum(
-            [grads[i] for i in sharded],
-            self.shard_group,
-            how.bucket_bytes,
-            Phase.GRADIENTS,
-            how.salt(),
-        )
-        rest = launch_sum(
-            [grads[i] for i in whole] + [tail],
-            how.group,
-            how.bucket_bytes,
-            Phase.GRADIENTS,
-            how.salt(),
-        )
-        reduced: list[Tensor | None] = [None] * len(params)
-        for i, g in zip(sharded, rows.wait(), strict=True):
-            reduced[i] = g
-        summed = rest.wait()
-        for i, g in zip(whole, summed, strict=False):
-            reduced[i] = g
-        (got,) = _host.read(summed[-1])
-        how.raise_missing([n for (n, _), f in zip(named, got, strict=False) if f == 0])
-        with torch.no_grad():
-            for p, r, f in zip(params, reduced, got, strict=False):
-                if f > 0 and r is not None:
-                    p.grad = r.as_subclass(Rows) if id(p) in self.shards else r
-        return got[len(params) :]
+        pending = [
+            launch_sum(part, group, how.bucket_bytes, Phase.GRADIENTS, how.salt())
+            for part, group in (
+                ([grads[i] for i in sharded], self.shard_group),
+                ([grads[i] for i in whole] + [tail], how.group),
+            )
+        ]
+        rows, rest = (p.wait() for p in pending)
+        out = [tail] * (len(params) + 1)
+        for i, g in zip(sharded + whole + [len(params)], rows + rest, strict=True):
+            out[i] = g
+        return out
 
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        yield
-
-    def remove(self) -> None:
-        pass
+    def _store(self, p: nn.Parameter, summed: Tensor) -> None:
+        if id(p) in self.shards:  # a new tensor each step: a Rows, whatever .grad was
+            p.grad = summed.as_subclass(Rows)
+        else:
+            super()._store(p, summed)
 
 
 class OverlappedSum:
