@@ -133,7 +133,7 @@ def test_readme_quickstart_trajectory_is_the_same_on_every_world_size(results, w
     assert results[world][0]["quickstart"][0] != pytest.approx(results[world][0]["quickstart"][-1], rel=1e-3)
 
 
-@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("world", [2, 4])  # the hybrid layout's two task groups
 def test_task_groups_keep_their_own_running_statistics(results, world):
     """Task groups adapt other tasks, so BatchNorm's running statistics differ between them
     (docs/algorithms.md): the checked steps after the first compare buffers within each
@@ -147,6 +147,6 @@ def test_task_groups_keep_their_own_running_statistics(results, world):
         for other in members[1:]:
             for k, b in members[0].items():
                 assert torch.equal(other[k], b)
-    if len(groups) > 1:  # they did move apart: the check would have failed on them
-        a, b = groups[0][0], groups[1][0]
-        assert any(not torch.equal(a[k], b[k]) for k in a if a[k].is_floating_point())
+    assert len(groups) == 2
+    a, b = groups[0][0], groups[1][0]  # they did move apart: the old check failed on them
+    assert any(not torch.equal(a[k], b[k]) for k in a if a[k].is_floating_point())

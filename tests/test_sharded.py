@@ -24,6 +24,7 @@ from test_algorithms_compared import reference as compared_reference
 from test_algorithms_compared import reference_maml_bn
 
 WORLDS = (1, 2, 3, 4)
+CUT = (2, 3, 4)  # world sizes where something is cut (one process is tested on its own)
 # Float64, relative to the largest entry. Sharded and replicated differ only in the order
 # of floating-point sums (a reduce-scatter adds the ranks' rows in another order than an
 # all-reduce). Observed: below 1e-15, except Adam inner steps on split samples (3e-13 for
@@ -64,7 +65,7 @@ def reference(problem: S.Problem) -> tuple[float, dict]:
                           first_order=problem.first_order, classification=problem.model == "conv")
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", CUT)
 @pytest.mark.parametrize("name", ["maml-2nd-sample", "maml-1st-sample", "maml-2nd-hybrid",
                                   "conv-batchnorm", "default-units"])
 def test_sharded_maml_is_the_independent_reference(results, world, name):
@@ -75,7 +76,7 @@ def test_sharded_maml_is_the_independent_reference(results, world, name):
         assert got["loss"] == pytest.approx(loss, rel=1e-13)
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", CUT)
 def test_sharded_adamw_and_running_statistics_are_the_independent_references(results, world):
     """AdamW inner steps as torch.optim defines them, and BatchNorm moving its running
     statistics task after task: the float64 references of tests/test_algorithms_compared.py,
@@ -90,7 +91,7 @@ def test_sharded_adamw_and_running_statistics_are_the_independent_references(res
             torch.testing.assert_close(got["buffers"][k], b, rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", [2, 4])
 def test_sharded_lookahead_is_the_independent_bilevel_reference(results, world):
     """The reweighting lookahead against tests/reference_bilevel.py (plain autograd), its
     learned weight decay off: exp(-inf) = 0 there, frozen here."""
@@ -111,9 +112,9 @@ def test_sharded_lookahead_is_the_independent_bilevel_reference(results, world):
     assert got["loss"] == pytest.approx(loss, rel=1e-12)
 
 
-@pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("name", ["maml-adam-hybrid", "maml-low-memory", "conv-batchnorm-running",
-                                  "transformer"])
+@pytest.mark.parametrize(("world", "name"), [
+    (w, n) for w in CUT for n in ("maml-adam-hybrid", "maml-low-memory", "conv-batchnorm-running",
+                                  "transformer") if w != 3 or n in W.AT_THREE])
 def test_sharded_is_the_replicated_one_process_value(results, world, name):
     problem = W.PROBLEMS[name]
     want = replicated(problem)
@@ -126,7 +127,7 @@ def test_sharded_is_the_replicated_one_process_value(results, world, name):
             torch.testing.assert_close(got["buffers"][k], b, rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name", list(W.BILEVEL))
 def test_sharded_bilevel_is_the_replicated_one_process_value(results, world, name):
     problem = W.BILEVEL[name]

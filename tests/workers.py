@@ -163,7 +163,8 @@ def everything(root: str) -> dict:
         "compared": compared_workers.run_all(),
         "hf": hf_workers.run_all(),  # world sizes 1 and 2; None without transformers
         "sharded": sharded_workers.run_all(root),
-        "running": running_statistics_steps(),
+        # Several task groups (hybrid layout) at 2 and 4 processes only.
+        "running": running_statistics_steps() if md.world_size() in (2, 4) else None,
     }
 
 
