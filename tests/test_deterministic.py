@@ -248,7 +248,14 @@ def test_low_memory_and_autocast_are_refused(switches):
 
     p = CASES["mlp-sample"]
     for options in ({"memory": "low"}, {"autocast": torch.bfloat16}):
-        learner = MetaDDP(MAML(p.build_model(), **options), deterministic=True)
+        # Refused when the learner is built, before any work.
+        with pytest.raises(ValueError, match="memory='default' and no autocast"):
+            MetaDDP(MAML(p.build_model(), **options), deterministic=True)
+        # A setting changed afterwards is refused at the next meta-step.
+        alg = MAML(p.build_model())
+        learner = MetaDDP(alg, deterministic=True)
+        for k, v in options.items():
+            setattr(alg, k, v)
         with pytest.raises(ValueError, match="memory='default' and no autocast"):
             learner.meta_loss(learner.shard(2, p.task), p.loss_fn)
         learner.release()

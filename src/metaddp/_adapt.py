@@ -9,7 +9,8 @@ gradient of the global loss), and applies a pure inner optimizer out of place.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import collections
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import overload
 
 import torch
@@ -70,7 +71,7 @@ def grad(loss, params, *, reduce=None, create_graph=True, retain_graph=None):
             "pass metaddp.share(per_sample_losses, batch), this process's share of the mean"
         )
     if reduce is None:
-        reduce = _local_only("metaddp.grad")
+        reduce = _local_only("metaddp.functional.grad")
     with torch.enable_grad():
         grads = torch.autograd.grad(
             loss,
@@ -91,7 +92,7 @@ def _local_only(what: str) -> Reduce:
         raise ValueError(
             f"{what} runs on several processes without reduce=: pass learner.reduce (the SUM "
             "over the ranks that split a task's samples; learner.grad(...) does it), or "
-            "metaddp.identity_reduce for this rank's own gradient"
+            "metaddp.functional.identity_reduce for this rank's own gradient"
         )
     return identity_reduce
 
@@ -178,14 +179,15 @@ def inner_step(
         loss: this process's share of the support loss, computed from ``fast``.
         fast: the current fast weights (a dict of tensors on the meta-parameters' graph).
         state: the inner optimizer's state for ``fast``.
-        optimizer: a differentiable inner optimizer (:func:`metaddp.sgd`, :func:`metaddp.adam`).
+        optimizer: a differentiable inner optimizer (:func:`metaddp.inner.sgd`,
+            :func:`metaddp.inner.adam`).
         step: the step's number, for error messages.
         reduce: SUM of gradients over the processes that split the task's samples (as
             :func:`grad`: required on several processes).
         first_order: treat the gradients as constants (no second-order terms).
         extra_grad: a term added after the reduction, a function of the fast weights that
             every process computes in full (iMAML's proximal term).
-        scale: the task's running loss scale (:meth:`metaddp.LossScale.start`), or ``None``.
+        scale: the task's running loss scale (:meth:`metaddp.inner.LossScale.start`), or ``None``.
             ``loss`` must then be computed from ``scale.watch(fast)``; the step
             differentiates ``scale.value * loss``, unscales, and is skipped where the reduced
             gradient is not finite (:func:`scaled_step`), instead of raising.
@@ -282,6 +284,11 @@ def batch_share(
     return share(loss_fn(prediction, batch.y), batch)
 
 
+StepInputs = Callable[[int], "tuple[Params, Mapping[str, Tensor] | None]"]
+"""``at(step)``: the weights a step's forward reads besides the fast weights (MAML++'s
+per-step BatchNorm weights) and the buffers it runs with (``None``: the model's own)."""
+
+
 def inner_loop(
     model: nn.Module,
     params: Mapping[str, Tensor],
@@ -295,6 +302,7 @@ def inner_loop(
     buffers: Mapping[str, Tensor] | None = None,
     extra_grad: Callable[[Params], Params] | None = None,
     loss_scale: LossScale | None = None,
+    at: StepInputs | None = None,
 ) -> Params:
     """``steps`` differentiable optimizer steps on the support loss; returns the fast weights.
 
@@ -304,30 +312,74 @@ def inner_loop(
         support: this process's shard of the support batch.
         loss_fn: per-sample loss (``reduction='none'``).
         steps: number of inner steps.
-        optimizer: a differentiable inner optimizer (:func:`metaddp.sgd`, :func:`metaddp.adam`).
+        optimizer: a differentiable inner optimizer (:func:`metaddp.inner.sgd`,
+            :func:`metaddp.inner.adam`).
         first_order: treat inner gradients as constants (first-order MAML); otherwise they
             are built with ``create_graph=True`` and the meta-gradient is exact to second order.
         reduce: SUM of gradients over the processes sharing this task's samples.
         buffers: buffers to run the model with (default: its own).
         extra_grad: see :func:`inner_step`.
-        loss_scale: dynamic loss scaling of every step (:class:`metaddp.LossScale`), for
+        loss_scale: dynamic loss scaling of every step (:class:`metaddp.inner.LossScale`), for
             float16 forward passes; its scale starts at ``init`` for this task.
+        at: each step's other weights and buffers (:data:`StepInputs`).
 
     Returns:
         The adapted fast weights.
+    """
+    last = collections.deque(
+        inner_steps(
+            model,
+            params,
+            support,
+            loss_fn,
+            steps=steps,
+            optimizer=optimizer,
+            first_order=first_order,
+            reduce=reduce,
+            buffers=buffers,
+            extra_grad=extra_grad,
+            loss_scale=loss_scale,
+            at=at,
+        ),
+        maxlen=1,
+    )
+    return last[0] if last else dict(params)
+
+
+def inner_steps(
+    model: nn.Module,
+    params: Mapping[str, Tensor],
+    support: Batch,
+    loss_fn: LossFn,
+    *,
+    steps: int,
+    optimizer: InnerOptimizer,
+    first_order: bool = False,
+    reduce: Reduce | None = None,
+    buffers: Mapping[str, Tensor] | None = None,
+    extra_grad: Callable[[Params], Params] | None = None,
+    loss_scale: LossScale | None = None,
+    at: StepInputs | None = None,
+) -> Iterator[Params]:
+    """The K-step loop, written once: yields the fast weights after each of ``steps`` inner
+    steps, so that a caller scores every step (MAML++'s multi-step loss) or only the last
+    (:func:`inner_loop`). Under loss scaling every tensor a step's forward reads that needs
+    a gradient is watched (:meth:`metaddp.inner.TaskScale.watch`), ``at``'s weights too.
+
+    Arguments as :func:`inner_loop`; ``at`` gives each step's other weights and buffers.
     """
     fast: Params = dict(params)
     state = optimizer.init(fast)
     scale = None
     if loss_scale is not None and fast:
         scale = loss_scale.start(next(iter(fast.values())))
-    with torch.enable_grad():
-        for step in range(steps):
-            if scale is None:
-                loss = batch_share(model, fast, support, loss_fn, buffers)
-            else:
-                weights, batch = _watched_inputs(scale, model, fast, support)
-                loss = batch_share(model, weights, batch, loss_fn, buffers)
+    for step in range(steps):
+        held, step_buffers = ({}, buffers) if at is None else at(step)
+        with torch.enable_grad():
+            weights, batch = {**fast, **held}, support
+            if scale is not None:
+                weights, batch = _watched_inputs(scale, model, weights, support)
+            loss = batch_share(model, weights, batch, loss_fn, step_buffers)
             fast, state = inner_step(
                 loss,
                 fast,
@@ -339,7 +391,7 @@ def inner_loop(
                 extra_grad=extra_grad,
                 scale=scale,
             )
-    return fast
+        yield fast
 
 
 def _watched_inputs(

@@ -53,18 +53,25 @@ def call(
         return torch.func.functional_call(module, weights, args, kwargs, strict=False)
 
 
+def draws_when_called(m: nn.Module) -> bool:
+    """Whether the layer ``m`` itself draws random numbers when called now: dropout with
+    ``p > 0`` or RReLU, in training mode."""
+    return m.training and (
+        (isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0) or isinstance(m, nn.RReLU)
+    )
+
+
 def random_layers(module: nn.Module) -> list[str]:
-    """The layers that draw random numbers when called now: dropout with ``p > 0`` and
-    RReLU, in training mode. (A random call inside a ``forward`` is not seen.)"""
+    """The layers that draw random numbers when called now (:func:`draws_when_called`). (A
+    random call inside a ``forward`` is not seen.)"""
     return [
         f"{name or 'the model'} ({type(m).__name__})"
         for name, m in module.named_modules()
-        if m.training
-        and ((isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0) or isinstance(m, nn.RReLU))
+        if draws_when_called(m)
     ]
 
 
-def _generator_states() -> list[bytes]:
+def generator_states() -> list[bytes]:
     """The states of the default generators a forward draws from: the CPU's and, once CUDA
     is in use, the current device's. Host copies of a few kilobytes, compared as bytes: no
     device wait, no dispatched operation."""
@@ -85,9 +92,9 @@ def refusing_draws(split: bool) -> Iterator[None]:
     if not split:
         yield
         return
-    before = _generator_states()
+    before = generator_states()
     yield
-    if before != _generator_states():
+    if before != generator_states():
         raise ValueError(
             "the model or the loss function drew random numbers (torch.randn in a forward, a "
             "sampling loss, dropout in a forward metaddp does not run) from each process's own "

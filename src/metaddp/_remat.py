@@ -310,7 +310,7 @@ def rematerialized_loop(
     Args:
         loss_of: this rank's share of the support loss at the given fast weights.
         params: the weights to start from.
-        steps, optimizer, reduce: as :func:`metaddp.inner_loop`.
+        steps, optimizer, reduce: as :func:`metaddp.functional.inner_loop`.
         extras: every other tensor the steps depend on that needs a gradient (learned rates
             the optimizer reads, features ``loss_of`` reads).
         buffers: the module's buffers by name (BatchNorm's running statistics), which a step

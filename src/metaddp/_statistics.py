@@ -38,7 +38,7 @@ def global_sums(tensors: Sequence[Tensor], *, reduce: Reduce | None = None) -> l
     sums of ``x`` and ``x^2`` and the count.
     """
     if reduce is None:
-        reduce = _local_only("metaddp.global_sums")
+        reduce = _local_only("metaddp.data.global_sums")
     return reduce(list(tensors))
 
 

@@ -42,7 +42,7 @@ class Supports:
         capture: a meta-step that reads nothing on the host, so a CUDA graph records it.
         sharded: meta-parameters sharded over the sample axis (``MetaDDP(..., shard=True)``):
             every inner step elementwise on the shards, every forward through
-            :func:`metaddp.call`.
+            :func:`metaddp.functional.call`.
     """
 
     deterministic: bool = False

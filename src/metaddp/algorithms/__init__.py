@@ -1,5 +1,6 @@
 """Meta-learning algorithms over a ``reduce`` function; none of them knows about ranks."""
 
+from .._types import Supports
 from ._anil import ANIL, BodyHead
 from ._base import Algorithm
 from ._bilevel import Bilevel, WeightNet
@@ -54,6 +55,7 @@ __all__ = [
     "SAMA",
     "SUPPORTS",
     "Settings",
+    "Supports",
     "T1T2",
     "Truncated",
     "Unrolled",

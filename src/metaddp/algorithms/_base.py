@@ -79,7 +79,7 @@ def refuse_transform(optimizer: InnerOptimizer) -> None:
         raise ValueError(
             "the inner optimizer is a gradient transformation (clip_by_global_norm), whose "
             "output is a gradient, not a step: chain it before an optimizer, "
-            "metaddp.chain(metaddp.clip_by_global_norm(1.0), metaddp.sgd(lr))"
+            "metaddp.inner.chain(metaddp.inner.clip_by_global_norm(1.0), metaddp.inner.sgd(lr))"
         )
 
 
@@ -111,7 +111,8 @@ class Algorithm(nn.Module):
     """
 
     supports: ClassVar[Supports] = Supports()
-    """What this algorithm offers (:class:`metaddp.Supports`); subclasses declare theirs."""
+    """What this algorithm offers (:class:`metaddp.algorithms.Supports`); subclasses declare
+    theirs."""
 
     draw_seed: int = 0
     """The seed of the dropout masks (:mod:`metaddp.forward`): with the meta-step, the task's
@@ -168,7 +169,7 @@ class Algorithm(nn.Module):
             if isinstance(optimizer, InnerOptimizer):
                 raise TypeError(
                     "with learn_lr the optimizer must be a factory taking the learning rate "
-                    "(e.g. metaddp.sgd or functools.partial(metaddp.adam, b1=0.5)), "
+                    "(e.g. metaddp.inner.sgd or functools.partial(metaddp.inner.adam, b1=0.5)), "
                     "not a built optimizer"
                 )
             self.lr = LearnedLR(self.fast_weights(), inner_lr, learn_lr)
@@ -183,30 +184,36 @@ class Algorithm(nn.Module):
 
     @property
     def loss_scale(self) -> LossScale | None:
-        """The inner steps' dynamic loss scaling (:class:`metaddp.LossScale`), or ``None``.
+        """The inner steps' dynamic loss scaling (:class:`metaddp.inner.LossScale`), or ``None``.
 
         On by default (``LossScale()``) with ``autocast=torch.float16``, off otherwise; set
-        ``None`` or ``False`` to turn it off. It scales the inner loop that runs tasks one by
-        one in ``memory="default"`` (:func:`metaddp.inner_loop`): ``memory="low"`` keeps
-        float16 unscaled by default and refuses a ``LossScale`` given with float16; stacked
-        tasks (``batched``) and ``clone()`` run unscaled. Each task's scale starts at
-        ``init``, whichever rank runs it."""
+        ``None`` or ``False`` to turn it off. Every inner loop that runs tasks one by one in
+        ``memory="default"`` scales (:func:`metaddp.inner_steps`: MAML and its family,
+        MAML++, ProtoMAML, ``adapt``). With float16, the paths that do not scale refuse it
+        rather than drop it: ``memory="low"`` (at construction), stacked tasks
+        (``batched=True``) and ``clone()``. Each task's scale starts at ``init``, whichever
+        rank runs it."""
         return self._loss_scale
 
     @loss_scale.setter
     def loss_scale(self, value: LossScale | bool | None) -> None:
-        low = self.autocast == torch.float16 and self._rematerialized()
-        if low and value is DEFAULT_LOSS_SCALE:
-            value = None
-        scale = resolve_loss_scale(value, self.autocast)
-        if scale is not None and low:
-            raise ValueError(
-                "loss scaling of the inner steps with autocast=torch.float16 runs in "
-                "memory='default' only, which keeps every inner step's graph: use "
-                "memory='default', or loss_scale=None to run float16 unscaled in "
-                "memory='low' (small gradients may underflow), or autocast=torch.bfloat16"
-            )
-        self._loss_scale = scale
+        self._loss_scale = resolve_loss_scale(value, self.autocast)
+        if self._rematerialized():
+            self.unscaled('memory="low"')
+
+    def unscaled(self, path: str) -> None:
+        """Refuse ``path``, which runs the inner steps without loss scaling, while float16
+        loss scaling is in force: it would be silently lost. (A scale given with another
+        precision changes nothing but rounding, so there it is not refused.)"""
+        if self.loss_scale is None or self.autocast != torch.float16:
+            return
+        raise ValueError(
+            f"{type(self).__name__}: {path} runs the inner steps without loss scaling, which "
+            f"is on ({self.loss_scale!r}; autocast=torch.float16 turns it on by default). "
+            "Build it with loss_scale=None to run float16 unscaled (small gradients may "
+            "underflow), with autocast=torch.bfloat16, or on a path that scales "
+            "(memory='default', tasks one by one, meta_loss and adapt)"
+        )
 
     def _rematerialized(self) -> bool:
         """Whether ``memory="low"`` rebuilds the inner steps (not first order, which keeps
@@ -312,6 +319,7 @@ class Algorithm(nn.Module):
         if self._rematerialize():
             if extra_grad is not None:
                 raise ValueError(f"{type(self).__name__} has no memory='low' mode")
+            self.unscaled('memory="low"')
             return rematerialized_loop(
                 lambda fast, buffers: batch_share(module, fast, support, loss_fn, buffers),
                 start,
@@ -346,7 +354,7 @@ class Algorithm(nn.Module):
             return (
                 f"{name}'s inner optimizer is not entry by entry (a chain, a gradient clip, "
                 "learned or tensor rates), so on shards it would see one rank's rows: use "
-                "metaddp.sgd, adam, adamw, rmsprop or adagrad with number rates"
+                "metaddp.inner.sgd, adam, adamw, rmsprop or adagrad with number rates"
             )
         if self.loss_scale is not None:
             return "float16 loss scaling skips steps by a verdict over every row: use bfloat16"
@@ -385,6 +393,7 @@ class Algorithm(nn.Module):
         if not self._rematerialize():
             fast = self.inner_loop(support, loss_fn, reduce=reduce)
             return batch_share(module, fast, query, loss_fn)
+        self.unscaled('memory="low"')
         return rematerialized_loss(
             lambda fast, buffers: batch_share(module, fast, support, loss_fn, buffers),
             lambda fast, buffers: batch_share(module, fast, query, loss_fn, buffers),
@@ -575,6 +584,7 @@ class Algorithm(nn.Module):
         the loss given to ``adapt`` must be this rank's share (:func:`metaddp.share`).
         """
         self._not_exact("clone()")
+        self.unscaled("clone()'s adapt(loss)")
         require_trained(self)
         c = self.collectives(reduce)
         run = self._run if not c.split else self._run_unkeyed

@@ -7,7 +7,7 @@ parameters of ``outer`` (a weighting network, hyperparameters, synthetic data), 
 inner steps start from them, the model's own weights (MAML). A meta-batch of such problems is
 a list of :class:`metaddp.Task`, ``support`` the inner batch and ``query`` the outer one, and
 the meta-loss is their mean, exactly as for MAML: MAML is this engine with ``start="outer"``,
-the task's loss for both levels and :class:`metaddp.Unrolled`.
+the task's loss for both levels and :class:`metaddp.bilevel.Unrolled`.
 
 The reductions are the algorithms' as everywhere: every inner gradient and Hessian-vector
 product passes through the wrapper's differentiable SUM, the losses are shares, and the
@@ -61,11 +61,12 @@ class Bilevel(Algorithm):
             hypergradient does not reach them, and a step of the caller's own trains them.
         steps: K, the inner optimizer steps.
         inner_lr: the inner SGD step, when ``optimizer`` is not given.
-        optimizer: a differentiable inner optimizer (``metaddp.sgd``, ``metaddp.adam``), or a
-            function of nothing that builds one at every meta-loss (for rates computed from
-            outer variables, ``lambda: md.sgd({k: v.exp() for k, v in log_lrs.items()})``),
-            or a factory of the rate (``md.adam``), called with ``inner_lr``.
-        method: the hypergradient method (:class:`metaddp.Unrolled` by default;
+        optimizer: a differentiable inner optimizer (``metaddp.inner.sgd``,
+            ``metaddp.inner.adam``), or a function of nothing that builds one at every
+            meta-loss (for rates computed from outer variables,
+            ``lambda: md.inner.sgd({k: v.exp() for k, v in log_lrs.items()})``), or a factory
+            of the rate (``md.inner.adam``), called with ``inner_lr``.
+        method: the hypergradient method (:class:`metaddp.bilevel.Unrolled` by default;
             ``Truncated``, ``ImplicitCG``, ``Neumann``, ``T1T2``, ``SAMA``).
         memory: ``"low"`` rebuilds one inner step's graph at a time (``Unrolled`` only).
         weights: a module from per-sample losses (detached) to per-sample weights: the inner
@@ -105,7 +106,7 @@ class Bilevel(Algorithm):
         method = Unrolled() if method is None else method
         if not isinstance(method, Method):
             raise TypeError(
-                f"method must be a hypergradient method (metaddp.Unrolled(), ImplicitCG(), "
+                f"method must be a hypergradient method (metaddp.bilevel.Unrolled(), ImplicitCG(), "
                 f"...), got {type(method).__name__}"
             )
         if memory == "low" and not isinstance(method, Unrolled):
@@ -123,7 +124,7 @@ class Bilevel(Algorithm):
                 raise TypeError(
                     f"optimizer must be an InnerOptimizer or a function, got {optimizer!r}"
                 )
-            if _takes_an_argument(optimizer):  # md.sgd, md.adam: a factory of the rate
+            if _takes_an_argument(optimizer):  # md.inner.sgd, md.inner.adam: a factory of the rate
                 optimizer = optimizer(inner_lr)
             else:
                 builder, optimizer = cast(Callable[[], InnerOptimizer], optimizer), None
@@ -315,10 +316,27 @@ class Bilevel(Algorithm):
             return unroll(p, p.start, p.optimizer.init(p.start), k)
 
     def clone(self, *, reduce: Reduce | None = None) -> Learner:
-        if self.penalty is not None:
+        """A learner whose ``adapt(loss)`` steps on the loss the caller computes, unrolled:
+        only a problem that is nothing more has one (the inner objective, its weighting, a
+        penalty, the start and the method would otherwise be dropped without a word)."""
+        dropped = [
+            what
+            for what, there in (
+                ("a penalty", self.penalty is not None),
+                ("inner_loss=", self.inner_loss is not None),
+                ("weights=", self.weights is not None),
+                ("train_inner=True", self.train_inner),
+                ("start='current'", self.start == "current"),
+                (f"method={type(self.method).__name__}()", not isinstance(self.method, Unrolled)),
+            )
+            if there
+        ]
+        if dropped:
             raise TypeError(
-                "a Bilevel with a penalty has no clone(): the learner's adapt(loss) would step "
-                "on the loss without it. Use meta_loss(...) or adapt(...)"
+                f"this Bilevel has no clone(): the learner's adapt(loss) steps, unrolled, on "
+                f"the loss you compute, so its {', '.join(dropped)} would be dropped. Use "
+                "learner.meta_loss(tasks) and learner.adapt(support), which solve the problem "
+                "as built"
             )
         return super().clone(reduce=reduce)
 

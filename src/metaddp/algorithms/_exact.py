@@ -4,7 +4,7 @@ A float sum depends on the order of its additions, and kernels sum over whatever
 process holds: so the default mode agrees across process counts only to rounding. Here the
 order of every sum is fixed by the problem, not by the split:
 
-* every batch is cut by global index into chunks (:class:`metaddp.Chunks`); a process holds
+* every batch is cut by global index into chunks (:class:`metaddp.data.Chunks`); a process holds
   whole chunks. Each chunk runs with its own copy of the weights, all chunks of a process in
   one ``torch.vmap`` call, so every chunk's gradient is computed alone, by the same kernels,
   whichever process holds it and whatever else it holds (short chunks are padded and

@@ -230,7 +230,7 @@ def _first_order(
 
 def unroll(p: InnerProblem, fast: Params, state: State, steps: int, first: int = 0) -> Params:
     """``steps`` inner steps whose graph is kept (second order); ``first`` numbers them. Each
-    is :func:`metaddp.inner_step`, the step MAML's loop takes."""
+    is :func:`metaddp.functional.inner_step`, the step MAML's loop takes."""
     with torch.enable_grad():
         for k in range(first, first + steps):
             fast, state = inner_step(

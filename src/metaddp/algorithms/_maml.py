@@ -32,9 +32,9 @@ class MAML(Algorithm):
         inner_lr: step size of the inner optimizer (its initial value when learned).
         steps: inner steps per task.
         first_order: drop second-order terms (first-order MAML).
-        optimizer: a differentiable inner optimizer (``metaddp.sgd(0.1, momentum=0.9)``...)
+        optimizer: a differentiable inner optimizer (``metaddp.inner.sgd(0.1, momentum=0.9)``...)
             replacing SGD; with ``learn_lr``, a factory taking the learning rate instead
-            (``metaddp.sgd``, ``functools.partial(metaddp.adam, b1=0.5)``).
+            (``metaddp.inner.sgd``, ``functools.partial(metaddp.inner.adam, b1=0.5)``).
         learn_lr: train the inner learning rate in the outer loop: ``"scalar"``,
             ``"tensor"`` (one per parameter tensor) or ``"parameter"`` (one per entry, as
             Meta-SGD). The rates are parameters of this module, kept in :attr:`lr`.
@@ -107,25 +107,43 @@ class MAML(Algorithm):
         """This rank's share of one task's query loss after adaptation."""
         return self.adapted_loss(task.support, task.query, loss_fn, reduce=reduce)
 
-    def exact_meta_loss(
-        self, tasks: Sequence[Task], loss_fn: LossFn, n_tasks: int, sums: Any
-    ) -> Tensor:
+    def deterministic_refusal(self) -> str | None:
+        """Why this MAML, as configured, has no deterministic form
+        (``MetaDDP(..., deterministic=True)``), or ``None``: one list of rules, read when the
+        wrapper is built and again at every deterministic meta-step (settings can change)."""
+        name = type(self).__name__
         if not self.stackable:
-            return super().exact_meta_loss(tasks, loss_fn, n_tasks, sums)
+            return (
+                f"deterministic mode runs MAML's own task loss, which {name} overrides: build "
+                "MetaDDP without deterministic=True to train it (exact to rounding)"
+            )
         if set(self.fast_weights()) != set(params_of(self.model)):
             # Its order-free sums reach the fast weights only: any other parameter's gradient
             # would stay each rank's own.
-            raise TypeError(
+            return (
                 f"deterministic mode sums the meta-gradient of the weights the inner loop "
-                f"adapts; {type(self).__name__} adapts only some of its trained parameters, "
-                "whose other gradients would stay each rank's own: build MetaDDP without "
-                "deterministic=True"
+                f"adapts; {name} adapts only some of its trained parameters, whose other "
+                "gradients would stay each rank's own: build MetaDDP without deterministic=True"
             )
         if self.memory != "default" or self.autocast is not None:
-            raise ValueError(
+            return (
                 "deterministic mode keeps every inner step's graph, in the parameters' dtype: "
                 "use memory='default' and no autocast"
             )
+        if self.batched is not None:
+            return (
+                f"deterministic mode cuts every batch into chunks and stacks them itself "
+                f"(MetaDDP(..., chunks=)), so batched={self.batched} would not apply: leave "
+                "batched=None"
+            )
+        return None
+
+    def exact_meta_loss(
+        self, tasks: Sequence[Task], loss_fn: LossFn, n_tasks: int, sums: Any
+    ) -> Tensor:
+        why = self.deterministic_refusal()
+        if why is not None:
+            raise ValueError(why)
         factory = self._factory
 
         def build(rates: Params | None) -> InnerOptimizer:

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .._adapt import batch_share, inner_step
+from .._adapt import batch_share, inner_loop, inner_steps
 from .._data import Batch, Task
 from .._types import LossFn, Params, Reduce, Supports
 from ..inner import InnerOptimizer, per_step_sgd
@@ -192,19 +192,16 @@ class MAMLPlusPlus(MAML):
                 "it was never told: call learner.module.at_step(i) before meta-step i (metaddp "
                 "train does), or build it with msl_steps=0 and first_order_steps=0"
             )
-        fast = self.fast_weights()
-        optimizer = self.inner_optimizer()
-        state = optimizer.init(fast)
-        first_order = not self.second_order_now()
         total: Tensor | None = None
+        steps = inner_steps(
+            self.model, self.fast_weights(), task.support, loss_fn, steps=self.steps,
+            optimizer=self.inner_optimizer(), first_order=not self.second_order_now(),
+            reduce=reduce, loss_scale=self.loss_scale, at=self.norms_at,
+        )  # fmt: skip
         with torch.enable_grad():
-            for i, w in enumerate(self.weights_now()):
-                norms, stats = self.norms_at(i)
-                loss = batch_share(self.model, {**fast, **norms}, task.support, loss_fn, stats)
-                fast, state = inner_step(
-                    loss, fast, state, optimizer, step=i, reduce=reduce, first_order=first_order
-                )
+            for i, (fast, w) in enumerate(zip(steps, self.weights_now(), strict=True)):
                 if w:
+                    norms, stats = self.norms_at(i)
                     query = batch_share(self.model, {**fast, **norms}, task.query, loss_fn, stats)
                     total = w * query if total is None else total + w * query
         assert total is not None  # the last weight is never 0
@@ -223,17 +220,12 @@ class MAMLPlusPlus(MAML):
         ``learner(x, fast)``."""
         loss_fn = need_loss(loss_fn, type(self).__name__)
         steps = self.steps if steps is None else steps
-        fast = self.fast_weights()
-        optimizer = self.inner_optimizer()
-        state = optimizer.init(fast)
-        with self.adapting(support, reduce) as c, torch.enable_grad():
-            for i in range(steps):
-                norms, stats = self.norms_at(i)
-                loss = batch_share(self.model, {**fast, **norms}, support, loss_fn, stats)
-                fast, state = inner_step(
-                    loss, fast, state, optimizer, step=i, reduce=c.reduce,
-                    first_order=self.first_order,
-                )  # fmt: skip
+        with self.adapting(support, reduce) as c:
+            fast = inner_loop(
+                self.model, self.fast_weights(), support, loss_fn, steps=steps,
+                optimizer=self.inner_optimizer(), first_order=self.first_order, reduce=c.reduce,
+                loss_scale=self.loss_scale, at=self.norms_at,
+            )  # fmt: skip
         norms, stats = self.norms_at(max(steps - 1, 0))
         return {**fast, **norms, **(stats or {})}
 

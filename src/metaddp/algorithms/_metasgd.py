@@ -28,7 +28,7 @@ class MetaSGD(MAML):
         inner_lr: the initial value of every rate.
         steps: inner steps per task (the paper uses one).
         first_order: drop second-order terms (the rates still get their gradient).
-        optimizer: a factory taking the learning rate (default :func:`metaddp.sgd`).
+        optimizer: a factory taking the learning rate (default :func:`metaddp.inner.sgd`).
         per: ``"parameter"`` (Meta-SGD), ``"tensor"`` or ``"scalar"``.
         batched, memory: as :class:`MAML`.
     """

@@ -8,7 +8,7 @@ embedding, the prototype, which is exact on any split of the support set.
   ``W_k = 2 c_k``, ``b_k = -|c_k|^2``; the gradient reaches the embedding through that start.
 
 A prototype is a class mean over the *whole* support set: where processes split the support,
-the per-class sums and counts go through the differentiable SUM (:func:`metaddp.class_means`),
+the per-class sums and counts go through the differentiable SUM (:func:`metaddp.data.class_means`),
 so every process scores against the one-process prototypes.
 """
 
@@ -197,6 +197,7 @@ class ProtoMAML(Algorithm):
             optimizer=self.inner_optimizer(),
             first_order=self.first_order,
             reduce=reduce,
+            loss_scale=self.loss_scale,
         )
 
     def task_loss(self, task: Task, loss_fn: LossFn, *, reduce: Reduce) -> Tensor:

@@ -26,7 +26,7 @@ class Reptile(Algorithm):
         model: the network; its parameters are the meta-parameters.
         inner_lr: step size of the inner optimizer.
         steps: inner steps per task (Reptile needs more than one to differ from joint training).
-        optimizer: a differentiable inner optimizer (the paper uses Adam: ``metaddp.adam``).
+        optimizer: a differentiable inner optimizer (the paper uses Adam: ``metaddp.inner.adam``).
         learn_lr: not supported (the meta-gradient has no path to the rate); must be None.
 
     :meth:`meta_loss` returns, per task, ``0.5 * ||theta - stop_grad(phi)||^2`` averaged over

@@ -2,8 +2,8 @@
 
 The per-task loop runs ``T`` small forwards and ``T`` inner ``autograd.grad`` calls per inner
 step. Here the fast weights of the ``T`` tasks are one tensor per parameter, of shape
-``[T, *shape]``; the forward is ``torch.vmap`` of :func:`metaddp.call` over tasks; and one
-``autograd.grad`` of the *sum* of the per-task support shares gives every task's inner
+``[T, *shape]``; the forward is ``torch.vmap`` of :func:`metaddp.functional.call` over tasks;
+and one ``autograd.grad`` of the *sum* of the per-task support shares gives every task's inner
 gradient at once. That is exact, not an approximation: task ``t``'s share depends only on
 row ``t`` of the stacked weights, so
 
@@ -212,7 +212,7 @@ def stacked_task_losses(
     """Sum over ``tasks`` of their query shares after ``steps`` inner steps.
 
     The same value and the same meta-gradient as adapting each task in a loop
-    (:func:`metaddp.inner_loop` then a query share), computed with the tasks stacked.
+    (:func:`metaddp.functional.inner_loop` then a query share), computed with the tasks stacked.
 
     Args:
         model: the network, evaluated functionally (never mutated).

@@ -44,7 +44,7 @@ class Settings:
             ANIL; see :class:`MAML`), or ``None``.
         method: the hypergradient method of ``reweight`` by name (:data:`METHODS`).
         clip: clip every inner gradient to this global norm before the inner optimizer
-            (:func:`metaddp.clip_by_global_norm`), or ``None``.
+            (:func:`metaddp.inner.clip_by_global_norm`), or ``None``.
         ways: classes per task (prototypical networks and ProtoMAML need it).
         schedule_steps: the run's meta-steps; MAML++ anneals its multi-step loss over the
             first fifteenth and trains first order over the first third, the paper's
@@ -203,7 +203,7 @@ SUPPORTS: dict[str, Supports] = {
 
 
 def having(capability: str) -> tuple[str, ...]:
-    """The algorithms' names whose :class:`metaddp.Supports` has ``capability``."""
+    """The algorithms' names whose :class:`metaddp.algorithms.Supports` has ``capability``."""
     return tuple(n for n, s in SUPPORTS.items() if getattr(s, capability))
 
 

@@ -55,6 +55,7 @@ from ._collectives import (
     max_abs_difference,
 )
 from ._mesh import Mesh
+from ._unkeyed import UnkeyedDraws
 
 # Relative agreement of two fingerprints: see [Note: fingerprints].
 _SAME = 1e-9
@@ -133,13 +134,16 @@ def _gather(rows: Tensor, group: Group) -> list[Tensor]:
 def refuse_at_construction(module: nn.Module, deterministic: bool) -> None:
     """What ``MetaDDP(module, deterministic=...)`` refuses before it changes anything: DDP
     inside (or around) the module, nothing to train, learned rates it would not keep alike,
-    and a mode the algorithm does not declare (:class:`metaddp.Supports`)."""
+    and a mode the algorithm does not declare (:class:`metaddp.algorithms.Supports`)."""
     refuse_data_parallel(module)
     require_trained(module)
     refuse_rates_outside(module, deterministic)
     supports = getattr(module, "supports", None)
     if isinstance(supports, Supports):
         supports.refuse(type(module).__name__, deterministic=deterministic)
+    refusal = getattr(module, "deterministic_refusal", None)
+    if deterministic and callable(refusal) and (why := refusal()) is not None:
+        raise ValueError(why)
 
 
 def refuse_rates_outside(module: nn.Module, deterministic: bool) -> None:
@@ -220,6 +224,11 @@ class StepGuards:
         # With shard=True: the ids of the sharded parameters and the group holding the same
         # rows (set by the wrapper once it has cut them).
         self.sharded: tuple[set[int], Any] | None = None
+        # Forwards that draw outside metaddp's keyed loops (a clone() or hand loop's), where
+        # ranks split the work: refused where they run; nothing is registered on one rank.
+        self.unkeyed = (
+            UnkeyedDraws(module, lambda: not self._local) if group_size(mesh.group) > 1 else None
+        )
 
     # --- state ----------------------------------------------------------------------------
 
@@ -233,7 +242,7 @@ class StepGuards:
         return self._while("_own_loop")
 
     def local(self) -> contextlib.AbstractContextManager[None]:
-        """One rank's own work (``MetaDDP.local``): nothing is compared."""
+        """One rank's own work (``MetaDDP.local``): nothing is compared, and it may draw."""
         return self._while("_local")
 
     @contextlib.contextmanager
@@ -249,6 +258,8 @@ class StepGuards:
 
     def remove(self) -> None:
         self.weights.remove()
+        if self.unkeyed is not None:
+            self.unkeyed.remove()
 
     # --- tasks in -------------------------------------------------------------------------
 
@@ -274,7 +285,7 @@ class StepGuards:
         """Refuse a batch that holds all its samples on this rank while its samples are split
         over several ranks (a meta-batch not cut with ``shard``): every rank would add the
         whole batch, the task's gradient times the number of ranks. No collective: a rank's
-        part that holds every sample (the others' empty) is a :class:`metaddp.Shard`."""
+        part that holds every sample (the others' empty) is a :class:`metaddp.data.Shard`."""
         ranks = self.mesh.samples
         if ranks == 1:
             return

@@ -36,7 +36,7 @@ def init(backend: str | None = None, timeout: timedelta | float = DEFAULT_TIMEOU
     collective waits for ranks that are out of step before failing with a message.
 
     It also keeps freed CPU memory in the process for the next step
-    (:func:`metaddp.keep_freed_memory`; ``METADDP_KEEP_FREED_MEMORY=0`` leaves it out).
+    (:func:`metaddp.distributed.keep_freed_memory`; ``METADDP_KEEP_FREED_MEMORY=0`` leaves it out).
     """
     keep_freed_memory()
     if backend is not None and backend not in ("gloo", "nccl", "mpi", "ucc", "xccl"):

@@ -1,7 +1,8 @@
 """Meta-parameters sharded over the sample axis (ZeRO-3): the model keeps each rank's rows of
 its trained weights (:mod:`._rows`: the cut, and the gather whose adjoint is a reduce-scatter
-SUM), and :class:`Sharding` gathers them for every forward that :func:`metaddp.call` runs,
-one layer at a time (:mod:`._units`), with graphs that keep rows (:mod:`._regather`).
+SUM), and :class:`Sharding` gathers them for every forward that
+:func:`metaddp.functional.call` runs, one layer at a time (:mod:`._units`), with graphs that
+keep rows (:mod:`._regather`).
 
 Inner optimizers are elementwise, so they run on the shards as they are; the meta-gradient
 ends as shards; the outer optimizer's state is allocated like its parameters: 1/S each.
@@ -47,8 +48,8 @@ class Sharding:
     them for a forward.
 
     Held by the model in its ``metaddp_sharded`` attribute while a :class:`metaddp.MetaDDP`
-    with ``shard=True`` wraps it; :func:`metaddp.call` asks it for the full weights of every
-    forward. Shard-shaped tensors (the parameters themselves, fast weights made from them)
+    with ``shard=True`` wraps it; :func:`metaddp.functional.call` asks it for the full weights
+    of every forward. Shard-shaped tensors (the parameters themselves, fast weights made from them)
     are gathered; full-shaped ones pass as they are.
     """
 
@@ -83,7 +84,7 @@ class Sharding:
             },
             unit_bytes,
         )
-        self._armed = False  # metaddp.call is about to run the model
+        self._armed = False  # metaddp.functional.call is about to run the model
         self._hooks = [
             model.register_forward_pre_hook(self._enter, prepend=True),
             model.register_forward_hook(self._leave, always_call=True),
@@ -216,7 +217,7 @@ class Sharding:
         return self.regather.saving()
 
     def _enter(self, module: nn.Module, args: Any) -> None:
-        # A forward that metaddp.call runs is armed; a direct model(x) would run on this
+        # A forward that metaddp.functional.call runs is armed; a direct model(x) would run on this
         # rank's rows, and is refused.
         if self._full:
             return
@@ -229,7 +230,8 @@ class Sharding:
                 raise RuntimeError(
                     f"the model's parameters are shards of the sample group's ({name!r} holds "
                     f"{cut.length} of its {cut.rows} rows here): run it through the algorithm "
-                    "(learner.meta_loss, learner.adapt, algorithm.predict, metaddp.call), or "
+                    "(learner.meta_loss, learner.adapt, algorithm.predict, "
+                    "metaddp.functional.call), or "
                     "gather them on every rank of the group first: `with learner.gathered():`"
                 )
             return
@@ -263,7 +265,7 @@ class Sharding:
 def refuse_sharded(module: nn.Module, deterministic: bool) -> nn.Module:
     """The model whose parameters ``MetaDDP(module, shard=True)`` shards, or an error that
     says why it cannot: not an algorithm that declares the sharded layout
-    (:class:`metaddp.Supports`), configured with what reads whole weights
+    (:class:`metaddp.algorithms.Supports`), configured with what reads whole weights
     (``sharded_refusal``), deterministic mode, or a model already sharded by FSDP2."""
     from .._types import Supports
 

@@ -1,6 +1,6 @@
 """Sharded weights gathered one layer at a time inside a forward, and freed after it.
 
-A forward through :func:`metaddp.call` on a sharded model (:mod:`._sharded`) may gather
+A forward through :func:`metaddp.functional.call` on a sharded model (:mod:`._sharded`) may gather
 every weight at once, or each layer's as the layer runs. Per layer, a forward pre-hook on
 the module gathers the weights it reads (one all-gather per layer), swaps them in for the
 shards, and its forward hook swaps the shards back, so the full weights of a layer live
@@ -58,7 +58,7 @@ class LayerGather:
         }
         self.readers: dict[str, list[str]] | None = None  # module path -> weights it gathers
         self._called: set[str] | None = None  # while the first forward records
-        self.forwarding = False  # inside a forward that metaddp.call runs
+        self.forwarding = False  # inside a forward that metaddp.functional.call runs
         self._swapped: list[tuple[int, list[tuple[nn.Module, str, Tensor]]]] = []
         self._handles: list[RemovableHandle] = []
         for path, module in model.named_modules():

@@ -17,8 +17,9 @@ from ._draws import (
     stacked_tasks,
     task,
     unkeyed,
+    unkeyed_here,
 )
-from ._routes import needs_routes, routes, unkeyable_layers
+from ._routes import may_draw, needs_routes, routes, unkeyable_layers
 
 __all__ = [
     "DrawScope",
@@ -28,6 +29,7 @@ __all__ = [
     "current_key",
     "keyed_forward",
     "meta_batch",
+    "may_draw",
     "needs_routes",
     "numbered",
     "reserve",
@@ -38,4 +40,5 @@ __all__ = [
     "task",
     "unkeyable_layers",
     "unkeyed",
+    "unkeyed_here",
 ]

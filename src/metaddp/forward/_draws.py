@@ -302,6 +302,16 @@ def scope_open() -> bool:
     return _SCOPE.get() is not None
 
 
+def unkeyed_here() -> str | None:
+    """Why a draw here could not be keyed: ``None`` inside metaddp's own loops (a scope open
+    that refuses nothing), the open scope's refusal, or ``""`` where no scope is open (a
+    forward run by hand)."""
+    scope = _SCOPE.get()
+    if scope is None:
+        return ""
+    return scope.refuse
+
+
 def batch_start(batch: Any) -> int | None:
     """The global index of the first sample ``batch`` holds: 0 for a whole batch, a shard's
     own ``start`` where it was cut by metaddp, ``None`` where nobody said."""

@@ -306,6 +306,12 @@ def _forward_may_route(cls: Any) -> bool:
     return any(token in source.lower() for token in _TOKENS)
 
 
+def may_draw(module: nn.Module) -> bool:
+    """Whether ``module``'s own ``forward`` may draw or call attention (its type: torch.nn's
+    dropout and attention layers; any other by its source)."""
+    return _forward_may_route(cast(Any, type(module)))
+
+
 def needs_routes(model: nn.Module) -> bool:
     """Whether a forward of ``model`` may call attention or draw: only then is the routing
     entered (it sees every torch call in Python, a cost for small models)."""

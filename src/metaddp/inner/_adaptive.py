@@ -1,7 +1,7 @@
 """Inner optimizers that divide each entry's step by its gradients' running magnitude:
 RMSprop and Adagrad, as ``torch.optim`` defines them, differentiable to any order.
 
-Like :func:`metaddp.adam`, each takes an ``eps_root`` inside the square root: the derivative
+Like :func:`metaddp.inner.adam`, each takes an ``eps_root`` inside the square root: the derivative
 of ``sqrt(s)`` is infinite at ``s = 0``, so an entry whose gradients are exactly zero would
 make a second-order meta-gradient NaN. ``eps_root=0`` reproduces ``torch.optim`` bit for bit
 in the first order.

@@ -112,8 +112,8 @@ def resolve_loss_scale(value: object, autocast: torch.dtype | None) -> LossScale
     if isinstance(value, LossScale):
         return value
     raise TypeError(
-        "loss_scale must be a metaddp.LossScale, None or False (off), got "
-        f"{type(value).__name__}: e.g. loss_scale=metaddp.LossScale(init=2.0**10)"
+        "loss_scale must be a metaddp.inner.LossScale, None or False (off), got "
+        f"{type(value).__name__}: e.g. loss_scale=metaddp.inner.LossScale(init=2.0**10)"
     )
 
 
@@ -156,9 +156,10 @@ class _Gate(torch.autograd.Function):
 class TaskScale:
     """The running scale of one task's inner loop (:meth:`LossScale.start`).
 
-    A scaled step reads its forward's inputs through :meth:`watch`; :func:`metaddp.inner_step`
-    with ``scale=`` differentiates ``value * loss`` by the watched fast weights, unscales,
-    skips the step where the gradient is not finite, and calls :meth:`settle`.
+    A scaled step reads its forward's inputs through :meth:`watch`;
+    :func:`metaddp.functional.inner_step` with ``scale=`` differentiates ``value * loss`` by the
+    watched fast weights, unscales, skips the step where the gradient is not finite, and calls
+    :meth:`settle`.
     """
 
     def __init__(self, value: Tensor, backoff: float) -> None:

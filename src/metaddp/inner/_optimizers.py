@@ -6,7 +6,7 @@ through the whole inner trajectory (and through learnable hyper-parameters).
 
 A learning rate may be a Python float, a tensor (a scalar, or a tensor with the parameter's
 shape), or a mapping from parameter name to one of those. Tensors that require grad (for
-example the ``nn.Parameter`` s of :class:`metaddp.LearnedLR`) are trained by the outer
+example the ``nn.Parameter`` s of :class:`metaddp.inner.LearnedLR`) are trained by the outer
 optimizer: the inner updates are differentiable in them.
 """
 
@@ -35,8 +35,8 @@ class InnerOptimizer(NamedTuple):
     @property
     def transforms(self) -> bool:
         """Whether ``update`` returns new gradients rather than a step (a transformation,
-        such as :func:`metaddp.clip_by_global_norm`, meant to come first in
-        :func:`metaddp.chain`): applied as a step, it would climb the loss."""
+        such as :func:`metaddp.inner.clip_by_global_norm`, meant to come first in
+        :func:`metaddp.inner.chain`): applied as a step, it would climb the loss."""
         try:
             return self.update in _TRANSFORMS
         except TypeError:

@@ -63,8 +63,8 @@ def chain(*parts: InnerOptimizer) -> InnerOptimizer:
     for p in parts:
         if not isinstance(p, InnerOptimizer):
             raise TypeError(
-                f"chain() takes built optimizers and transformations (metaddp.sgd(0.1), "
-                f"metaddp.clip_by_global_norm(1.0)), got {type(p).__name__}"
+                f"chain() takes built optimizers and transformations (metaddp.inner.sgd(0.1), "
+                f"metaddp.inner.clip_by_global_norm(1.0)), got {type(p).__name__}"
             )
     if parts[-1].transforms:
         raise ValueError(

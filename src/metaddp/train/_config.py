@@ -77,10 +77,10 @@ class TrainConfig:
         method: reweight: the hypergradient method (metaddp.algorithms.METHODS; default
             "unrolled").
         cuda_graphs: record the meta-step once in a CUDA graph and replay it
-            (``metaddp.CapturedStep``; every algorithm but iMAML, on CUDA). ``None`` (the
-            default): wherever the run can (:meth:`records_graphs`); ``True``: required, an
-            error where it cannot; ``False``: never. The same numbers, so not part of the
-            identity: a resume may switch it.
+            (``metaddp.distributed.CapturedStep``; every algorithm but iMAML, on CUDA).
+            ``None`` (the default): wherever the run can (:meth:`records_graphs`); ``True``:
+            required, an error where it cannot; ``False``: never. The same numbers, so not part
+            of the identity: a resume may switch it.
         shard: keep only each process's rows of every meta-parameter, of their gradients and
             of Adam's state, cut over the processes that split each task
             (``MetaDDP(shard=True)``: maml, fomaml, reweight, erm). It needs more than one
@@ -286,7 +286,7 @@ class TrainConfig:
                 raise ValueError(f"{k} must be >= 0, got {getattr(self, k)!r}")
         if not -(2**63) <= self.seed < 2**64:  # what torch.manual_seed takes
             raise ValueError(f"seed must be a 64-bit integer, got {self.seed}")
-        # What each algorithm offers is declared on its class (metaddp.Supports).
+        # What each algorithm offers is declared on its class (metaddp.algorithms.Supports).
         for k, plain, capability in (
             ("inner_optimizer", "sgd", "inner_optimizer"),
             ("inner_clip", None, "inner_optimizer"),
@@ -301,6 +301,12 @@ class TrainConfig:
                 f"memory={self.memory!r} rebuilds second-order inner steps, which "
                 f"{self.algorithm} does not take: it is a setting of "
                 f"{', '.join(having('low_memory'))}"
+            )
+        if self.memory == "low" and self.autocast == "fp16":
+            raise ValueError(
+                "memory low rebuilds the inner steps without the loss scaling that autocast "
+                "fp16 needs (small gradients would underflow): use autocast bf16, or memory "
+                "default"
             )
         if self.deterministic:
             if self.algorithm not in having("deterministic"):

@@ -1,0 +1,166 @@
+"""Cells of algorithm x mode that used to give a silently different number, and now give the
+one-process answer or an error that names the fix."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import metaddp as md
+import silent_workers as W
+from metaddp.distributed.launch import run_local
+from metaddp.testing import scenarios as S
+
+# --- random draws outside metaddp's keyed forwards ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fn,args,layer",
+    [
+        (W.anil_clone, (), "model.body.2 (Dropout)"),
+        (W.call_loop, (), "model.2 (Dropout)"),
+        (W.call_loop, (True,), "model.2 (FunctionalDropout)"),
+    ],
+    ids=["anil-clone", "md.call-loop", "F.dropout-in-forward"],
+)
+@pytest.mark.parametrize("world,layout", [(2, "sample"), (3, "sample"), (2, "task")])
+def test_dropout_in_a_hand_written_loop_is_refused_on_every_rank(fn, args, layer, world, layout):
+    # These loops' forwards drew PyTorch's own masks from each process's generator: their
+    # meta-gradient at 2 processes differed from 1 by 0.47 and 0.52 in the largest entry.
+    # 8 samples over 3 ranks leaves one rank 2 samples, and the task layout a rank whole tasks.
+    for out in run_local(fn, world, layout, 0.3, *args, threads=1):
+        assert out["error"].startswith(f"{layer} draws random numbers where metaddp cannot key"), out
+        assert "the meta-gradient would change with the number of processes" in out["error"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_same_loops_without_draws_are_the_one_process_answer(world):
+    # Dropout 0 (and, after a local() block that drew, eval mode): nothing is refused, and the
+    # meta-gradient is one process's. Float64 with sums split differently: 1e-12 is far above
+    # the few ulps of reordered sums of 8 samples, far below any different draw (1e-1).
+    for fn in (W.anil_clone, W.call_loop):
+        (want,) = run_local(fn, 1, "sample", 0.0, threads=1)
+        for out in run_local(fn, world, "sample", 0.0, threads=1):
+            torch.testing.assert_close(torch.tensor(out["grad"]), torch.tensor(want["grad"]), rtol=1e-12, atol=1e-12)
+    (want,) = run_local(W.call_loop, 1, "sample", 0.3, threads=1)
+    for out in run_local(W.call_loop, world, "sample", 0.3, threads=1):
+        got, ref = torch.tensor(out["after local, eval"]["grad"]), torch.tensor(want["after local, eval"]["grad"])
+        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+
+
+# --- float16 loss scaling: scaled where it runs, refused where it cannot ------------------
+
+P = S.Problem("mlp", steps=2, n_tasks=2, dtype=torch.float32)
+P64 = dataclasses.replace(P, dtype=torch.float64)
+
+
+def _tiny(prediction, target):
+    # A loss of order 1e-6: its activations' gradients sit near float16's smallest normal.
+    return 1e-6 * P.loss_fn(prediction, target)
+
+
+def _meta_grad(alg, p: S.Problem, outer: float) -> dict[str, torch.Tensor]:
+    alg.zero_grad(set_to_none=True)
+    (alg.meta_loss(p.tasks(), _tiny) * outer).backward()
+    return {k: g / outer for k, g in S.meta_gradient(alg).items()}
+
+
+def _relative_error(got, want) -> float:
+    top = max(float(w.abs().max()) for w in want.values())
+    return max(float((got[k].double() - want[k]).abs().max()) for k in want) / top
+
+
+def test_maml_plus_plus_scales_its_float16_inner_steps():
+    # MAML++'s own loop ran float16 unscaled while its loss_scale said LossScale(): 0.20 off
+    # float64 on this problem. The outer backward is scaled by 2**16 in both (GradScaler's
+    # part). Measured: scaled 1.1e-3, unscaled 1.1e-1; the bounds sit between them.
+    lr = P.inner_lr * 1e6
+
+    def build(p, **kw):
+        return md.MAMLPlusPlus(p.build_model(), inner_lr=lr, steps=2, per_step_bn=False, **kw)
+
+    want = _meta_grad(build(P64), P64, 1.0)
+    scaled = build(P, autocast=torch.float16)
+    assert scaled.loss_scale == md.LossScale()
+    unscaled = build(P, autocast=torch.float16)
+    unscaled.loss_scale = None
+    assert _relative_error(_meta_grad(scaled, P, 2.0**16), want) < 5e-3
+    assert _relative_error(_meta_grad(unscaled, P, 2.0**16), want) > 2e-2
+
+
+def test_an_overflowing_scale_skips_maml_plus_plus_and_protomaml_steps():
+    # A scale of 2**120 overflows float16 at once: the step is skipped, so the meta-loss is the
+    # query loss at the start (the meta-parameters; ProtoMAML's prototype head), bit for bit.
+    huge = md.LossScale(init=2.0**120)
+    alg = md.MAMLPlusPlus(P.build_model(), inner_lr=0.1, steps=1, per_step_bn=False, autocast=torch.float16)
+    alg.loss_scale = huge
+    tasks = P.tasks()
+    with torch.autocast("cpu", dtype=torch.float16):
+        start = sum(md.batch_share(alg.model, md.params_of(alg.model), t.query, P.loss_fn) for t in tasks) / len(tasks)
+    assert torch.equal(alg.meta_loss(tasks, P.loss_fn).detach(), start.detach())
+
+    c = S.Problem("conv", n_tasks=2, steps=1, dtype=torch.float32)
+    proto = md.ProtoMAML(c.build_model(), ways=3, inner_lr=0.1, autocast=torch.float16)
+    proto.loss_scale = huge
+    tasks = c.tasks()
+    with torch.autocast("cpu", dtype=torch.float16):
+        want = sum(md.batch_share(proto.model, proto.start(t.support, reduce=md.identity_reduce), t.query,
+                                  c.loss_fn) for t in tasks) / len(tasks)
+    assert torch.equal(proto.meta_loss(tasks, c.loss_fn).detach(), want.detach())
+
+
+def test_paths_without_loss_scaling_refuse_float16_scaling():
+    net = P.build_model
+    # memory="low" rebuilds the steps unscaled: refused at construction, not dropped.
+    with pytest.raises(ValueError, match='memory="low" runs the inner steps without loss scaling'):
+        md.MAML(net(), autocast=torch.float16, memory="low")
+    assert md.MAML(net(), autocast=torch.float16, memory="low", loss_scale=None).loss_scale is None
+    assert md.MAML(net(), autocast=torch.float16, memory="low", first_order=True).loss_scale  # the loop
+    low = md.MAML(net(), autocast=torch.float16, loss_scale=None, memory="low")
+    with pytest.raises(ValueError, match="without loss scaling"):
+        low.loss_scale = md.LossScale()
+    # memory changed after construction: refused where the rebuilt loop would run.
+    later = md.MAML(net(), autocast=torch.float16, batched=False)
+    later.memory = "low"
+    with pytest.raises(ValueError, match="without loss scaling"):
+        later.meta_loss(P.tasks(), P.loss_fn)
+    # clone()'s adapt(loss) steps on the caller's loss, unscaled.
+    with pytest.raises(ValueError, match="clone\\(\\)'s adapt\\(loss\\) runs the inner steps without"):
+        md.MAML(net(), autocast=torch.float16).clone()
+    assert md.MAML(net(), autocast=torch.float16, loss_scale=None).clone() is not None
+    assert md.MAML(net(), autocast=torch.bfloat16).clone() is not None
+
+
+# --- settings a mode would drop -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kw,named",
+    [
+        ({"inner_loss": lambda p, y: (p - y).squeeze(-1) ** 2}, "inner_loss="),
+        ({"weights": md.WeightNet(4)}, "weights="),
+        ({"start": "current", "outer": nn.ParameterDict({"a": nn.Parameter(torch.zeros(1))})}, "start='current'"),
+        ({"method": md.Truncated(1), "start": "current", "weights": md.WeightNet(4)}, "method=Truncated()"),
+    ],
+)
+def test_bilevel_clone_refuses_what_its_adapt_would_drop(kw, named):
+    # clone()'s adapt(loss) steps, unrolled, on the caller's loss: a problem that is more than
+    # that lost its inner loss, weighting, start or method without a word (and failed far
+    # away with "no rank produced a gradient").
+    with pytest.raises(TypeError, match="has no clone") as e:
+        md.Bilevel(nn.Linear(1, 1), **kw).clone()
+    assert named in str(e.value)
+    assert md.Bilevel(nn.Linear(1, 1)).clone() is not None
+
+
+def test_deterministic_mode_refuses_batched_at_construction():
+    # Deterministic mode stacks its own chunks: batched=True or False had no effect.
+    for batched in (True, False):
+        with pytest.raises(ValueError, match=f"batched={batched} would not apply"):
+            md.MetaDDP(md.MAML(P64.build_model(), batched=batched), deterministic=True)
+    with pytest.raises(ValueError, match="memory='default' and no autocast"):  # was at the first step
+        md.MetaDDP(md.MAML(P64.build_model(), memory="low"), deterministic=True)
+    md.MetaDDP(md.MAML(P64.build_model()), deterministic=True).release()
