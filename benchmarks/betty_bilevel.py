@@ -57,8 +57,8 @@ def problem(method: str, optimizer: str, batch: int) -> S.BilevelProblem:
 
 def build(p: S.BilevelProblem):
     algorithm = p.build_algorithm()
-    m = {"neumann": md.Neumann(iterations=ITERATIONS, alpha=LR),
-         "implicit-cg": md.ImplicitCG(iterations=ITERATIONS, damping=1.0)}.get(p.method)
+    m = {"neumann": md.bilevel.Neumann(iterations=ITERATIONS, alpha=LR),
+         "implicit-cg": md.bilevel.ImplicitCG(iterations=ITERATIONS, damping=1.0)}.get(p.method)
     if m is not None:
         algorithm.method = m
     return algorithm
@@ -154,8 +154,8 @@ def betty_hypergradient(p: S.BilevelProblem, kind: str, world: int) -> tuple[tor
             warm.training_step_exec(warm.cur_batch).backward()
             optimizer.step()
             weighting.zero_grad()
-        s = md.shard_range(task.support.n, r, world)
-        q = md.shard_range(task.query.n, r, world)
+        s = md.data.shard_range(task.support.n, r, world)
+        q = md.data.shard_range(task.query.n, r, world)
         lower = Lower(net, weighting, (task.support.x[s.start:s.stop], task.support.y[s.start:s.stop]),
                       BettyConfig(kind), optimizer)
         t0 = time.perf_counter()

@@ -38,7 +38,7 @@ def worker(case: Case, repeats: int) -> dict:
             learner.sync_grads()
 
         step()  # warm-up
-        with metaddp.counting() as stats:
+        with metaddp.distributed.counting() as stats:
             step()
         times = step_times(step, repeats)
         out["on" if check else "off"] = dict(median_s=statistics.median(times), calls=stats.calls)

@@ -6,7 +6,7 @@ fixed-point sums) while the sample axis it can spread a task over grows with it.
 median meta-step time of the default mode (with oneDNN on, as it runs, and off, as
 deterministic mode runs it) and of deterministic mode at ``chunks`` = 1, 2, 4, 8, side by side
 in one process, on the problems of ``deterministic_cost.py``. The process keeps freed memory
-for the next step (``metaddp.keep_freed_memory``), as ``metaddp.init`` sets up every rank.
+for the next step (``metaddp.distributed.keep_freed_memory``), as ``metaddp.init`` sets up every rank.
 
     python benchmarks/deterministic_chunks.py --json benchmarks/results/deterministic_chunks.json
 """
@@ -59,7 +59,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=15, help="timed steps (Conv-4: a fifth)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    metaddp.keep_freed_memory()
+    metaddp.distributed.keep_freed_memory()
     rows = {}
     for name, case in PROBLEMS.items():
         repeats = max(3, args.repeats // 5) if case.model == "conv4" else args.repeats

@@ -38,7 +38,7 @@ Reported per row:
 ``--quick``: the MLP only, one round, fewer repeats (a smoke run).
 
 The ranks keep freed memory for the next step, as ``metaddp.init`` sets up every process
-(``metaddp.keep_freed_memory``); ``METADDP_KEEP_FREED_MEMORY=0`` measures both modes with
+(``metaddp.distributed.keep_freed_memory``); ``METADDP_KEEP_FREED_MEMORY=0`` measures both modes with
 glibc's defaults instead.
 """
 
@@ -84,7 +84,7 @@ def worker(case: Case, layout: str, repeats: int, warmup: int, chunks: int) -> d
     """On every rank of a fresh process group: the default mode, then the deterministic one."""
     # metaddp.init (run_local's ranks) kept freed memory unless METADDP_KEEP_FREED_MEMORY=0.
     out: dict = {"threads": torch.get_num_threads(),
-                 "keep_freed_memory": metaddp.keep_freed_memory()}
+                 "keep_freed_memory": metaddp.distributed.keep_freed_memory()}
     for mode in MODES:
         switches = _switches()
         net = case.build()
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         f"float32, CPU, 1 torch thread per process, gloo; chunks={args.chunks}; median of "
         f"{rounds} round(s) x {', '.join(f'{repeats_of(p)} ({p})' for p in sorted(problems))} "
         f"meta-steps after {warmup} warm-up step(s) per mode; "
-        f"freed memory kept (metaddp.keep_freed_memory): {rows[0]['keep_freed_memory']}.",
+        f"freed memory kept (metaddp.distributed.keep_freed_memory): {rows[0]['keep_freed_memory']}.",
         "calls/bytes: collectives and payload bytes per meta-step on rank 0 (counting()).",
         "err: max|g - g64| / max|g64| against the float64 per-task loop.",
         "bits: meta-gradient torch.equal to the same mode's at 1 process.",

@@ -11,7 +11,7 @@ Sections (each runs even if an earlier one failed; each writes its rows to the r
   each row's median time, meta-gradient error against float64 and peak device memory.
 - ``syncs``: a MetaDDP meta-step under ``torch.cuda.set_sync_debug_mode("error")`` (on the
   CPU: metaddp's host reads, counted as a device's), stacked and looped.
-- ``graphs``: ``metaddp.CapturedStep`` (Conv-4 with BatchNorm, 32 tasks, K = 1 and 5, with
+- ``graphs``: ``metaddp.distributed.CapturedStep`` (Conv-4 with BatchNorm, 32 tasks, K = 1 and 5, with
   and without MetaDDP; a looped conv with running statistics): one meta-step against eager
   and eager against itself from the same weights (bits: cuDNN's default algorithm picks are
   not reproducible run to run; ``--cudnn-deterministic`` makes them so), 6 SGD steps against
@@ -178,7 +178,7 @@ PEERS = [
 def make_captured(case, net: torch.nn.Module, tasks, **settings) -> Callable[[], dict[str, torch.Tensor]]:
     """metaddp's automatic choice replayed from a CUDA graph (recorded here, before timing)."""
     maml = md.MAML(net, inner_lr=case.inner_lr, steps=case.steps, **settings)
-    captured = md.CapturedStep(maml, case.loss_fn, warmup=1)
+    captured = md.distributed.CapturedStep(maml, case.loss_fn, warmup=1)
 
     def step() -> dict[str, torch.Tensor]:
         net.zero_grad(set_to_none=True)
@@ -287,7 +287,7 @@ def _graph_cases(device: str) -> list[tuple]:
 
 
 def section_graphs(device: str, quick: bool) -> list[dict]:
-    """metaddp.CapturedStep: 6 SGD steps on alternating meta-batches, graphed against eager
+    """metaddp.distributed.CapturedStep: 6 SGD steps on alternating meta-batches, graphed against eager
     from the same weights (parameters, BatchNorm buffers compared), then each meta-step's
     time; a non-finite inner gradient and a batch of another shape through the replay."""
     if not device.startswith("cuda"):
@@ -304,7 +304,7 @@ def section_graphs(device: str, quick: bool) -> list[dict]:
                 return md.MetaBatch(tasks, len(tasks), range(len(tasks))) if wrapped else tasks
 
             a, b = batch(tasks_a), batch(tasks_b)
-            captured = md.CapturedStep(learners["graph"], loss_fn)
+            captured = md.distributed.CapturedStep(learners["graph"], loss_fn)
 
             def run(name, tasks):
                 learner = learners[name]

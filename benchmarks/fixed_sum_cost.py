@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=150)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    metaddp.keep_freed_memory()
+    metaddp.distributed.keep_freed_memory()
     fns = {"now": _fixed.fixed_sum}
     if args.against:
         fns[args.against] = _module_at(args.against).fixed_sum

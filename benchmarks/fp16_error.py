@@ -17,7 +17,7 @@ activations fall below float16's smallest normal number (6e-5) and lose their di
 round to zero: there, inner loss scaling keeps them.
 
 Columns: float32; ``autocast=torch.bfloat16``; ``autocast=torch.float16`` without inner loss
-scaling (``loss_scale=None``); float16 with ``metaddp.LossScale()`` (the default, init
+scaling (``loss_scale=None``); float16 with ``metaddp.inner.LossScale()`` (the default, init
 ``2**10``); float16 with ``LossScale(init=2**16)`` (``torch.amp.GradScaler``'s start, which
 overflows the first inner step of the sinusoid's tasks: the step is skipped). The float16
 runs scale the meta-loss for the outer backward as GradScaler would: ``2**16``, halved until
@@ -65,8 +65,8 @@ COLUMNS = {
     "float32": (None, None),
     "bfloat16": (torch.bfloat16, None),
     "float16": (torch.float16, None),
-    "float16 + LossScale()": (torch.float16, metaddp.LossScale()),
-    "float16 + LossScale(2**16)": (torch.float16, metaddp.LossScale(init=2.0**16)),
+    "float16 + LossScale()": (torch.float16, metaddp.inner.LossScale()),
+    "float16 + LossScale(2**16)": (torch.float16, metaddp.inner.LossScale(init=2.0**16)),
 }
 
 

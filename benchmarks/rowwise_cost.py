@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import metaddp  # noqa: E402
 from common import SINE, run_record, save_json  # noqa: E402
 
-OPTIMIZERS = {"sgd": lambda: metaddp.sgd(SINE.inner_lr),
-              "adam": lambda: metaddp.adam(SINE.inner_lr)}
+OPTIMIZERS = {"sgd": lambda: metaddp.inner.sgd(SINE.inner_lr),
+              "adam": lambda: metaddp.inner.adam(SINE.inner_lr)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
                     net = SINE.build()
                     opt = OPTIMIZERS[opt_name]()
                     if not rowwise:  # another function: the optimizer then runs under vmap
-                        opt = metaddp.InnerOptimizer(opt.init, functools.partial(opt.update))
+                        opt = metaddp.inner.InnerOptimizer(opt.init, functools.partial(opt.update))
                     alg = metaddp.MAML(net, steps=steps, optimizer=opt, batched=True,
                                        memory=memory)
 

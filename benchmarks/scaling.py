@@ -2,7 +2,7 @@
 
 For each layout: median seconds per meta-step (meta_loss + backward + sync_grads), throughput
 relative to one process, bytes this rank sent into collectives per meta-step (counted with
-``metaddp.counting()``) against the minimum the derivation needs, and peak resident memory
+``metaddp.distributed.counting()``) against the minimum the derivation needs, and peak resident memory
 per rank. The minimum, for P parameters, T tasks a rank adapts and K inner steps: K*T*P values
 forward and K*T*P backward in the inner loop (sample-parallel only) plus P for the final sum.
 The measured count adds one sequence tag per bucket and one has-gradient flag per tensor.
@@ -36,7 +36,7 @@ def worker(case: Case, layout: str, repeats: int) -> dict:
         m.meta_loss(tasks, case.loss_fn).backward()
         m.sync_grads()
 
-    with metaddp.counting() as stats:
+    with metaddp.distributed.counting() as stats:
         step()
     times = step_times(step, repeats)
     p = sum(q.numel() for q in net.parameters())

@@ -26,7 +26,7 @@ Per rank (the largest rank's figure where ranks differ):
   operations. "Collector off": the same step without it, so storages that only reference
   cycles hold stay until the step ends; "held by reference cycles" is what ``gc.collect()``
   frees right after that step;
-- communication: bytes per meta-step by kind, from ``metaddp.counting()`` (all_reduce: the
+- communication: bytes per meta-step by kind, from ``metaddp.distributed.counting()`` (all_reduce: the
   buffer reduced; all_gather: the gathered output; reduce_scatter: the input before the
   scatter), and collective calls by kind, as the process group ran them;
 - time: median seconds of ``meta_loss`` + ``backward`` + ``sync_grads`` + the Adam step over
@@ -94,7 +94,7 @@ class Probe(TorchDispatchMode):
       output (its inputs' ``nbytes`` plus its outputs'): the elementwise work's memory traffic;
     - ``ops``: operations run (collectives apart);
     - ``calls`` and ``sent``: collectives by kind and the bytes of their buffers, as
-      ``metaddp.counting()`` counts them (a gather's output, a reduce-scatter's input).
+      ``metaddp.distributed.counting()`` counts them (a gather's output, a reduce-scatter's input).
     """
 
     def __init__(self, collect_every: int | None = None) -> None:
@@ -236,7 +236,7 @@ def name(key: tuple[str, str, int]) -> str:
 
 def worker(cfg: Config) -> dict:
     """On each rank: every variant's learner, one warm-up step each, one step each under
-    :class:`Probe` and ``metaddp.counting()``, then the timed rounds."""
+    :class:`Probe` and ``metaddp.distributed.counting()``, then the timed rounds."""
     mesh = metaddp.Mesh.create(tasks=1)  # sample layout: every rank takes 1/N of each task
     made = {}
     for key in cfg.variants():
@@ -266,7 +266,7 @@ def worker(cfg: Config) -> dict:
 
     for key in made:
         step(key)  # warm-up; the optimizer's state exists from here
-    def probed(key, collect_every: int | None) -> tuple[Probe, metaddp.CollectiveStats, int]:  # type: ignore[no-untyped-def]
+    def probed(key, collect_every: int | None) -> tuple[Probe, metaddp.distributed.CollectiveStats, int]:  # type: ignore[no-untyped-def]
         """One step under a :class:`Probe`, Python's collector run by it every
         ``collect_every`` operations or not at all; and what ``gc.collect()`` frees after."""
         gc.collect()  # earlier steps' cyclic garbage freed now, not inside the count
@@ -274,7 +274,7 @@ def worker(cfg: Config) -> dict:
         gc.disable()
         probe = Probe(collect_every)
         try:
-            with metaddp.counting() as stats:
+            with metaddp.distributed.counting() as stats:
                 step(key, probe)
         finally:
             gc.enable()
@@ -324,7 +324,7 @@ def measure(cfg: Config, worlds: list[int]) -> list[dict]:
                 **({"seconds": max(r[key]["seconds"] for r in res)} if "seconds" in r0 else {}))
             if r0["sent"] != r0["bytes"]:
                 print(f"note: {key} at {n}: the process group moved {r0['sent']}, "
-                      f"metaddp.counting() counted {r0['bytes']}")
+                      f"metaddp.distributed.counting() counted {r0['bytes']}")
         row["wall_s"] = time.perf_counter() - t0
         rows.append(row)
         print_world(row, cfg)

@@ -90,7 +90,8 @@ def main() -> None:
         inner_loss=ce,
         start="current",
         steps=a.inner_steps,
-        optimizer=lambda: md.sgd(data["log_lr"].exp()),  # the step size read at every meta-loss
+        # the step size, read at every meta-loss
+        optimizer=lambda: md.inner.sgd(data["log_lr"].exp()),
     )
     learner = md.MetaDDP(problem)
     opt = torch.optim.Adam(data.parameters(), 0.01)

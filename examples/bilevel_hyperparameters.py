@@ -88,7 +88,7 @@ def main() -> None:
         return 0.5 * hp["log_wd"].exp() * sum((w * w).sum() for w in fast.values())
 
     def rates():
-        return md.sgd({k: hp[f"lr{layer(k)}"].exp() for k, _ in net.named_parameters()})
+        return md.inner.sgd({k: hp[f"lr{layer(k)}"].exp() for k, _ in net.named_parameters()})
 
     problem = md.Bilevel(
         net, outer=hp, inner_loss=ce, outer_loss=ce, penalty=decay, start="current",

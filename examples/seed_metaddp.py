@@ -44,13 +44,13 @@ def train(second_order: bool, iterations: int) -> list[float]:
         part = md.Batch.split(batch, batch, mesh.sample_index, mesh.samples)
         x = part.x
         opt.zero_grad()
-        w = md.params_of(net.module)
+        w = md.functional.params_of(net.module)
         l1 = md.share(net(x), part)        # this rank's share of the mean over the global batch
         # The gradient of the global l1 (autograd.grad, then a differentiable SUM over ranks).
         # First order must keep l1's graph: it is backpropagated again below.
         g = net.grad(l1, w, create_graph=second_order, retain_graph=True)
         fast = {k: p - 1.0 * g[k] for k, p in w.items()}           # functional fast weights
-        l2 = md.share(md.call(net.module, fast, x), part)
+        l2 = md.share(md.functional.call(net.module, fast, x), part)
         (l1 + l2).backward()
         net.sync_grads()                   # SUM of shares = the gradient of the global loss
         grad2.append(float(net.module.conv[0].weight.grad[0, 0]))

@@ -9,7 +9,8 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 ROOT = SRC / "metaddp"
 SUBPACKAGES = sorted(p.name for p in ROOT.iterdir() if (p / "__init__.py").exists())
 # Bottom up; a layer imports from the layers before it only ("core": the top-level modules).
-LAYERS = [{"inner", "forward"}, {"core"}, {"algorithms", "distributed"}, {"tasks", "testing"}, {"train"},
+LAYERS = [{"inner", "forward"}, {"core"}, {"algorithms", "distributed"}, {"bilevel", "data", "functional"},
+          {"tasks", "testing"}, {"train"},
           {"cli"}]
 
 

@@ -4,84 +4,56 @@ Every process computes its *share* of each global mean loss; inner-loop gradient
 a differentiable SUM all-reduce; meta-gradients are SUM-reduced. The result is the
 meta-gradient one process would compute on the whole meta-batch, first or second order.
 
-The layers, bottom up: the core (``Batch``, ``share``, ``call``, the inner step) and
-``metaddp.inner`` (differentiable inner optimizers); ``metaddp.algorithms`` (MAML and its
-family, over a ``reduce`` function) beside ``metaddp.distributed`` (collectives, mesh, the
-``MetaDDP`` wrapper); ``metaddp.tasks``, ``metaddp.train`` and ``metaddp.cli`` on top.
+The top level holds what a training script names: the wrapper and its mesh, the task and
+batch types, ``share`` and the algorithms. The rest lives in sub-namespaces:
+
+- ``metaddp.inner``: differentiable inner optimizers (``sgd``, ``adam``, ...) and
+  ``LossScale``;
+- ``metaddp.bilevel``: hypergradient methods for :class:`Bilevel` (``Neumann``, ...);
+- ``metaddp.functional``: hand-written inner loops (``call``, ``grad``, ``inner_step``, ...);
+- ``metaddp.data``: how tasks and batches are cut, seeds, and sums over a global batch;
+- ``metaddp.distributed``: collectives, counters and the process helpers.
+
+The layers, bottom up: ``metaddp.inner`` and ``metaddp.forward``; the core (private modules:
+``Batch``, ``share``, ``call``, the one inner step and loop); ``metaddp.algorithms`` (MAML
+and its family, over a ``reduce`` function) beside ``metaddp.distributed`` (collectives, mesh,
+the ``MetaDDP`` wrapper); the namespaces above; ``metaddp.tasks``, ``metaddp.train`` and
+``metaddp.cli`` on top.
 """
 
-from ._adapt import batch_share, grad, inner_loop, inner_step
-from ._data import (
-    Batch,
-    Chunks,
-    MetaBatch,
-    Shard,
-    ShardSampler,
-    Task,
-    generator_for,
-    seed_for,
-    shard,
-    shard_range,
-)
-from ._functional import buffers_of, call, params_of
+import importlib
+import warnings
+from typing import Any
+
+from . import bilevel as bilevel
+from . import data as data
+from . import distributed as distributed
+from . import functional as functional
+from . import inner as inner
+from ._data import Batch, MetaBatch, Task, generator_for
 from ._share import share
-from ._statistics import class_means, global_sums
-from ._types import LossFn, MetaAlgorithm, Params, Reduce, Supports, identity_reduce
 from .algorithms import (
     ANIL,
     BOIL,
     CAVIA,
     IMAML,
     MAML,
-    SAMA,
-    T1T2,
     Bilevel,
-    ConvergenceWarning,
-    ImplicitCG,
-    Learner,
     MAMLPlusPlus,
     MetaSGD,
-    Neumann,
     ProtoMAML,
     ProtoNet,
     Reptile,
-    Truncated,
-    Unrolled,
-    WeightNet,
-    conjugate_gradient,
 )
 from .distributed import (
-    CapturedStep,
     CollectiveError,
-    CollectiveStats,
     Mesh,
     MetaDDP,
     OutOfSyncError,
-    all_reduce_counts,
-    all_reduce_sum,
-    counting,
-    global_count,
-    global_value,
     init,
-    keep_freed_memory,
     rank,
-    set_strict,
     shutdown,
-    sync_batchnorm,
     world_size,
-)
-from .inner import (
-    InnerOptimizer,
-    LearnedLR,
-    LossScale,
-    adagrad,
-    adam,
-    adamw,
-    apply_updates,
-    chain,
-    clip_by_global_norm,
-    rmsprop,
-    sgd,
 )
 
 __version__ = "0.2.0"
@@ -90,77 +62,123 @@ __all__ = [
     "ANIL",
     "BOIL",
     "Batch",
-    "CAVIA",
     "Bilevel",
-    "CapturedStep",
-    "Chunks",
+    "CAVIA",
     "CollectiveError",
-    "CollectiveStats",
-    "ConvergenceWarning",
     "IMAML",
-    "ImplicitCG",
-    "InnerOptimizer",
-    "LearnedLR",
-    "Learner",
-    "LossFn",
-    "LossScale",
     "MAML",
     "MAMLPlusPlus",
     "Mesh",
-    "MetaAlgorithm",
     "MetaBatch",
     "MetaDDP",
     "MetaSGD",
-    "Neumann",
     "OutOfSyncError",
-    "Params",
     "ProtoMAML",
     "ProtoNet",
-    "Reduce",
     "Reptile",
-    "SAMA",
-    "Shard",
-    "ShardSampler",
-    "Supports",
-    "T1T2",
     "Task",
-    "Truncated",
-    "Unrolled",
-    "WeightNet",
-    "adagrad",
-    "adam",
-    "adamw",
-    "all_reduce_counts",
-    "all_reduce_sum",
-    "apply_updates",
-    "batch_share",
-    "buffers_of",
-    "call",
-    "chain",
-    "class_means",
-    "clip_by_global_norm",
-    "conjugate_gradient",
-    "counting",
     "generator_for",
-    "global_count",
-    "global_sums",
-    "global_value",
-    "grad",
-    "identity_reduce",
     "init",
-    "inner_loop",
-    "inner_step",
-    "keep_freed_memory",
-    "params_of",
     "rank",
-    "rmsprop",
-    "seed_for",
-    "set_strict",
-    "sgd",
-    "shard",
-    "shard_range",
     "share",
     "shutdown",
-    "sync_batchnorm",
     "world_size",
 ]
+
+# Names that were at the top level in 0.2: where they live now. They keep working for one
+# release, with a DeprecationWarning that names the new place.
+_MOVED = {
+    **dict.fromkeys(
+        (
+            "InnerOptimizer",
+            "LearnedLR",
+            "LossScale",
+            "adagrad",
+            "adam",
+            "adamw",
+            "apply_updates",
+            "chain",
+            "clip_by_global_norm",
+            "rmsprop",
+            "sgd",
+        ),
+        "metaddp.inner",
+    ),
+    **dict.fromkeys(
+        (
+            "SAMA",
+            "T1T2",
+            "ConvergenceWarning",
+            "ImplicitCG",
+            "Neumann",
+            "Truncated",
+            "Unrolled",
+            "WeightNet",
+            "conjugate_gradient",
+        ),
+        "metaddp.bilevel",
+    ),
+    **dict.fromkeys(
+        (
+            "Learner",
+            "LossFn",
+            "MetaAlgorithm",
+            "Params",
+            "Reduce",
+            "batch_share",
+            "buffers_of",
+            "call",
+            "grad",
+            "identity_reduce",
+            "inner_loop",
+            "inner_step",
+            "params_of",
+        ),
+        "metaddp.functional",
+    ),
+    **dict.fromkeys(
+        (
+            "Chunks",
+            "Shard",
+            "ShardSampler",
+            "class_means",
+            "global_sums",
+            "seed_for",
+            "shard",
+            "shard_range",
+        ),
+        "metaddp.data",
+    ),
+    **dict.fromkeys(
+        (
+            "CapturedStep",
+            "CollectiveStats",
+            "all_reduce_counts",
+            "all_reduce_sum",
+            "counting",
+            "global_count",
+            "global_value",
+            "keep_freed_memory",
+            "set_strict",
+            "sync_batchnorm",
+        ),
+        "metaddp.distributed",
+    ),
+    "Supports": "metaddp.algorithms",
+}
+
+
+def __getattr__(name: str) -> Any:
+    where = _MOVED.get(name)
+    if where is None:
+        raise AttributeError(f"module 'metaddp' has no attribute {name!r}")
+    warnings.warn(
+        f"metaddp.{name} is now {where}.{name}; the old name keeps working for one more release",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(where), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*__all__, "bilevel", "data", "distributed", "functional", "inner"])
