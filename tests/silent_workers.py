@@ -89,3 +89,108 @@ def call_loop(layout: str, dropout: float, functional: bool = False) -> dict:
     learner.zero_grad()
     out["after local, eval"] = _outcome(step)
     return out
+
+
+# --- losses that read a statistic of their own batch --------------------------------------
+
+
+def _mse(p, y):
+    return (p - y).squeeze(-1) ** 2
+
+
+def normalised_by_sum(p, y):  # importance weights normalised by the batch's sum (L2RW)
+    w = _mse(p, y)
+    return w * (w.detach() / w.detach().sum())
+
+
+def over_variance(p, y):  # a loss divided by the batch targets' variance
+    return _mse(p, y) / y.squeeze(-1).var()
+
+
+def class_balanced(p, y):  # weights from the batch's label counts
+    positive = (y.squeeze(-1) > 0).to(p.dtype)
+    share = (positive.sum() + 1) / (len(positive) + 2)  # smoothed: a shard may hold one class
+    return _mse(p, y) * (positive / share + (1 - positive) / (1 - share)) / 2
+
+
+LOSSES = {"sum": normalised_by_sum, "variance": over_variance, "balanced": class_balanced}
+
+
+def batch_statistic(loss: str, where: str) -> dict:
+    """A meta-step whose loss reads a statistic of its own batch: meta_loss (stacked or one by
+    one), adapt, or a Bilevel's own inner loss. Returns the meta-gradient or the error."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    fn = LOSSES[loss]
+    if where == "bilevel":
+        alg = md.Bilevel(net, inner_loss=fn, outer_loss=_mse, inner_lr=0.1)
+    else:
+        alg = md.MAML(net, inner_lr=0.1, batched={"stacked": True, "loop": False}.get(where))
+    learner = md.MetaDDP(alg, md.Mesh.create())
+
+    def step() -> list[float]:
+        tasks = learner.shard(_tasks())
+        if where == "adapt":
+            learner.adapt(tasks[0].support, fn)
+            loss = learner.meta_loss(tasks, _mse)
+        else:
+            loss = learner.meta_loss(tasks, None if where == "bilevel" else fn)
+        loss.backward()
+        learner.sync_grads()
+        return _grads(learner)
+
+    return _outcome(step)
+
+
+def global_statistic() -> dict:
+    """The same normalisation over the whole batch, by md.data.global_sums: the one-process
+    meta-gradient on any split."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    learner = md.MetaDDP(md.MAML(net, inner_lr=0.1, batched=False), md.Mesh.create())
+
+    def normalised(p, y):
+        w = _mse(p, y)
+        (total,) = md.data.global_sums([w.detach().sum()], reduce=learner.reduce)
+        return w * (w.detach() / total)
+
+    def step() -> list[float]:
+        loss = learner.meta_loss(learner.shard(_tasks()), normalised)
+        loss.backward()
+        learner.sync_grads()
+        return _grads(learner)
+
+    return _outcome(step)
+
+
+# --- state that differs across ranks -------------------------------------------------------
+
+
+def _error_of(step) -> str:
+    try:
+        step()
+    except (ValueError, RuntimeError) as e:  # OutOfSyncError and CollectiveError included
+        return f"{type(e).__name__}: {e}"
+    return "accepted"
+
+
+def differing_state(what: str) -> str:
+    """A meta-step after state that differs by rank: a checkpoint loaded on rank 0 after the
+    wrapper was built, or an inner rate that differs by 1e-3 (a Bilevel's optimizer)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    if what == "rate":
+        alg = md.Bilevel(net, optimizer=md.inner.sgd(0.1 + 1e-3 * md.rank()), outer_loss=_mse, inner_loss=_mse)
+    else:
+        alg = md.MAML(net, inner_lr=0.1)
+    learner = md.MetaDDP(alg, md.Mesh.create())
+    if what == "checkpoint" and md.rank() == 0:
+        state = {k: v + 1e-3 for k, v in net.state_dict().items()}
+        net.load_state_dict(state)
+
+    def step() -> None:
+        loss = learner.meta_loss(learner.shard(_tasks()), None if what == "rate" else _mse)
+        loss.backward()
+        learner.sync_grads()
+
+    return _error_of(step)

@@ -87,7 +87,9 @@ def _with_grads(p: S.Problem) -> md.MAML:
     return alg
 
 
-FIRST_STEP_CHECKS = 6
+# The first meta-step's agreement checks (docs/guarantees.md): task counts, sizes, fingerprints
+# of the tasks and of the weights.
+FIRST_STEP_CHECKS = 7
 
 
 def worker(problems: list[S.Problem]) -> list[dict]:

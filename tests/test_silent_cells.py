@@ -164,3 +164,49 @@ def test_deterministic_mode_refuses_batched_at_construction():
     with pytest.raises(ValueError, match="memory='default' and no autocast"):  # was at the first step
         md.MetaDDP(md.MAML(P64.build_model(), memory="low"), deterministic=True)
     md.MetaDDP(md.MAML(P64.build_model()), deterministic=True).release()
+
+
+# --- a loss that reads a statistic of its own batch ---------------------------------------
+
+
+@pytest.mark.parametrize("where", ["stacked", "loop", "adapt", "bilevel"])
+@pytest.mark.parametrize("loss", ["sum", "variance", "balanced"])
+def test_a_loss_reading_its_batch_is_refused_where_ranks_split_samples(loss, where):
+    # L2RW's weights normalised by the batch's sum, a loss over the targets' variance, a
+    # class-balanced loss: each rank's share saw its own shard's statistic, so the
+    # meta-gradient moved with the number of processes (silently). Now every rank raises at
+    # sync_grads, the empty-handed ones too (3 ranks: shards of 3, 3 and 2 samples).
+    for world in (2, 3):
+        for out in run_local(W.batch_statistic, world, loss, where, threads=1):
+            assert out.get("error", "").startswith("the loss function does not give one loss per sample"), out
+
+
+def test_the_same_loss_on_one_process_or_with_global_sums_is_exact():
+    # One process: the batch is whole, its statistic is the task's (no check, no error). A
+    # normalisation summed over the ranks (md.data.global_sums) is the one-process value at 2
+    # and 3 processes: float64, 1e-12 as above.
+    (one,) = run_local(W.batch_statistic, 1, "sum", "loop", threads=1)
+    (want,) = run_local(W.global_statistic, 1, threads=1)
+    torch.testing.assert_close(torch.tensor(one["grad"]), torch.tensor(want["grad"]), rtol=1e-12, atol=1e-12)
+    for world in (2, 3):
+        for out in run_local(W.global_statistic, world, threads=1):
+            torch.testing.assert_close(torch.tensor(out["grad"]), torch.tensor(want["grad"]), rtol=1e-12, atol=1e-12)
+
+
+# --- state that differs across ranks -------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_checkpoint_loaded_on_rank_zero_after_wrapping_is_refused(world):
+    # It was 1.1e-2 off, check=True too: the ranks ran different weights. The first (checked)
+    # step compares every parameter's fingerprint before any work.
+    for out in run_local(W.differing_state, world, "checkpoint", threads=1):
+        assert out.startswith("OutOfSyncError: the ranks hold different values of"), out
+        assert "at the start of meta-step 0" in out
+
+
+def test_an_inner_rate_that_differs_by_rank_is_refused():
+    # md.inner.sgd(0.1 + 1e-3 * rank): the optimizer's numbers are part of the settings, whose
+    # digest tags the gradient SUM, so ranks that differ fail there instead of averaging.
+    for out in run_local(W.differing_state, 2, "rate", threads=1):
+        assert out.startswith("CollectiveError"), out

@@ -11,7 +11,9 @@ on one process, and an error on several instead of rank-local gradients.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ._types import Reduce, identity_reduce
+
+_NONE_MADE = types.SimpleNamespace(calls=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +48,11 @@ class Collectives:
         check_share: called with every loss a caller hands to an inner step (``clone()``'s
             ``adapt``, ``MetaDDP.grad``) and where it was given; raises unless the loss is a
             share of a batch the processes that split it agree on (:func:`metaddp.share`).
+        note: ``note(kind, flag)``: a verdict of this process's work (a 1-element bool
+            tensor on the device, true for a mistake of ``kind``), which the binder sums over
+            the processes with the step and judges alike on every one of them.
+        counting: a context manager whose value's ``calls`` counts the collectives made
+            inside (``metaddp.distributed.counting``).
     """
 
     reduce: Reduce
@@ -55,6 +64,8 @@ class Collectives:
     check_loss: Callable[[Any, Any], None] = lambda loss, loss_fn: None
     samples_split: bool = False
     check_share: Callable[[Any, str], None] = lambda loss, where: None
+    note: Callable[[str, Any], None] = lambda kind, flag: None
+    counting: Callable[[], Any] = lambda: contextlib.nullcontext(_NONE_MADE)
 
 
 LOCAL = Collectives(identity_reduce, int, "one process")

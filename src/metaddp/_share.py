@@ -9,8 +9,10 @@ empty shards included, so every cross-rank reduction is a plain SUM, never a mea
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, cast
 
+import torch
 from torch import Tensor
 
 from ._data import Batch, Shard, whole
@@ -95,3 +97,89 @@ def one_per_sample(losses: Tensor) -> Tensor:
     """``losses [n, ...]`` as one loss per sample ``[n]``: further dimensions averaged (so
     that for ``mse_loss`` a sample's loss is its mean over outputs)."""
     return losses.flatten(1).mean(dim=1) if losses.dim() > 1 else losses
+
+
+NOT_PER_SAMPLE = (
+    "the loss function does not give one loss per sample: on the first half of a rank's "
+    "samples it gives other losses for them than on all of them, so it reads a statistic of "
+    "its batch (a normalisation by the batch's sum or mean, label counts, a variance, "
+    "prototypes of the batch). Where ranks split a task's samples each rank sees its own shard "
+    "only, so the meta-gradient would change with the number of processes. Compute such "
+    "statistics over the whole batch with md.data.global_sums(..., reduce=learner.reduce) or "
+    "md.data.class_means, or give each rank whole tasks (Mesh.create(tasks=world))"
+)
+
+
+class PerSampleCheck:
+    """``loss_fn``, checked on its first call with two samples or more where ranks split a
+    task's samples: a share is the rank's part of the mean only if each sample's loss depends
+    on that sample alone (or on sums over the whole batch). The check cuts the rank's samples
+    once more, calls ``loss_fn`` on the first half (no graph) and compares: a loss that reads
+    a statistic of its own batch gives other values there. The verdict, a bool on the device,
+    goes to ``note``, which sums it over the ranks with the step (every rank judges alike,
+    those with fewer than two samples too). A loss whose call made a collective
+    (:func:`metaddp.data.global_sums`) sums its statistics over the ranks itself and is not
+    cut. Checked functions are remembered in ``seen``; calls under ``torch.vmap`` (stacked
+    tasks) are not checked: :meth:`probe` checks outside it.
+    """
+
+    def __init__(
+        self,
+        loss_fn: Any,
+        note: Any,
+        counting: Any,
+        seen: Any,
+    ) -> None:
+        self.loss_fn, self.note, self.counting, self.seen = loss_fn, note, counting, seen
+
+    @property
+    def pending(self) -> bool:
+        return _function(self.loss_fn) not in self.seen
+
+    def __call__(self, prediction: Any, target: Any) -> Any:
+        if not self.pending or not _plain(prediction, target):
+            return self.loss_fn(prediction, target)
+        with self.counting() as made:
+            losses = self.loss_fn(prediction, target)
+        n = prediction.shape[0]
+        if made.calls:  # sums over the ranks of its own: nothing to cut
+            self.seen.add(_function(self.loss_fn))
+        elif n >= 2 and isinstance(losses, Tensor) and losses.dim() and losses.shape[0] == n:
+            self.seen.add(_function(self.loss_fn))
+            self.note("per_sample", self._differs(prediction, target, losses))
+        return losses
+
+    def probe(self, prediction: Tensor, target: Tensor) -> None:
+        """Check on predictions made outside ``torch.vmap`` (a stacked meta-batch's first
+        task), if still pending."""
+        if self.pending:
+            self(prediction.detach(), target)
+
+    def _differs(self, prediction: Tensor, target: Tensor, losses: Tensor) -> Tensor:
+        h = prediction.shape[0] // 2
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a statistic of one sample may warn (var)
+            part = one_per_sample(self.loss_fn(prediction[:h].detach(), target[:h]))
+            whole_ = one_per_sample(losses[:h].detach())
+            # Float32 sums of the same values in another blocking round alike to 1e-6; a
+            # statistic of half the batch moves a loss by far more than 1e-3 of its size.
+            # A statistic that has no value on the half (a variance of one sample) differs
+            # too; a loss that is not finite to begin with is the finiteness check's.
+            scale = whole_.abs().max().clamp(min=torch.finfo(whole_.dtype).tiny)
+            same = (part - whole_).abs() <= 1e-3 * scale
+            return (~same & whole_.isfinite()).any().reshape(1)
+
+
+def _function(fn: Any) -> Any:
+    """What identifies a loss function across calls (a bound method's function)."""
+    return getattr(fn, "__func__", fn)
+
+
+def _plain(*tensors: Any) -> bool:
+    """Plain tensors with a sample dimension, not under a functorch transform."""
+    return all(
+        isinstance(t, Tensor)
+        and t.dim() > 0
+        and not torch._C._functorch.is_functorch_wrapped_tensor(t)
+        for t in tensors
+    )

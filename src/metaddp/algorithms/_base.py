@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -30,6 +31,7 @@ from .._functional import (
     require_trained,
 )
 from .._remat import rematerialized_loop, rematerialized_loss
+from .._share import PerSampleCheck
 from .._types import LossFn, Params, Reduce, Supports
 from ..forward import needs_routes, unkeyable_layers
 from ..inner import (
@@ -38,6 +40,7 @@ from ..inner import (
     LearnedLR,
     LearningRate,
     LossScale,
+    hyperparameters,
     learned_rates,
     resolve_loss_scale,
     sgd,
@@ -242,6 +245,9 @@ class Algorithm(nn.Module):
             "inner_lr": self.inner_lr,
             "first_order": self.first_order,
             "learn_lr": None if self.lr is None else self.lr.per,
+            # The inner optimizer's own numbers (a rate given as md.inner.sgd(lr), betas...):
+            # ranks whose optimizers differ would adapt differently without an error.
+            "optimizer": None if self.optimizer is None else hyperparameters(self.optimizer),
             "autocast": None if self.autocast is None else str(self.autocast),
             "loss_scale": None if self.loss_scale is None else repr(self.loss_scale),
             # The dropout keys, for a model that may draw: ranks told different seeds or
@@ -300,6 +306,20 @@ class Algorithm(nn.Module):
         return dataclasses.replace(
             bound, reduce=reduce, where="an explicit reduce", exact=None, samples_split=True
         )
+
+    def per_sample(self, loss_fn: LossFn, c: Collectives | None = None) -> LossFn:
+        """``loss_fn``, checked to give one loss per sample where ranks split a task's
+        samples (:class:`metaddp._share.PerSampleCheck`); as it is elsewhere. ``c``: the
+        step's collectives (default: the bound ones)."""
+        if c is None:
+            try:
+                c = collectives_for(self)
+            except RuntimeError:  # unbound on several processes: meta_loss says so
+                return loss_fn
+        if not c.samples_split or isinstance(loss_fn, PerSampleCheck):
+            return loss_fn
+        seen = self.__dict__.setdefault("_per_sample_seen", weakref.WeakSet())
+        return PerSampleCheck(loss_fn, c.note, c.counting, seen)
 
     def inner_loop(
         self,
@@ -419,7 +439,7 @@ class Algorithm(nn.Module):
         with self.adapting(support, reduce) as c:
             return self.inner_loop(
                 support,
-                loss_fn,
+                self.per_sample(loss_fn, c),
                 steps=steps,
                 reduce=c.reduce,
                 extra_grad=self.extra_grad(),
@@ -445,6 +465,7 @@ class Algorithm(nn.Module):
         # A copy (copy.deepcopy, pickle) is not wrapped: the wrapper binds what it wraps.
         state = self.__dict__.copy()
         state.pop("metaddp_bound", None)
+        state.pop("_per_sample_seen", None)  # weak references: checked again after a copy
         return state
 
     def check_batches(self, batches: Mapping[BatchKey, Batch], c: Collectives) -> None:
@@ -515,17 +536,18 @@ class Algorithm(nn.Module):
             )
         c = self.collectives(reduce)
         self.check_batches(named_batches(tasks), c)
+        checked = self.per_sample(loss_fn, c)
         # The checks inside the step wait on the device and are read once (metaddp._host):
         # in sync_grads under a MetaDDP, else at the end of this call.
         _host.begin_step()
         if c.step_ends_in_sync:
             with self.autocasting(), refusing_draws(c.split):
-                loss = self._meta_loss(tasks, loss_fn, c)
+                loss = self._meta_loss(tasks, checked, c)
             c.check_loss(loss, loss_fn)
             return loss
         try:
             with self.autocasting(), refusing_draws(c.split):
-                loss = self._meta_loss(tasks, loss_fn, c)
+                loss = self._meta_loss(tasks, checked, c)
             c.check_loss(loss, loss_fn)
             check_finite_loss(loss)
         except BaseException:

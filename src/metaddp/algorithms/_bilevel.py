@@ -212,8 +212,9 @@ class Bilevel(Algorithm):
 
     def problem(self, task: Task, loss_fn: LossFn | None, *, reduce: Reduce) -> InnerProblem:
         """The inner problem of ``task``: its support is the inner batch, its query the outer."""
-        per_sample = self.inner_loss or loss_fn
-        outer_loss = self.outer_loss or loss_fn
+        # Its own losses checked as meta_loss checks the one it is given.
+        per_sample = self.per_sample(self.inner_loss) if self.inner_loss else loss_fn
+        outer_loss = self.per_sample(self.outer_loss) if self.outer_loss else loss_fn
         if per_sample is None or outer_loss is None:
             raise TypeError(
                 "this Bilevel has no inner_loss or outer_loss of its own: pass loss_fn to "
@@ -295,7 +296,8 @@ class Bilevel(Algorithm):
         raise TypeError("the inner and outer losses are the problem's own")  # never called
 
     def task_losses(self, tasks: Sequence[Task], loss_fn: LossFn, reduce: Reduce) -> Tensor:
-        own = loss_fn == self._own_losses  # meta_loss without a loss_fn: the problem's own
+        # meta_loss without a loss_fn: the problem's own (as given, or checked per sample).
+        own = getattr(loss_fn, "loss_fn", loss_fn) == self._own_losses
         return super().task_losses(tasks, cast(LossFn, None) if own else loss_fn, reduce)
 
     def adapt(

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import forward as _draws
@@ -96,6 +97,8 @@ def stacked_shares(
         ``out[t] = sum_i loss(f(W[t], x[t, i]), y[t, i]) / n`` (this rank's share of task t's
         mean over its ``n`` global samples).
     """
+
+    _probe(model, params, x, y, loss_fn, buffers)
 
     def one(p: Mapping[str, Tensor], xt: Tensor, yt: Tensor, b: Params | None, slot: Any):
         # Dropout keyed by each task's own keys (metaddp.forward), ``start`` the global index
@@ -282,6 +285,32 @@ def stacked_task_losses(
     if stats is not None:
         stats.commit()  # the layers' statistics as the loop leaves them
     return out
+
+
+def _probe(
+    model: nn.Module,
+    params: Mapping[str, Tensor],
+    x: Tensor,
+    y: Tensor,
+    loss_fn: LossFn,
+    buffers: Mapping[str, Tensor] | None,
+) -> None:
+    """Give a loss function still to be checked per sample (``PerSampleCheck``, which cannot
+    check under ``torch.vmap``) the first task's predictions, made outside it without a
+    graph, on copies of the buffers (a forward moves running statistics). The probe makes
+    no collective, since ranks decide on it alone: a model with BatchNorm (whose statistics
+    are summed over the ranks) is not probed, nor one that may draw (its masks are keyed
+    inside the stacked forward only)."""
+    probe = getattr(loss_fn, "probe", None)
+    if probe is None or not getattr(loss_fn, "pending", False) or x.shape[1] < 2:
+        return
+    if needs_routes(model) or any(isinstance(m, _BatchNorm) for m in model.modules()):
+        return
+    own = buffers if buffers is not None else dict(model.named_buffers())
+    with torch.no_grad():
+        copies = {k: b[0].clone() if buffers is not None else b.clone() for k, b in own.items()}
+        prediction = call(model, {k: v[0] for k, v in params.items()}, x[0], buffers=copies or None)
+    probe(prediction, y[0])
 
 
 def use_batched(batched: bool | None, tasks: Sequence[Task], model: nn.Module) -> bool:

@@ -109,7 +109,8 @@ def counting() -> Iterator[CollectiveStats]:
     try:
         yield stats
     finally:
-        _stats.remove(stats)
+        # By identity: an inner block's stats may equal an outer one's (both still zero).
+        del _stats[next(i for i, s in enumerate(_stats) if s is stats)]
 
 
 def _record(elements: int, nbytes: int, kind: str = "all_reduce") -> None:

@@ -41,7 +41,7 @@ from .._adapt import NON_FINITE_LOSS
 from .._data import Batch, BatchKey, MetaBatch, Task, batch_name, named_batches
 from .._functional import refuse_data_parallel, require_trained
 from .._reach import listing, shapes, unknown_leaves
-from .._share import share_of
+from .._share import NOT_PER_SAMPLE, share_of
 from .._types import LossFn, Supports
 from ..inner import InnerOptimizer, learned_rates
 from ._check import OutOfSyncError, WeightCheck
@@ -59,6 +59,10 @@ from ._unkeyed import UnkeyedDraws
 
 # Relative agreement of two fingerprints: see [Note: fingerprints].
 _SAME = 1e-9
+
+# The mistakes a rank finds in its own work during a step, summed over the ranks with the
+# step's gradients (every rank raises alike): kind -> the error.
+VERDICTS = {"per_sample": NOT_PER_SAMPLE}
 
 
 class Schedule:
@@ -106,6 +110,13 @@ def fingerprint(task: Task) -> Tensor:
         w = torch.cos(torch.arange(f.numel(), dtype=torch.float64, device=f.device))
         out += [f.sum(), (f * w).sum()]
     return torch.stack(out)
+
+
+def tensor_print(t: Tensor) -> Tensor:
+    """A float64 summary of one tensor (see [Note: fingerprints]), on its device."""
+    f = t.detach().reshape(-1).to(torch.float64)
+    w = torch.cos(torch.arange(f.numel(), dtype=torch.float64, device=f.device))
+    return torch.stack([f.sum(), (f * w).sum()])
 
 
 def _rows(tasks: Sequence[Task]) -> Tensor:
@@ -226,6 +237,8 @@ class StepGuards:
         self.sharded: tuple[set[int], Any] | None = None
         # Forwards that draw outside metaddp's keyed loops (a clone() or hand loop's), where
         # ranks split the work: refused where they run; nothing is registered on one rank.
+        # Verdicts of this rank's work noted during the step (Collectives.note), by kind.
+        self._verdicts: dict[str, Tensor] = {}
         self.unkeyed = (
             UnkeyedDraws(module, lambda: not self._local) if group_size(mesh.group) > 1 else None
         )
@@ -277,9 +290,44 @@ class StepGuards:
             self._agreed.add(tasks)
         try:
             self._agree(tasks)
+            self.weights_agree()
         except BaseException:
             _host.discard()  # the step ends here: its pending checks go with it
             raise
+
+    def weights_agree(self) -> None:
+        """On a checked step, before any work: every parameter and buffer the same wherever
+        ranks must hold the same, by fingerprint ([Note: fingerprints]; one small collective,
+        two with sharded parameters, which are compared between the ranks that hold the same
+        rows). Buffers are compared over the whole mesh before the first step and within
+        each sample group after it (task groups move their own running statistics). A
+        checkpoint loaded on some ranks after the wrapper was built, or weights one rank
+        changed by hand, end here, not in a meta-gradient that is no one process's."""
+        named: list[tuple[str, Tensor]] = list(self.module.named_parameters())
+        buffers: list[tuple[str, Tensor]] = list(self.module.named_buffers())
+        checks: list[tuple[list[tuple[str, Tensor]], Any]] = []
+        if self.sharded is not None:
+            ids, rows_group = self.sharded
+            checks.append(([(n, t) for n, t in named if id(t) in ids], rows_group))
+            named = [(n, t) for n, t in named if id(t) not in ids]
+        if self.schedule.step > 0 and self.mesh.tasks > 1:
+            checks.append((buffers, self.mesh.sample_group))
+        else:
+            named += buffers
+        checks.append((named, self.mesh.group))
+        for members, group in checks:
+            if not members or group_size(group) == 1:
+                continue
+            low, top = extremes(torch.cat([tensor_print(t) for _, t in members]), group)
+            if bad := _differ(low, top):
+                names = list(dict.fromkeys(members[i // 2][0] for i in bad))
+                raise OutOfSyncError(
+                    f"the ranks hold different values of {listing(names)} at the start of "
+                    f"meta-step {self.schedule.step}: each would compute the meta-gradient of "
+                    "other weights. Load a checkpoint before MetaDDP is built (it broadcasts "
+                    "rank 0's) or on every rank, and change weights on every rank alike (the "
+                    "optimizer, after sync_grads())"
+                )
 
     def refuse_whole(self, batches: Mapping[BatchKey, Batch]) -> None:
         """Refuse a batch that holds all its samples on this rank while its samples are split
@@ -577,16 +625,27 @@ class StepGuards:
         if held := self._still_summed():
             self._refuse_summed(held, "no backward has added to them since")
 
+    def note(self, kind: str, flag: Tensor) -> None:
+        """A verdict of this rank's work in the step (``kind`` one of :data:`VERDICTS`; a
+        1-element bool tensor, true for a mistake), summed over the ranks with the step."""
+        flag = flag.detach().reshape(1)
+        held = self._verdicts.get(kind)
+        self._verdicts[kind] = flag if held is None else held | flag
+
     def rider(self, like: Tensor) -> Tensor:
         """What rides in the gradient SUM for the guards: the step's meta-loss (0 without
-        one), whose sum over the ranks is finite exactly when every rank's share is."""
-        total = like.new_zeros(1) if self._loss is None else self._loss.to(like)
+        one), whose sum over the ranks is finite exactly when every rank's share is, then
+        each of :data:`VERDICTS` (how many ranks found that mistake)."""
+        total = like.new_zeros(1) if self._loss is None else self._loss.to(like).reshape(1)
         self._loss = None
-        return total
+        flags = [self._verdicts.get(k) for k in VERDICTS]
+        self._verdicts = {}
+        return torch.cat([total, *(like.new_zeros(1) if f is None else f.to(like) for f in flags)])
 
-    def after_sum(self, loss_sum: float, *, summed: bool) -> None:
-        """Judge the summed meta-loss (the same number on every rank), remember the summed
+    def after_sum(self, rode: Sequence[float], *, summed: bool) -> None:
+        """Judge the summed rider (the same numbers on every rank), remember the summed
         gradients (``summed``: the sum wrote them), and count the step."""
+        loss_sum, *found = rode
         if summed:
             self._summed = {
                 id(p): (weakref.ref(p.grad), p.grad._version)
@@ -596,5 +655,8 @@ class StepGuards:
         self.schedule.advance()
         self._agreed = weakref.WeakSet()
         self._update_weight_check()
+        for kind, ranks in zip(VERDICTS, found, strict=True):
+            if ranks > 0:
+                raise ValueError(VERDICTS[kind])
         if not math.isfinite(loss_sum):
             raise FloatingPointError(NON_FINITE_LOSS)

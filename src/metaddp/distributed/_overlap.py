@@ -75,10 +75,11 @@ class GradReducer:
         rider: Callable[[Tensor], Tensor] | None = None,
     ) -> None:
         self.salt = salt  # enters every bucket's tag (the settings every rank must share)
-        # One value that rides in the first bucket's flags, summed with them (the guards' meta-
-        # loss): given the bucket's first gradient, a tensor of one element like it.
+        # Values that ride in the first bucket's flags, summed with them (the guards' meta-
+        # loss and verdicts): given the bucket's first gradient, a 1-d tensor like it.
         self.rider = rider
-        self.rode = 0.0  # its SUM, after finish()
+        self.rode: list[float] = []  # their SUM, after finish()
+        self._riding = 0  # how many rode in the first bucket
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
         self.group = group
@@ -183,7 +184,9 @@ class GradReducer:
             [float(p.grad is not None) for p in members] + [self._my_vote], members[0]
         )
         if b == 0 and self.rider is not None:
-            flags = torch.cat([flags, self.rider(members[0].detach()).to(flags)])
+            riding = self.rider(members[0].detach()).to(flags).reshape(-1)
+            self._riding = riding.numel()
+            flags = torch.cat([flags, riding])
         self._pending[b] = launch_sum(
             grads + [flags], self.group, _ONE_BUCKET, Phase.GRADIENTS, self.salt()
         )
@@ -226,7 +229,8 @@ class GradReducer:
             for b, (sums, flags) in enumerate(zip(every, read, strict=True)):
                 members = self.buckets[b]
                 if b == 0 and self.rider is not None:
-                    self.rode = flags.pop()
+                    self.rode = flags[len(flags) - self._riding :]
+                    del flags[len(flags) - self._riding :]
                 votes.append(flags.pop())
                 with torch.no_grad():
                     # sums ends with the flags tensor itself, one longer than members.

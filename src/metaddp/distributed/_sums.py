@@ -7,9 +7,9 @@
 - :class:`ExactSum`: deterministic mode, whose backward already summed the meta-gradient
   order-free; only the values and the step's checks remain.
 
-Each carries, in the same collective, the caller's values and one *rider* (the guards' value
-for the step: the summed meta-loss, finite exactly when every rank's share is), and returns
-their sums with the rider's last. The step's one host read happens here.
+Each carries, in the same collective, the caller's values and the *rider* (the guards' values
+for the step: the summed meta-loss, finite exactly when every rank's share is, and the ranks'
+verdicts), and returns their sums with the rider's last. The step's one host read happens here.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from ._exact import ExactSums
 from ._overlap import GradReducer
 
 Rider = Callable[[Tensor], Tensor]
-"""Given a tensor of the gradients' dtype and device, one element to sum with them."""
+"""Given a tensor of the gradients' dtype and device, a 1-d tensor to sum with them (of the
+same length at every step)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +203,7 @@ class OverlappedSum:
                 "with overlap=False."
             )
         self.how.raise_missing(missing)
-        return [*got, self.reducer.rode]
+        return [*got, *self.reducer.rode]
 
     def paused(self) -> contextlib.AbstractContextManager[None]:
         return self.reducer.paused()

@@ -27,6 +27,7 @@ from ._collectives import (
     DEFAULT_BUCKET_BYTES,
     all_reduce_sum,
     broadcast_,
+    counting,
     global_count,
     global_value,
     group_size,
@@ -169,6 +170,8 @@ class MetaDDP(nn.Module):
             check_loss=self.guards.loss_out,
             samples_split=self.mesh.samples > 1,
             check_share=self.guards.share_in,
+            note=self.guards.note,
+            counting=counting,
         )
         bind(module, self._collectives)
         self._batchnorm: BatchNormSync | None = (
@@ -513,9 +516,10 @@ class MetaDDP(nn.Module):
         got = self.sums.finish([] if values is None else [values.detach().reshape(-1)])
         if self.sharding is not None and self.sharding.regather is not None:
             self.sharding.regather.sweep()  # the backward's gathers are freed by now
-        # The guards' meta-loss rode last in the same SUM: judged alike on every rank.
-        self.guards.after_sum(got[-1], summed=self.exact is None)
-        return got[:-1]
+        # The guards' rider came last in the same SUM: judged alike on every rank.
+        riding = len(got) - (0 if values is None else values.numel())
+        self.guards.after_sum(got[-riding:], summed=self.exact is None)
+        return got[:-riding]
 
 
 def _not_reached(module: nn.Module) -> frozenset[str]:

@@ -93,6 +93,47 @@ def learned_rates(optimizer: InnerOptimizer) -> tuple[Tensor, ...]:
         return ()
 
 
+def hyperparameters(optimizer: InnerOptimizer) -> tuple[Any, ...]:
+    """The plain values an optimizer's ``update`` reads: the Python numbers, strings and
+    flags its closure holds (rates, betas, eps, weight decay, momentum), by name, through
+    the optimizers and functions it closes over (a chain's). Ranks compare them with the
+    algorithm's settings, so a rate that differs by rank is an error, not a different
+    meta-gradient. Tensors are left out: learned rates are parameters, compared as such."""
+    seen: set[int] = set()
+
+    def plain(v: Any) -> Any:
+        if v is None or isinstance(v, bool | int | float | str):
+            return v
+        if isinstance(v, InnerOptimizer):
+            return walk(v.update)
+        if isinstance(v, Mapping):
+            kept = tuple((str(k), plain(x)) for k, x in v.items())
+            return tuple((k, x) for k, x in kept if x is not None) or None
+        if isinstance(v, tuple | list):
+            kept = tuple(plain(x) for x in v)
+            return kept if any(x is not None for x in kept) else None
+        if callable(v):
+            return walk(v)
+        return None
+
+    def walk(fn: Any) -> tuple[Any, ...] | None:
+        code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+        if code is None or not cells or id(fn) in seen:
+            return None
+        seen.add(id(fn))
+        found = []
+        for name, cell in zip(code.co_freevars, cells, strict=True):
+            try:
+                value = plain(cell.cell_contents)
+            except ValueError:  # a cell not yet filled
+                continue
+            if value is not None:
+                found.append((name, value))
+        return tuple(found) or None
+
+    return walk(optimizer.update) or ()
+
+
 class SlotState(NamedTuple):
     """State of an optimizer with per-parameter slots: a step count and named slot dicts.
 
