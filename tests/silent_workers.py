@@ -194,3 +194,25 @@ def differing_state(what: str) -> str:
         learner.sync_grads()
 
     return _error_of(step)
+
+
+def nan_meta_gradient() -> str:
+    """adam(eps_root=0) with a dead unit: the second-order term divides by a zero second
+    moment, so the meta-gradient is NaN while the meta-loss is finite."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 2), nn.ReLU(), nn.Linear(2, 1)).double()
+    with torch.no_grad():
+        net[0].bias[1] = -100.0  # a dead unit: its inner gradient is exactly 0
+    learner = md.MetaDDP(md.MAML(net, optimizer=md.inner.adam(0.1, eps_root=0.0), steps=2), md.Mesh.create())
+
+    def step() -> None:
+        loss = learner.meta_loss(learner.shard(_tasks()), _mse)
+        loss.backward()
+        assert torch.isfinite(loss) and not all(bool(torch.isfinite(p.grad).all()) for p in net.parameters())
+        learner.sync_grads()
+
+    try:
+        step()
+    except FloatingPointError as e:
+        return str(e)
+    return "accepted"

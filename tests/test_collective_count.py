@@ -74,9 +74,9 @@ def test_collectives_per_meta_step(counts):
             where = f"rank {rank}: {layout}-parallel, K={steps}, {c['tensors']} tensors, batched={batched}"
             # Final reduction: every gradient, one has-gradient flag per tensor, the
             # single-backward vote that decides when sums may start early, the meta-loss
-            # share (the guards' finiteness check rides along), the guards' verdict of the
-            # loss function (one loss per sample?), one tag.
-            final = c["P"] + c["tensors"] + 4
+            # share (the guards' finiteness check rides along), the guards' verdicts (one
+            # loss per sample? a finite meta-gradient?), one tag.
+            final = c["P"] + c["tensors"] + 5
             if layout == "task":
                 assert c["calls"] == 1, where
                 assert c["elements"] == final, where

@@ -210,3 +210,12 @@ def test_an_inner_rate_that_differs_by_rank_is_refused():
     # digest tags the gradient SUM, so ranks that differ fail there instead of averaging.
     for out in run_local(W.differing_state, 2, "rate", threads=1):
         assert out.startswith("CollectiveError"), out
+
+
+def test_a_non_finite_meta_gradient_is_an_error_before_any_optimizer_step():
+    # It was a NaN meta-gradient without a word (the meta-loss finite). Now sync_grads raises
+    # on every rank alike, at 1 process as at 2.
+    for world in (1, 2):
+        for out in run_local(W.nan_meta_gradient, world, threads=1):
+            assert out.startswith("the meta-gradient is not finite (NaN or Inf) on some rank"), out
+            assert "eps_root > 0" in out

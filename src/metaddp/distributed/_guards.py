@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import _host
-from .._adapt import NON_FINITE_LOSS
+from .._adapt import NON_FINITE_LOSS, finite_flags
 from .._data import Batch, BatchKey, MetaBatch, Task, batch_name, named_batches
 from .._functional import refuse_data_parallel, require_trained
 from .._reach import listing, shapes, unknown_leaves
@@ -62,7 +62,15 @@ _SAME = 1e-9
 
 # The mistakes a rank finds in its own work during a step, summed over the ranks with the
 # step's gradients (every rank raises alike): kind -> the error.
-VERDICTS = {"per_sample": NOT_PER_SAMPLE}
+VERDICTS: dict[str, Exception] = {
+    "per_sample": ValueError(NOT_PER_SAMPLE),
+    "gradient": FloatingPointError(
+        "the meta-gradient is not finite (NaN or Inf) on some rank, though the meta-loss is: "
+        "a second-order term divided by zero or a square root at zero (adam(eps_root=0) with "
+        "a zero second moment: use eps_root > 0), or a backward of your own that made one. "
+        "No optimizer step has used it"
+    ),
+}
 
 
 class Schedule:
@@ -638,6 +646,10 @@ class StepGuards:
         each of :data:`VERDICTS` (how many ranks found that mistake)."""
         total = like.new_zeros(1) if self._loss is None else self._loss.to(like).reshape(1)
         self._loss = None
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        if grads:  # the rider is taken once every gradient is final (module docstring)
+            plain = [g.as_subclass(Tensor) for g in grads]  # sharded rows refuse a norm
+            self.note("gradient", ~finite_flags(plain).all())
         flags = [self._verdicts.get(k) for k in VERDICTS]
         self._verdicts = {}
         return torch.cat([total, *(like.new_zeros(1) if f is None else f.to(like) for f in flags)])
@@ -655,8 +667,11 @@ class StepGuards:
         self.schedule.advance()
         self._agreed = weakref.WeakSet()
         self._update_weight_check()
-        for kind, ranks in zip(VERDICTS, found, strict=True):
-            if ranks > 0:
-                raise ValueError(VERDICTS[kind])
+        # A non-finite meta-loss explains a non-finite gradient: said first.
+        ranks = dict(zip(VERDICTS, found, strict=True))
+        if ranks["per_sample"] > 0:
+            raise ValueError(*VERDICTS["per_sample"].args)
         if not math.isfinite(loss_sum):
             raise FloatingPointError(NON_FINITE_LOSS)
+        if ranks["gradient"] > 0:
+            raise FloatingPointError(*VERDICTS["gradient"].args)

@@ -75,11 +75,12 @@ class GradReducer:
         rider: Callable[[Tensor], Tensor] | None = None,
     ) -> None:
         self.salt = salt  # enters every bucket's tag (the settings every rank must share)
-        # Values that ride in the first bucket's flags, summed with them (the guards' meta-
-        # loss and verdicts): given the bucket's first gradient, a 1-d tensor like it.
+        # Values that ride in the last bucket's flags, summed with them (the guards' meta-
+        # loss and verdicts, which may read every gradient: the last bucket is launched once
+        # all are final): given the bucket's first gradient, a 1-d tensor like it.
         self.rider = rider
         self.rode: list[float] = []  # their SUM, after finish()
-        self._riding = 0  # how many rode in the first bucket
+        self._riding = 0  # how many rode in the last bucket
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
         self.group = group
@@ -183,7 +184,7 @@ class GradReducer:
         flags = _host.upload(
             [float(p.grad is not None) for p in members] + [self._my_vote], members[0]
         )
-        if b == 0 and self.rider is not None:
+        if b == len(self.buckets) - 1 and self.rider is not None:
             riding = self.rider(members[0].detach()).to(flags).reshape(-1)
             self._riding = riding.numel()
             flags = torch.cat([flags, riding])
@@ -228,7 +229,7 @@ class GradReducer:
             summed = read.pop() if tails else []
             for b, (sums, flags) in enumerate(zip(every, read, strict=True)):
                 members = self.buckets[b]
-                if b == 0 and self.rider is not None:
+                if b == len(self.buckets) - 1 and self.rider is not None:
                     self.rode = flags[len(flags) - self._riding :]
                     del flags[len(flags) - self._riding :]
                 votes.append(flags.pop())
