@@ -216,3 +216,65 @@ def nan_meta_gradient() -> str:
     except FloatingPointError as e:
         return str(e)
     return "accepted"
+
+
+# --- sharded checkpoints written the usual way ---------------------------------------------
+
+
+def sharded_usual_checkpoint(folder: str) -> dict:
+    """Sharded weights saved as a one-GPU script saves them: rank 0 torch.saves
+    module.state_dict() and every rank loads it; DCP given state_dict() instead of
+    sharded_state_dict(). Both loads are refused; inside gathered() the whole weights save and
+    load as usual."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    # Every weight's rows split evenly in two: the rows' shapes match on every rank, so
+    # nothing in torch tells one rank's rows from another's.
+    net = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    learner = md.MetaDDP(md.MAML(net, inner_lr=0.1), md.Mesh.create(), shard=True)
+    out = {}
+    path = f"{folder}/model.pt"
+    if md.rank() == 0:
+        torch.save(learner.module.state_dict(), path)
+    dist.barrier()
+    out["torch.save"] = _error_of(lambda: learner.module.load_state_dict(torch.load(path)))
+    dcp.save(learner.module.state_dict(), checkpoint_id=f"{folder}/dcp")
+
+    def dcp_load() -> None:
+        state = learner.module.state_dict()
+        dcp.load(state, checkpoint_id=f"{folder}/dcp")
+        learner.module.load_state_dict(state)
+
+    out["dcp"] = _error_of(dcp_load)
+    with learner.gathered():
+        whole = learner.module.state_dict()
+        out["gathered"] = _error_of(lambda: learner.module.load_state_dict(whole))
+    learner.release()
+    return out
+
+
+def hand_cut_starts(right: bool) -> dict:
+    """Tasks of 7 samples cut by hand with torch.chunk (parts of 4 and 3), dropout on, each
+    part's start= either where it begins or rank * (7 // 2) (the second part then says 3)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Dropout(0.3), nn.Linear(8, 1)).double()
+    learner = md.MetaDDP(md.MAML(net, inner_lr=0.1), md.Mesh.create())
+    x = torch.linspace(-1, 1, 7, dtype=torch.float64)[:, None]
+    r, w = md.rank(), md.world_size()
+    xs, ys = torch.chunk(x, w)[r], torch.chunk(2 * x, w)[r]
+    start = sum(len(c) for c in torch.chunk(x, w)[:r]) if right else r * (7 // w)
+    part = md.Batch.local(xs, ys, 7, start=start)
+    tasks = [md.Task(part, part)]
+
+    def step() -> list[float]:
+        loss = learner.meta_loss(tasks, _mse)
+        loss.backward()
+        learner.sync_grads()
+        return _grads(learner)
+
+    try:
+        return {"grad": step()}
+    except (ValueError, RuntimeError) as e:
+        return {"error": f"{type(e).__name__}: {e}"}

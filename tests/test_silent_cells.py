@@ -219,3 +219,26 @@ def test_a_non_finite_meta_gradient_is_an_error_before_any_optimizer_step():
         for out in run_local(W.nan_meta_gradient, world, threads=1):
             assert out.startswith("the meta-gradient is not finite (NaN or Inf) on some rank"), out
             assert "eps_root > 0" in out
+
+
+def test_sharded_rows_saved_the_usual_way_refuse_to_load(tmp_path):
+    # Rank 0's state_dict() loaded on every rank gave every rank rank 0's rows (99.7% off);
+    # DCP given state_dict() instead of sharded_state_dict() the same (94.6%). A state_dict
+    # taken outside gathered() now says it holds rows, and loading it is refused.
+    for out in run_local(W.sharded_usual_checkpoint, 2, str(tmp_path), threads=1):
+        for how in ("torch.save", "dcp"):
+            assert out[how].startswith("RuntimeError: this state_dict holds rank "), out[how]
+            assert "learner.gathered()" in out[how]
+        assert out["gathered"] == "accepted"
+
+
+def test_hand_cut_parts_whose_starts_do_not_tile_the_batch_are_refused():
+    # A start= off by one sample keyed another sample's dropout masks: 12% off, silently.
+    # Checked steps sum the global indices the parts hold (and their squares), in the size
+    # check's own collective. With the right starts the masks are the one-process ones
+    # (float64; 1e-12 as above).
+    for out in run_local(W.hand_cut_starts, 2, False, threads=1):
+        assert out.get("error", "").startswith("OutOfSyncError: task 0's support batch's parts do not tile"), out
+    (want,) = run_local(W.hand_cut_starts, 1, True, threads=1)
+    for out in run_local(W.hand_cut_starts, 2, True, threads=1):
+        torch.testing.assert_close(torch.tensor(out["grad"]), torch.tensor(want["grad"]), rtol=1e-12, atol=1e-12)

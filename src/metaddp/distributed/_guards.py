@@ -43,6 +43,7 @@ from .._functional import refuse_data_parallel, require_trained
 from .._reach import listing, shapes, unknown_leaves
 from .._share import NOT_PER_SAMPLE, share_of
 from .._types import LossFn, Supports
+from ..forward import batch_start
 from ..inner import InnerOptimizer, learned_rates
 from ._check import OutOfSyncError, WeightCheck
 from ._collectives import (
@@ -118,6 +119,22 @@ def fingerprint(task: Task) -> Tensor:
         w = torch.cos(torch.arange(f.numel(), dtype=torch.float64, device=f.device))
         out += [f.sum(), (f * w).sum()]
     return torch.stack(out)
+
+
+def _index_sums(batch: Batch) -> tuple[int, int, int, int]:
+    """This rank's part of ``batch``: how many samples, whether its start is unknown, and
+    the sums of the global indices it holds and of their squares (0 where unknown)."""
+    h = batch.x.shape[0]
+    s = batch_start(batch)
+    if s is None:
+        return h, 1, 0, 0
+    e = s + h  # sums over s .. e - 1
+    return h, 0, _tiled(e)[0] - _tiled(s)[0], _tiled(e)[1] - _tiled(s)[1]
+
+
+def _tiled(n: int) -> tuple[int, int]:
+    """The sums of 0 .. n-1 and of their squares."""
+    return n * (n - 1) // 2, (n - 1) * n * (2 * n - 1) // 6
 
 
 def tensor_print(t: Tensor) -> Tensor:
@@ -311,19 +328,7 @@ class StepGuards:
         each sample group after it (task groups move their own running statistics). A
         checkpoint loaded on some ranks after the wrapper was built, or weights one rank
         changed by hand, end here, not in a meta-gradient that is no one process's."""
-        named: list[tuple[str, Tensor]] = list(self.module.named_parameters())
-        buffers: list[tuple[str, Tensor]] = list(self.module.named_buffers())
-        checks: list[tuple[list[tuple[str, Tensor]], Any]] = []
-        if self.sharded is not None:
-            ids, rows_group = self.sharded
-            checks.append(([(n, t) for n, t in named if id(t) in ids], rows_group))
-            named = [(n, t) for n, t in named if id(t) not in ids]
-        if self.schedule.step > 0 and self.mesh.tasks > 1:
-            checks.append((buffers, self.mesh.sample_group))
-        else:
-            named += buffers
-        checks.append((named, self.mesh.group))
-        for members, group in checks:
+        for members, group in self._in_step(trained=self.schedule.step > 0):
             if not members or group_size(group) == 1:
                 continue
             low, top = extremes(torch.cat([tensor_print(t) for _, t in members]), group)
@@ -382,8 +387,6 @@ class StepGuards:
             self._agree_on_make_task(source, tasks.indices)
         if not isinstance(tasks, MetaBatch):
             self._refuse_repeats(tasks)
-        if self.schedule.step > 0:
-            self.check_in_sync(trained=True)
 
     def check_sizes(self, tasks: Sequence[Task]) -> None:
         """Raise :class:`metaddp.OutOfSyncError` unless the ranks that split tasks' samples
@@ -407,8 +410,22 @@ class StepGuards:
             return
         named = list(batches.items())
         low, top = extremes([b.n for _, b in named], group)
-        held = all_reduce_counts([b.x.shape[0] for _, b in named], group)
-        for (key, _), lo, hi, h in zip(named, low, top, held, strict=True):
+        # Per batch, summed over the ranks in the same collective: the samples held, how many
+        # ranks do not know where their part starts, and the sums of the global indices the
+        # parts hold and of their squares, which parts that tile 0 .. n-1 add up to exactly.
+        counts = all_reduce_counts([v for _, b in named for v in _index_sums(b)], group)
+        for (key, _), lo, hi, (h, unknown, s1, s2) in zip(
+            named, low, top, (counts[i : i + 4] for i in range(0, len(counts), 4)), strict=True
+        ):
+            n = int(lo)
+            if lo == hi and h == lo and not unknown and (s1, s2) != _tiled(n):
+                raise OutOfSyncError(
+                    f"{batch_name(key)} batch's parts do not tile its {n} samples: their "
+                    "starts overlap or leave gaps (a start= that is not where the part "
+                    "begins: torch.chunk gives the first parts ceil(n / ranks) samples), so "
+                    "dropout would key other samples' masks. Cut tasks with learner.shard (or "
+                    "Batch.split), which record where each part starts"
+                )
             if lo != hi or h != lo:
                 says = f"{int(lo)}" if lo == hi else f"{int(lo)} to {int(hi)}"
                 raise OutOfSyncError(
@@ -481,24 +498,31 @@ class StepGuards:
                 seen[key] = (r, j)
 
     def check_in_sync(self, *, trained: bool = False) -> None:
-        """Raise if any parameter or buffer differs between ranks (one collective; sharded
-        parameters between the ranks that hold the same rows: a second one).
+        """Raise if any parameter or buffer differs between ranks, value by value (one
+        collective; sharded parameters between the ranks that hold the same rows: a second
+        one). ``trained``: as :meth:`_in_step`."""
+        for members, group in self._in_step(trained):
+            self._compare(members, group)
 
+    def _in_step(self, trained: bool) -> list[tuple[list[tuple[str, Tensor]], Any]]:
+        """The parameters and buffers, by the group of ranks that must hold the same of
+        each: sharded parameters the ranks that hold the same rows, the rest the mesh.
         ``trained``: after meta-steps, buffers are compared within each sample group only.
         Task groups adapt other tasks, so statistics that forwards move (BatchNorm's running
         ones) legitimately differ between them (docs/algorithms.md)."""
         named: list[tuple[str, Tensor]] = list(self.module.named_parameters())
         buffers: list[tuple[str, Tensor]] = list(self.module.named_buffers())
+        out: list[tuple[list[tuple[str, Tensor]], Any]] = []
         if self.sharded is not None:
             ids, rows_group = self.sharded
-            mine = [(n, t) for n, t in named if id(t) in ids]
+            out.append(([(n, t) for n, t in named if id(t) in ids], rows_group))
             named = [(n, t) for n, t in named if id(t) not in ids]
-            self._compare(mine, rows_group)
         if trained and self.mesh.tasks > 1:
-            self._compare(buffers, self.mesh.sample_group)
+            out.append((buffers, self.mesh.sample_group))
         else:
             named += buffers
-        self._compare(named, self.mesh.group)
+        out.append((named, self.mesh.group))
+        return out
 
     def _compare(self, named: list[tuple[str, Tensor]], group: Any) -> None:
         spread = max_abs_difference([t for _, t in named], group=group)

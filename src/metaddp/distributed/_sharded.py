@@ -11,6 +11,7 @@ ends as shards; the outer optimizer's state is allocated like its parameters: 1/
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -27,6 +28,9 @@ from ._rows import Cut, gather
 from ._units import LayerGather
 
 DEFAULT_UNIT_BYTES = 2**20
+
+ROWS = "metaddp_rows"
+"""The metadata key of a state_dict that holds one rank's rows: ``(rank, ranks)``."""
 
 
 def _attr(module: nn.Module, name: str) -> Tensor:
@@ -88,6 +92,9 @@ class Sharding:
         self._hooks = [
             model.register_forward_pre_hook(self._enter, prepend=True),
             model.register_forward_hook(self._leave, always_call=True),
+            # (torch marks these hooks with an attribute, which a bound method cannot take)
+            model.register_state_dict_post_hook(functools.partial(self._saved)),
+            model.register_load_state_dict_pre_hook(functools.partial(self._loading)),
         ]
 
     # --- the module's own parameters ----------------------------------------------------
@@ -239,6 +246,25 @@ class Sharding:
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.layers.forwarding:
             self.layers.finish()
+
+    def _saved(self, module: nn.Module, state: Any, prefix: str, metadata: dict) -> None:
+        # A state_dict taken outside gathered() holds this rank's rows: it says so in its
+        # metadata (kept by torch.save), so that loading it is refused.
+        if not self._full:
+            metadata[ROWS] = (group_rank(self.group), group_size(self.group))
+
+    def _loading(self, module: nn.Module, state: Any, prefix: str, metadata: dict, *_: Any) -> None:
+        rows = metadata.get(ROWS)
+        if rows is None:
+            return
+        index, parts = rows
+        raise RuntimeError(
+            f"this state_dict holds rank {index}'s rows of {parts} of the sharded weights "
+            "(model.state_dict() taken outside learner.gathered()): loaded, every rank would "
+            f"take rank {index}'s rows. Save the whole weights inside `with "
+            "learner.gathered():`, or each rank's rows through torch.distributed.checkpoint "
+            "with learner.sharded_state_dict() and load_sharded_state_dict()"
+        )
 
     def holding_full(self) -> bool:
         """Inside :meth:`gathered`: the module holds its full weights."""

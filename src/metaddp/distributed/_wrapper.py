@@ -36,7 +36,7 @@ from ._collectives import (
 from ._exact import DEFAULT_CHUNKS, ExactSums, deterministic_kernels
 from ._guards import StepGuards, refuse_at_construction
 from ._mesh import Mesh
-from ._sharded import DEFAULT_UNIT_BYTES, Sharding, refuse_dtensors, refuse_sharded
+from ._sharded import DEFAULT_UNIT_BYTES, ROWS, Sharding, refuse_dtensors, refuse_sharded
 from ._sums import BucketedSum, ExactSum, OverlappedSum, ShardedSum, Summing
 
 
@@ -434,6 +434,8 @@ class MetaDDP(nn.Module):
                     shape=cut.shape,
                     stride=torch.empty(cut.shape, device="meta").stride(),
                 )
+        for meta in getattr(state, "_metadata", {}).values():  # DTensors: whole, not rows
+            meta.pop(ROWS, None)
         return state
 
     def load_sharded_state_dict(self, state: Mapping[str, Tensor]) -> None:
