@@ -89,82 +89,33 @@ __all__ = [
 # release, with a DeprecationWarning that names the new place.
 _MOVED = {
     **dict.fromkeys(
-        (
-            "InnerOptimizer",
-            "LearnedLR",
-            "LossScale",
-            "adagrad",
-            "adam",
-            "adamw",
-            "apply_updates",
-            "chain",
-            "clip_by_global_norm",
-            "rmsprop",
-            "sgd",
-        ),
+        "InnerOptimizer LearnedLR LossScale adagrad adam adamw apply_updates chain "
+        "clip_by_global_norm rmsprop sgd".split(),
         "metaddp.inner",
     ),
     **dict.fromkeys(
-        (
-            "SAMA",
-            "T1T2",
-            "ConvergenceWarning",
-            "ImplicitCG",
-            "Neumann",
-            "Truncated",
-            "Unrolled",
-            "WeightNet",
-            "conjugate_gradient",
-        ),
+        "SAMA T1T2 ConvergenceWarning ImplicitCG Neumann Truncated Unrolled WeightNet "
+        "conjugate_gradient".split(),
         "metaddp.bilevel",
     ),
     **dict.fromkeys(
-        (
-            "Learner",
-            "LossFn",
-            "MetaAlgorithm",
-            "Params",
-            "Reduce",
-            "batch_share",
-            "buffers_of",
-            "call",
-            "grad",
-            "identity_reduce",
-            "inner_loop",
-            "inner_step",
-            "params_of",
-        ),
+        "Learner LossFn MetaAlgorithm Params Reduce batch_share buffers_of call grad "
+        "identity_reduce inner_loop inner_step params_of".split(),
         "metaddp.functional",
     ),
     **dict.fromkeys(
-        (
-            "Chunks",
-            "Shard",
-            "ShardSampler",
-            "class_means",
-            "global_sums",
-            "seed_for",
-            "shard",
-            "shard_range",
-        ),
+        "Chunks Shard ShardSampler class_means global_sums seed_for shard shard_range".split(),
         "metaddp.data",
     ),
     **dict.fromkeys(
-        (
-            "CapturedStep",
-            "CollectiveStats",
-            "all_reduce_counts",
-            "all_reduce_sum",
-            "counting",
-            "global_count",
-            "global_value",
-            "keep_freed_memory",
-            "set_strict",
-            "sync_batchnorm",
-        ),
+        "CapturedStep CollectiveStats all_reduce_counts all_reduce_sum counting global_count "
+        "global_value keep_freed_memory set_strict sync_batchnorm".split(),
         "metaddp.distributed",
     ),
-    "Supports": "metaddp.algorithms",
+    **dict.fromkeys(
+        "Supports".split(),
+        "metaddp.algorithms",
+    ),
 }
 
 
