@@ -208,10 +208,11 @@ def test_subclasses_with_their_own_task_loss_keep_the_loop():
     m = _DoubledTaskLoss(problem.build_model(), inner_lr=problem.inner_lr, steps=problem.steps)  # automatic choice
     loss = float(m.meta_loss(problem.tasks(), problem.loss_fn).detach())
     assert loss == pytest.approx(2.0 * loss_ref, rel=RTOL)  # the subclass's loss, not MAML's
-    forced = _DoubledTaskLoss(problem.build_model(), inner_lr=problem.inner_lr, steps=problem.steps,
-                              batched=True)
+    # batched=True on such a subclass is refused when it is built (or set), before any work.
     with pytest.raises(ValueError, match="overrides"):
-        forced.meta_loss(problem.tasks(), problem.loss_fn)
+        _DoubledTaskLoss(problem.build_model(), inner_lr=problem.inner_lr, steps=problem.steps, batched=True)
+    with pytest.raises(ValueError, match="overrides"):
+        m.batched = True
 
 
 def test_batch_norm_stacks_unless_it_tracks_running_statistics():

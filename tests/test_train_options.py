@@ -133,7 +133,6 @@ def test_cuda_graphs_is_not_part_of_the_identity():
 @pytest.mark.parametrize("option, message", [
     (dict(algorithm="reptile", memory="low"), "memory='low' rebuilds second-order inner steps, which reptile"),
     (dict(algorithm="imaml", autocast="bf16"), "autocast is a setting of .* not of imaml"),
-    (dict(algorithm="fomaml", memory="low"), "which fomaml does not take"),
     (dict(algorithm="reptile", memory="low"), "which reptile does not take"),
     (dict(ways=5), "ways is a setting of classification tasks, not of sinusoid"),
     (dict(data="/nowhere"), "the sinusoid task reads no dataset"),

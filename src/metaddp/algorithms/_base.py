@@ -203,6 +203,8 @@ class Algorithm(nn.Module):
         self._loss_scale = resolve_loss_scale(value, self.autocast)
         if self._rematerialized():
             self.unscaled('memory="low"')
+        if getattr(self, "batched", None):  # MAML's stacked tasks
+            self.unscaled("batched=True (stacked tasks)")
 
     def unscaled(self, path: str) -> None:
         """Refuse ``path``, which runs the inner steps without loss scaling, while float16

@@ -103,6 +103,27 @@ class MAML(Algorithm):
         self.batched = batched
         self.conv = ConvChoice(conv)
 
+    @property
+    def batched(self) -> bool | None:
+        """Stacked tasks: ``True``, ``False`` or ``None`` (chosen); see the class docstring.
+        Checked when set: ``True`` needs MAML's own task loss (:attr:`stackable`) and no
+        float16 loss scaling, which stacked steps do not take."""
+        return self._batched
+
+    @batched.setter
+    def batched(self, value: bool | None) -> None:
+        if value not in (True, False, None):
+            raise TypeError(f"batched must be True, False or None, got {value!r}")
+        if value and not self.stackable:
+            raise ValueError(
+                f"batched=True runs MAML's own task loss, which {type(self).__name__} "
+                "overrides: use batched=None or False (or set stackable = True on the class "
+                "if the override keeps MAML's loss)"
+            )
+        self._batched = value
+        if value:
+            self.unscaled("batched=True (stacked tasks)")
+
     def task_loss(self, task: Task, loss_fn: LossFn, *, reduce: Reduce) -> Tensor:
         """This rank's share of one task's query loss after adaptation."""
         return self.adapted_loss(task.support, task.query, loss_fn, reduce=reduce)
@@ -167,18 +188,8 @@ class MAML(Algorithm):
         )
 
     def task_losses(self, tasks: Sequence[Task], loss_fn: LossFn, reduce: Reduce) -> Tensor:
-        if self.batched and not self.stackable:
-            raise ValueError(
-                f"batched=True runs MAML's own task loss, which {type(self).__name__} "
-                "overrides: use batched=None or False (or set stackable = True on the class "
-                "if the override keeps MAML's loss)"
-            )
+        # batched=True is checked when set (and the loss scale when it is set).
         scaled = self.loss_scale is not None and self.autocast == torch.float16
-        if scaled and self.batched:
-            raise ValueError(
-                "batched=True stacks the tasks, whose inner steps take no loss scale: use "
-                "batched=None or False for float16 with loss scaling, or loss_scale=None"
-            )
         if self.stackable and not scaled and use_batched(self.batched, tasks, self.model):
             with _draws.stacked_tasks(len(tasks)):
                 return stacked_task_losses(

@@ -188,7 +188,9 @@ ALGORITHMS: dict[str, Builder] = {
 # rebuild, so no memory="low").
 SUPPORTS: dict[str, Supports] = {
     "maml": MAML.supports,
-    "fomaml": dataclasses.replace(MAML.supports, low_memory=False),
+    # memory="low" is MAML's: first order keeps no inner graph, so it runs the default loop,
+    # the same meta-gradient in the same memory (accepted, as the library accepts it).
+    "fomaml": MAML.supports,
     "metasgd": MetaSGD.supports,
     "anil": ANIL.supports,
     "reptile": Reptile.supports,

@@ -1,0 +1,79 @@
+"""The algorithm x mode x layout matrix, generated from the algorithms' declarations (each
+class's ``supports``, MAML's ``stackable``, the constructors' parameters): every cell run on
+this rank, as tests/test_matrix.py compares across world sizes."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import torch
+
+import metaddp as md
+from metaddp.algorithms import MAML
+from metaddp.testing import scenarios as S
+
+ALGORITHMS = ("maml", "fomaml", "metasgd", "anil", "boil", "reptile", "imaml", "mamlpp", "protonet",
+              "protomaml", "cavia")
+MODES = ("loop", "stacked", "low", "deterministic", "sharded")
+LAYOUTS = ("sample", "task")
+CONV = {"protonet", "protomaml"}  # classification: the prototypes need classes
+
+
+def problem(algorithm: str, mode: str, layout: str) -> S.Problem:
+    p = S.Problem(model="conv" if algorithm in CONV else "mlp", algorithm=algorithm, layout=layout,
+                  steps=2, n_tasks=3, n_support=7, n_query=5)
+    return dataclasses.replace(p, memory="low" if mode == "low" else "default",
+                               deterministic=mode == "deterministic", shard=mode == "sharded")
+
+
+def offered(algorithm: str, mode: str) -> bool:
+    """Whether the cell is a setting the algorithm takes at all: stacked tasks (``batched``)
+    are MAML's and its subclasses'; ``memory=`` is a parameter of some constructors only."""
+    alg = problem(algorithm, "loop", "sample").build_algorithm()
+    if mode == "stacked":
+        return isinstance(alg, MAML)
+    if mode == "low":
+        return "memory" in inspect.signature(type(alg).__init__).parameters
+    return True
+
+
+def declared(algorithm: str, mode: str) -> bool:
+    """Whether the algorithm's class declares the cell: a mode column of its ``supports``;
+    stacked tasks where it is MAML's own loss (``stackable``)."""
+    alg = problem(algorithm, "loop", "sample").build_algorithm()
+    if mode == "stacked":
+        return isinstance(alg, MAML) and alg.stackable
+    column = {"low": "low_memory", "deterministic": "deterministic", "sharded": "sharded"}.get(mode)
+    return column is None or getattr(alg.supports, column)
+
+
+def cell(algorithm: str, mode: str, layout: str) -> dict:
+    """One meta-step of the cell: where it was refused (``"built"``: the algorithm or the
+    wrapper refused to be built; ``"step"``: later) and why, or its meta-gradient."""
+    p = problem(algorithm, mode, layout)
+    try:
+        alg = p.build_algorithm()
+        if isinstance(alg, MAML) and mode in ("loop", "stacked"):
+            alg.batched = mode == "stacked"
+        learner = md.MetaDDP(alg, md.Mesh.for_layout(layout), deterministic=p.deterministic,
+                             shard=p.shard)
+    except (ValueError, TypeError) as e:
+        return {"refused": "built", "why": f"{type(e).__name__}: {e}"}
+    try:
+        loss = learner.meta_loss(learner.shard(p.n_tasks, p.task), p.loss_fn)
+        loss.backward()
+        learner.sync_grads()
+        with learner.gathered():
+            grads = S.meta_gradient(learner.module)
+    except (ValueError, TypeError, RuntimeError) as e:
+        return {"refused": "step", "why": f"{type(e).__name__}: {e}"}
+    finally:
+        learner.release()
+    return {"grads": grads}
+
+
+def every_cell() -> dict:
+    torch.manual_seed(0)
+    return {(a, m, l): cell(a, m, l) for a in ALGORITHMS for m in MODES for l in LAYOUTS
+            if offered(a, m)}

@@ -1,0 +1,54 @@
+"""Every algorithm x mode x layout cell that the algorithms offer, generated from their
+declarations (tests/matrix_workers.py), at 1, 2 and 3 processes: each gives the one-process
+meta-gradient (bit for bit in deterministic mode) or is refused when the learner is built,
+as declared, with a reason, never later and never by a different number."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import matrix_workers as M
+from metaddp.distributed.launch import run_local
+
+# Float64 meta-gradients whose sums are split differently at another world size: a few ulps
+# per operation, observed below 1e-15 relative; 1e-12 leaves margin, while a missing reduction
+# or a different draw is 1e-3 or more.
+RTOL = 1e-12
+
+
+@pytest.fixture(scope="module")
+def worlds() -> dict[int, list[dict]]:
+    # One process group per world size runs every cell (one thread each: deterministic mode's
+    # bits must not depend on a thread count that changes with the world size).
+    return {w: run_local(M.every_cell, w, threads=1) for w in (1, 2, 3)}
+
+
+def test_every_offered_cell_is_exact_or_refused_when_built(worlds):
+    one = worlds[1][0]
+    assert len(one) == 90  # 45 algorithm x mode cells the algorithms take, in 2 layouts
+    for world, ranks in worlds.items():
+        for rank, cells in enumerate(ranks):
+            assert cells.keys() == one.keys()
+            for key, got in cells.items():
+                where = f"{key} at world {world}, rank {rank}"
+                assert got.get("refused") != "step", f"{where} refused only at the step: {got['why']}"
+                assert ("refused" in got) == (not M.declared(key[0], key[1])), f"{where}: {got}"
+                if "refused" in got:
+                    assert got["why"] == one[key]["why"] and len(got["why"]) > 60, where  # a reason
+                    continue
+                want = one[key]["grads"]
+                assert got["grads"].keys() == want.keys(), where
+                for k, g in got["grads"].items():
+                    if key[1] == "deterministic":
+                        assert torch.equal(g, want[k]), f"{where}: {k} not bit for bit"
+                    else:
+                        top = float(want[k].abs().max())
+                        assert float((g - want[k]).abs().max()) <= RTOL * max(top, 1.0), f"{where}: {k}"
+
+
+def test_the_refused_cells_are_the_declared_ones(worlds):
+    # The refusals, as docs/algorithms.md's capability table lists them.
+    refused = sorted({(a, m) for (a, m, _), got in worlds[1][0].items() if "refused" in got})
+    assert len(refused) == 18, refused
+    assert {m for _, m in refused} == {"deterministic", "sharded", "stacked"}
