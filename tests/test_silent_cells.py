@@ -242,3 +242,25 @@ def test_hand_cut_parts_whose_starts_do_not_tile_the_batch_are_refused():
     (want,) = run_local(W.hand_cut_starts, 1, True, threads=1)
     for out in run_local(W.hand_cut_starts, 2, True, threads=1):
         torch.testing.assert_close(torch.tensor(out["grad"]), torch.tensor(want["grad"]), rtol=1e-12, atol=1e-12)
+
+
+def test_a_weighting_network_read_by_closure_in_plain_training_is_refused():
+    # Bilevel(train_inner=True) trains the model on its inner loss; a weighting network that
+    # loss read by closure got no gradient at all, without a word. Given as weights= it is an
+    # outer variable of the problem and nothing is refused.
+    torch.manual_seed(0)
+    net, weighting = nn.Linear(1, 1).double(), md.bilevel.WeightNet(4).double()
+    x = torch.linspace(-1, 1, 8, dtype=torch.float64)[:, None]
+    tasks = [md.Task(md.Batch(x, 2 * x, 8), md.Batch(x, 3 * x, 8))]
+
+    def weighted(p, y):
+        losses = W._mse(p, y)
+        return weighting(losses.detach()) * losses
+
+    alone = md.Bilevel(net, inner_loss=weighted, outer_loss=W._mse, start="current", train_inner=True)
+    with pytest.raises(ValueError, match="reads 4 trained tensor"):
+        alone.meta_loss(tasks)
+    given = md.Bilevel(net, inner_loss=W._mse, outer_loss=W._mse, weights=weighting, start="current",
+                       train_inner=True)
+    given.meta_loss(tasks).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in weighting.parameters())

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from .._adapt import batch_share, check_finite
 from .._data import Batch, Task
 from .._functional import params_of, refusing_draws
+from .._reach import shapes, unknown_leaves
 from .._remat import rematerialized_loss
 from .._types import LossFn, Params, Reduce, Supports
 from ..inner import InnerOptimizer, learned_rates
@@ -248,8 +249,18 @@ class Bilevel(Algorithm):
         # held: a share's gradient (the wrapper's SUM makes it the batch's).
         theta = params_of(self.model)
         with torch.enable_grad():
+            objective = p.inner(theta)
+            # This gradient is taken without its graph: a trained tensor the inner loss reads
+            # from outside the problem (a weighting network by closure) would get nothing.
+            if outside := unknown_leaves([objective], list(self.parameters())):
+                raise ValueError(
+                    f"the inner loss reads {len(outside)} trained tensor(s) of shape "
+                    f"{shapes(outside)} that are not parameters of this problem, which would "
+                    "get no gradient: pass a weighting network as weights= (or the module that "
+                    "holds them as outer=), or freeze them (requires_grad=False)"
+                )
             g = torch.autograd.grad(
-                p.inner(theta), list(theta.values()), allow_unused=True, materialize_grads=True
+                objective, list(theta.values()), allow_unused=True, materialize_grads=True
             )
         step = cast(
             Tensor, sum((w * d.detach()).sum() for w, d in zip(theta.values(), g, strict=True))
