@@ -278,3 +278,20 @@ def hand_cut_starts(right: bool) -> dict:
         return {"grad": step()}
     except (ValueError, RuntimeError) as e:
         return {"error": f"{type(e).__name__}: {e}"}
+
+
+def accumulated_running_statistics() -> str:
+    """Two meta-batches accumulated before the first sum (no_sync), task layout, BatchNorm
+    with running statistics: the task groups' statistics differ by then, legitimately."""
+    from metaddp.testing import scenarios as S
+
+    p = S.Problem("conv", batchnorm=True, running_stats=True, layout="task", steps=1, n_tasks=4)
+    learner = md.MetaDDP(p.build_algorithm(), md.Mesh.for_layout("task"))
+
+    def step() -> None:
+        with learner.no_sync():
+            learner.meta_loss(learner.shard(4, p.task), p.loss_fn).backward()
+        learner.meta_loss(learner.shard(4, lambda i: p.task(10 + i)), p.loss_fn).backward()
+        learner.sync_grads()
+
+    return _error_of(step)

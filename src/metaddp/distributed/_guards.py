@@ -264,6 +264,9 @@ class StepGuards:
         # ranks split the work: refused where they run; nothing is registered on one rank.
         # Verdicts of this rank's work noted during the step (Collectives.note), by kind.
         self._verdicts: dict[str, Tensor] = {}
+        # Whether a forward may have moved buffers since the wrapper was built (task groups'
+        # running statistics then differ legitimately, even before the first sum).
+        self.moved = False
         self.unkeyed = (
             UnkeyedDraws(module, lambda: not self._local) if group_size(mesh.group) > 1 else None
         )
@@ -308,6 +311,7 @@ class StepGuards:
         # A step being recorded in a CUDA graph cannot read values on the host; the replays
         # run no Python, and the shard() of each step is checked outside the graph.
         if not self.schedule.due() or self._local or _host.recording():
+            self.moved = True
             return
         if isinstance(tasks, MetaBatch):
             if tasks in self._agreed:
@@ -319,6 +323,8 @@ class StepGuards:
         except BaseException:
             _host.discard()  # the step ends here: its pending checks go with it
             raise
+        finally:
+            self.moved = True  # the tasks go to forwards next
 
     def weights_agree(self) -> None:
         """On a checked step, before any work: every parameter and buffer the same wherever
@@ -328,7 +334,7 @@ class StepGuards:
         each sample group after it (task groups move their own running statistics). A
         checkpoint loaded on some ranks after the wrapper was built, or weights one rank
         changed by hand, end here, not in a meta-gradient that is no one process's."""
-        for members, group in self._in_step(trained=self.schedule.step > 0):
+        for members, group in self._in_step(trained=self.schedule.step > 0 or self.moved):
             if not members or group_size(group) == 1:
                 continue
             low, top = extremes(torch.cat([tensor_print(t) for _, t in members]), group)
@@ -543,6 +549,7 @@ class StepGuards:
     def share_in(self, loss: Tensor, where: str) -> None:
         """Where ranks split a task's samples, ``loss`` must be ``metaddp.share(per_sample,
         batch)`` of a rank's part of a batch; on checked steps its sizes are agreed."""
+        self.moved = True
         ranks = self.mesh.samples
         if ranks == 1 or self._local:
             return

@@ -353,6 +353,7 @@ class MetaDDP(nn.Module):
         the per-sample loss of its inner steps; a prototypical network takes none)."""
         batches: dict[BatchKey, Batch] = {"the support": support}
         self.guards.refuse_whole(batches)
+        self.guards.moved = True
         if self.guards.schedule.due():
             self.guards.check_batch_sizes(batches)
         with self.guards.own_loop(), self._saving():
