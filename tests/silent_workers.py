@@ -113,26 +113,42 @@ def class_balanced(p, y):  # weights from the batch's label counts
     return _mse(p, y) * (positive / share + (1 - positive) / (1 - share)) / 2
 
 
-LOSSES = {"sum": normalised_by_sum, "variance": over_variance, "balanced": class_balanced}
+def over_offset_variance(p, y):  # a small statistic: it moves the losses by 1e-4
+    return _mse(p, y) / (y.squeeze(-1).var() + 1000.0)
 
 
-def batch_statistic(loss: str, where: str) -> dict:
+LOSSES = {"sum": normalised_by_sum, "variance": over_variance, "balanced": class_balanced,
+          "offset": over_offset_variance}
+
+
+def batch_statistic(loss: str, where: str, n: int = 8) -> dict:
     """A meta-step whose loss reads a statistic of its own batch: meta_loss (stacked or one by
-    one), adapt, or a Bilevel's own inner loss. Returns the meta-gradient or the error."""
+    one; stacked with BatchNorm or dropout in the model), adapt (MAML's, MAML++'s, a
+    Bilevel's), or a Bilevel's own inner loss; ``n`` samples per batch. Returns the
+    meta-gradient or the error."""
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    middle = {"stacked-bn": [nn.BatchNorm1d(8)], "stacked-dropout": [nn.Dropout(0.2)]}.get(where, [])
+    net = nn.Sequential(nn.Linear(1, 8), *middle, nn.Tanh(), nn.Linear(8, 1)).double()
     fn = LOSSES[loss]
     if where == "bilevel":
         alg = md.Bilevel(net, inner_loss=fn, outer_loss=_mse, inner_lr=0.1)
+    elif where == "bilevel-adapt":
+        alg = md.Bilevel(net, inner_lr=0.1)
+    elif where == "mamlpp-adapt":
+        alg = md.MAMLPlusPlus(net, inner_lr=0.1, steps=2, per_step_bn=False)
     else:
-        alg = md.MAML(net, inner_lr=0.1, batched={"stacked": True, "loop": False}.get(where))
+        stacked = where.startswith("stacked")
+        alg = md.MAML(net, inner_lr=0.1, batched=True if stacked else {"loop": False}.get(where))
     learner = md.MetaDDP(alg, md.Mesh.create())
+    x = torch.linspace(-1, 1, n, dtype=torch.float64)[:, None]
+    tasks_ = [md.Task(md.Batch(x, 2 * x * (i + 1), n), md.Batch(x, 3 * x * (i + 1), n)) for i in range(2)]
 
     def step() -> list[float]:
-        tasks = learner.shard(_tasks())
-        if where == "adapt":
-            learner.adapt(tasks[0].support, fn)
-            loss = learner.meta_loss(tasks, _mse)
+        tasks = learner.shard(tasks_)
+        if where.endswith("adapt"):
+            fast = learner.adapt(tasks[0].support, fn)
+            q = tasks[0].query
+            loss = learner.meta_loss(tasks, _mse) + 0 * md.share(_mse(learner(q.x, fast), q.y), q)
         else:
             loss = learner.meta_loss(tasks, None if where == "bilevel" else fn)
         loss.backward()
@@ -248,6 +264,8 @@ def sharded_usual_checkpoint(folder: str) -> dict:
         learner.module.load_state_dict(state)
 
     out["dcp"] = _error_of(dcp_load)
+    copied = {k: v.clone() for k, v in learner.module.state_dict().items()}  # as .cpu() would
+    out["copied"] = _error_of(lambda: learner.module.load_state_dict(copied))
     with learner.gathered():
         whole = learner.module.state_dict()
         out["gathered"] = _error_of(lambda: learner.module.load_state_dict(whole))

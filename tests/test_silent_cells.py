@@ -169,7 +169,8 @@ def test_deterministic_mode_refuses_batched_at_construction():
 # --- a loss that reads a statistic of its own batch ---------------------------------------
 
 
-@pytest.mark.parametrize("where", ["stacked", "loop", "adapt", "bilevel"])
+@pytest.mark.parametrize("where", ["stacked", "loop", "adapt", "bilevel", "stacked-bn", "stacked-dropout",
+                                   "mamlpp-adapt", "bilevel-adapt"])
 @pytest.mark.parametrize("loss", ["sum", "variance", "balanced"])
 def test_a_loss_reading_its_batch_is_refused_where_ranks_split_samples(loss, where):
     # L2RW's weights normalised by the batch's sum, a loss over the targets' variance, a
@@ -226,8 +227,8 @@ def test_sharded_rows_saved_the_usual_way_refuse_to_load(tmp_path):
     # DCP given state_dict() instead of sharded_state_dict() the same (94.6%). A state_dict
     # taken outside gathered() now says it holds rows, and loading it is refused.
     for out in run_local(W.sharded_usual_checkpoint, 2, str(tmp_path), threads=1):
-        for how in ("torch.save", "dcp"):
-            assert out[how].startswith("RuntimeError: this state_dict holds rank "), out[how]
+        for how in ("torch.save", "dcp", "copied"):
+            assert out[how].startswith("RuntimeError: load_state_dict on sharded weights"), out[how]
             assert "learner.gathered()" in out[how]
         assert out["gathered"] == "accepted"
 
@@ -270,3 +271,13 @@ def test_running_statistics_moved_before_the_first_sum_are_no_false_alarm():
     # The weights' fingerprints compare buffers over the whole mesh only before any forward:
     # task groups move their own running statistics from the first meta-batch on.
     assert run_local(W.accumulated_running_statistics, 2, threads=1) == ["accepted", "accepted"]
+
+
+def test_a_loss_reading_its_batch_is_refused_with_one_sample_per_rank():
+    # Two samples at 2 processes: no rank can cut its part in two, so the one sample is
+    # given twice (a batch's sum doubles). A variance offset by 1000 moves the losses by
+    # 1e-4 only, and is refused too (64 float64 ulps, not 1e-3).
+    for out in run_local(W.batch_statistic, 2, "sum", "loop", 2, threads=1):
+        assert out.get("error", "").startswith("the loss function does not give one loss per sample"), out
+    for out in run_local(W.batch_statistic, 2, "offset", "loop", threads=1):
+        assert out.get("error", "").startswith("the loss function does not give one loss per sample"), out

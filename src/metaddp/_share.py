@@ -111,7 +111,7 @@ NOT_PER_SAMPLE = (
 
 
 class PerSampleCheck:
-    """``loss_fn``, checked on its first call with two samples or more where ranks split a
+    """``loss_fn``, checked on its first call with a sample or more where ranks split a
     task's samples: a share is the rank's part of the mean only if each sample's loss depends
     on that sample alone (or on sums over the whole batch). The check cuts the rank's samples
     once more, calls ``loss_fn`` on the first half (no graph) and compares: a loss that reads
@@ -144,7 +144,7 @@ class PerSampleCheck:
         n = prediction.shape[0]
         if made.calls:  # sums over the ranks of its own: nothing to cut
             self.seen.add(_function(self.loss_fn))
-        elif n >= 2 and isinstance(losses, Tensor) and losses.dim() and losses.shape[0] == n:
+        elif n >= 1 and isinstance(losses, Tensor) and losses.dim() and losses.shape[0] == n:
             self.seen.add(_function(self.loss_fn))
             self.note("per_sample", self._differs(prediction, target, losses))
         return losses
@@ -156,17 +156,27 @@ class PerSampleCheck:
             self(prediction.detach(), target)
 
     def _differs(self, prediction: Tensor, target: Tensor, losses: Tensor) -> Tensor:
-        h = prediction.shape[0] // 2
+        """Whether the losses of the first half of the samples change when the batch is
+        cut to them; with one sample, when it is given twice (a batch's sum doubles)."""
+        n = prediction.shape[0]
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a statistic of one sample may warn (var)
-            part = one_per_sample(self.loss_fn(prediction[:h].detach(), target[:h]))
-            whole_ = one_per_sample(losses[:h].detach())
-            # Float32 sums of the same values in another blocking round alike to 1e-6; a
-            # statistic of half the batch moves a loss by far more than 1e-3 of its size.
-            # A statistic that has no value on the half (a variance of one sample) differs
-            # too; a loss that is not finite to begin with is the finiteness check's.
+            p, t = prediction.detach(), target
+            if n >= 2:
+                h = n // 2
+                other = self.loss_fn(p[:h], t[:h])
+            else:
+                h = 1
+                other = self.loss_fn(torch.cat([p, p]), torch.cat([t, t]))[:1]
+            part, whole_ = one_per_sample(other), one_per_sample(losses[:h].detach())
+            # The same per-sample operations on fewer rows round alike, or within a few
+            # units in the last place where a reduction inside a sample is blocked
+            # otherwise: 64 of them. A statistic of another batch moves a loss by far more
+            # (1e-4 of it for a variance offset by 1000). A statistic that has no value on
+            # the cut (a variance of one sample) differs too; a loss that is not finite to
+            # begin with is the finiteness check's.
             scale = whole_.abs().max().clamp(min=torch.finfo(whole_.dtype).tiny)
-            same = (part - whole_).abs() <= 1e-3 * scale
+            same = (part - whole_).abs() <= 64 * torch.finfo(whole_.dtype).eps * scale
             return (~same & whole_.isfinite()).any().reshape(1)
 
 

@@ -323,7 +323,8 @@ class Bilevel(Algorithm):
         inner batch, with their graph."""
         c = self.collectives(reduce)
         self.check_batches({"the support": support}, c)
-        p = self.problem(Task(support, support), loss_fn or self.outer_loss, reduce=c.reduce)
+        given = None if loss_fn is None else self.per_sample(loss_fn, c)
+        p = self.problem(Task(support, support), given or self.outer_loss, reduce=c.reduce)
         k = self.steps if steps is None else steps
         with refusing_draws(c.split):
             return unroll(p, p.start, p.optimizer.init(p.start), k)

@@ -222,7 +222,7 @@ class MAMLPlusPlus(MAML):
         steps = self.steps if steps is None else steps
         with self.adapting(support, reduce) as c:
             fast = inner_loop(
-                self.model, self.fast_weights(), support, loss_fn, steps=steps,
+                self.model, self.fast_weights(), support, self.per_sample(loss_fn, c), steps=steps,
                 optimizer=self.inner_optimizer(), first_order=self.first_order, reduce=c.reduce,
                 loss_scale=self.loss_scale, at=self.norms_at,
             )  # fmt: skip

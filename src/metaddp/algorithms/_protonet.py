@@ -216,7 +216,8 @@ class ProtoMAML(Algorithm):
         the prototypes' head."""
         loss_fn = need_loss(loss_fn, type(self).__name__)
         with self.adapting(support, reduce) as c:
-            return self._adapted(support, loss_fn, c.reduce, self.steps if steps is None else steps)
+            steps = self.steps if steps is None else steps
+            return self._adapted(support, self.per_sample(loss_fn, c), c.reduce, steps)
 
     def forward(self, x: Tensor, fast: Mapping[str, Tensor] | None = None) -> Tensor:
         """The adapted network on ``x``; ``fast`` from :meth:`adapt` (the head has no

@@ -302,15 +302,28 @@ def _probe(
     are summed over the ranks) is not probed, nor one that may draw (its masks are keyed
     inside the stacked forward only)."""
     probe = getattr(loss_fn, "probe", None)
-    if probe is None or not getattr(loss_fn, "pending", False) or x.shape[1] < 2:
+    if probe is None or not getattr(loss_fn, "pending", False) or not x.shape[1]:
         return
-    if needs_routes(model) or any(isinstance(m, _BatchNorm) for m in model.modules()):
+    if not probeable(model):
         return
     own = buffers if buffers is not None else dict(model.named_buffers())
     with torch.no_grad():
         copies = {k: b[0].clone() if buffers is not None else b.clone() for k, b in own.items()}
         prediction = call(model, {k: v[0] for k, v in params.items()}, x[0], buffers=copies or None)
     probe(prediction, y[0])
+
+
+def probeable(model: nn.Module) -> bool:
+    """Whether a stacked meta-batch can give a pending loss check the first task's
+    predictions (:func:`_probe`): not for a model with BatchNorm or one that may draw."""
+    return not needs_routes(model) and not any(isinstance(m, _BatchNorm) for m in model.modules())
+
+
+def unchecked(loss_fn: LossFn, model: nn.Module) -> bool:
+    """Whether ``loss_fn`` still waits for its per-sample check and stacked tasks could not
+    give it: the tasks then run one by one this time (the same meta-gradient), which checks
+    it."""
+    return bool(getattr(loss_fn, "pending", False)) and not probeable(model)
 
 
 def use_batched(batched: bool | None, tasks: Sequence[Task], model: nn.Module) -> bool:

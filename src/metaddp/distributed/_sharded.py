@@ -89,6 +89,7 @@ class Sharding:
             unit_bytes,
         )
         self._armed = False  # metaddp.functional.call is about to run the model
+        self.loading_rows = False  # MetaDDP.load_sharded_state_dict loads this rank's rows
         self._hooks = [
             model.register_forward_pre_hook(self._enter, prepend=True),
             model.register_forward_hook(self._leave, always_call=True),
@@ -254,16 +255,18 @@ class Sharding:
             metadata[ROWS] = (group_rank(self.group), group_size(self.group))
 
     def _loading(self, module: nn.Module, state: Any, prefix: str, metadata: dict, *_: Any) -> None:
+        # Rows loaded outside gathered() could be any rank's (a copy, .cpu() or .clone(),
+        # drops the metadata that says whose): only load_sharded_state_dict loads rows.
         rows = metadata.get(ROWS)
-        if rows is None:
+        if rows is None and (self._full or self.loading_rows):
             return
-        index, parts = rows
+        whose = "" if rows is None else f" (this one holds rank {rows[0]}'s of {rows[1]})"
         raise RuntimeError(
-            f"this state_dict holds rank {index}'s rows of {parts} of the sharded weights "
-            "(model.state_dict() taken outside learner.gathered()): loaded, every rank would "
-            f"take rank {index}'s rows. Save the whole weights inside `with "
-            "learner.gathered():`, or each rank's rows through torch.distributed.checkpoint "
-            "with learner.sharded_state_dict() and load_sharded_state_dict()"
+            "load_state_dict on sharded weights, each rank holding its rows"
+            f"{whose}: a state taken outside learner.gathered() holds one rank's rows, and "
+            "loaded on every rank would give them all that rank's. Load whole weights inside "
+            "`with learner.gathered():`, or rows saved with learner.sharded_state_dict() "
+            "through torch.distributed.checkpoint with learner.load_sharded_state_dict()"
         )
 
     def holding_full(self) -> bool:

@@ -444,9 +444,15 @@ class MetaDDP(nn.Module):
         ``torch.distributed.checkpoint.load``): this rank's rows of each DTensor."""
         from torch.distributed.tensor import DTensor
 
-        self.module.load_state_dict(
-            {k: v.to_local() if isinstance(v, DTensor) else v for k, v in state.items()}
-        )
+        rows = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in state.items()}
+        if self.sharding is None:
+            self.module.load_state_dict(rows)
+            return
+        self.sharding.loading_rows = True
+        try:
+            self.module.load_state_dict(rows)
+        finally:
+            self.sharding.loading_rows = False
 
     def clip_grad_norm_(self, max_norm: float, eps: float = 1e-6) -> Tensor:
         """Scale every trained parameter's ``.grad`` by ``min(1, max_norm / (norm + eps))``
