@@ -320,7 +320,9 @@ class Algorithm(nn.Module):
                 return loss_fn
         if not c.samples_split or isinstance(loss_fn, PerSampleCheck):
             return loss_fn
-        seen = self.__dict__.setdefault("_per_sample_seen", weakref.WeakSet())
+        seen = self.__dict__.get("_per_sample_seen")
+        if seen is None:  # the loss functions checked already (weakly: lambdas come and go)
+            seen = self.__dict__["_per_sample_seen"] = weakref.WeakSet()
         return PerSampleCheck(loss_fn, c.note, c.counting, seen)
 
     def inner_loop(
