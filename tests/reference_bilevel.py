@@ -52,6 +52,10 @@ class Problem:
         """The step (to add to the weights) and the next state."""
         if self.optimizer == "sgd":
             return [-self.lr * gi for gi in g], state
+        if self.optimizer == "momentum":  # torch.optim.SGD's: b_1 = g_1, b_t = 0.9 b_(t-1) + g_t
+            t, bs, vs = state
+            bs = [gi if t == 0 else 0.9 * b + gi for b, gi in zip(bs, g)]
+            return [-self.lr * b for b in bs], (t + 1, bs, vs)
         t, ms, vs = state
         t += 1
         b1, b2 = 0.9, 0.999

@@ -40,6 +40,16 @@ def problems() -> list[S.BilevelProblem]:
         S.BilevelProblem(method="neumann", n_problems=3, layout="task", start="outer"),
         S.BilevelProblem(method="implicit-cg", n_problems=2, layout="hybrid", start="outer"),
         S.BilevelProblem(method="unrolled", memory="low"),
+        # Long inner runs through a replay tree (memory=Replay): SGD with momentum and Adam,
+        # every layout, and a start that is the meta-parameters.
+        S.BilevelProblem(method="unrolled", memory=md.Replay(k=2), steps=8, optimizer="momentum",
+                         inner_lr=0.05),
+        S.BilevelProblem(method="unrolled", memory=md.Replay(k=3), steps=13, optimizer="adam",
+                         inner_lr=0.02, layout="hybrid", n_problems=3),
+        S.BilevelProblem(method="unrolled", memory="replay", steps=64, optimizer="momentum",
+                         inner_lr=0.02, layout="task", n_problems=2, start="outer"),
+        S.BilevelProblem(method="unrolled", memory=md.Replay(k=4), steps=64, optimizer="adam",
+                         inner_lr=0.01),
     ]
     return out
 

@@ -61,10 +61,11 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("memory", ["low", md.Replay(k=2)], ids=str)
 @pytest.mark.parametrize("case", list(CASES))
-def test_low_memory_gives_the_default_meta_gradient(case):
+def test_low_memory_gives_the_default_meta_gradient(case, memory):
     problem, make = CASES[case]
-    default, low = make("default"), make("low")
+    default, low = make("default"), make(memory)
     want, got = meta_grads(default, problem), meta_grads(low, problem)
     assert rel(got, want) < RTOL
     for (k, a), (_, b) in zip(default.named_buffers(), low.named_buffers(), strict=True):
@@ -118,10 +119,16 @@ MIXED = [
 ]
 
 
+# Nine inner steps through a replay tree of two parts per level: the function holds the
+# first eight, which the backward replays in halves, quarters and pairs.
+REPLAY = [dataclasses.replace(MLP, layout=layout, memory=md.Replay(k=2), steps=9, inner_lr=0.02)
+          for layout in S.LAYOUTS]
+
+
 @pytest.fixture(scope="module", params=[3, 4], ids=lambda w: f"world{w}")
 def across_ranks(request):
     # One group of processes per world size runs every problem.
-    return request.param, run_local(worker, request.param, DIST + MIXED)
+    return request.param, run_local(worker, request.param, DIST + MIXED + REPLAY)
 
 
 def test_low_memory_across_ranks_is_exact_with_3k_collectives(across_ranks):
@@ -150,6 +157,44 @@ def test_low_memory_across_ranks_with_adam_learned_rates_batchnorm_and_empty_sha
         want = S.meta_gradient(_with_grads(default))
         for rank, r in enumerate(results):
             assert rel(r[i]["grads"], want) < RTOL, f"{p} world {world} rank {rank}"
+
+
+def test_a_replay_tree_across_ranks_is_exact_with_its_replayed_steps_collectives(across_ranks):
+    world, results = across_ranks
+    for i, p in enumerate(REPLAY, start=len(DIST) + len(MIXED)):
+        _, want = reference.maml_meta_grad(p.build_model(), p.tasks(), steps=p.steps,
+                                           inner_lr=p.inner_lr, first_order=False,
+                                           classification=False)
+        for rank, r in enumerate(results):
+            got = r[i]
+            assert rel(got["grads"], want) < RTOL, f"{p.layout} world {world} rank {rank}"
+            if p.layout == "sample":
+                # memory="low"'s 3K + 2 and the first step's checks, and one SUM per replayed
+                # step. The forward keeps the states before steps 0 and 4 of the eight inside
+                # the function; the backward replays each half from its start, running 2
+                # steps to reach its second quarter and 1 to reach each quarter's second
+                # step: 2 * (2 + 1 + 1) = 8, (n / 2)(log2 n - 1) for n = 8.
+                assert got["calls"] == 3 * p.steps + 2 + FIRST_STEP_CHECKS + 8, got["calls"]
+
+
+def test_replay_chooses_the_fastest_tree_within_its_budget_and_refuses_nonsense():
+    from metaddp._remat import alive
+
+    # alive(k, n): the start and k - 1 states per level, ceil(log_k n) levels.
+    assert [alive(2, n) for n in (1, 2, 8, 9, 10_000)] == [1, 2, 4, 5, 15]
+    assert alive(7, 10_000) == 31 and alive(8, 10_000) == 36
+    # The largest k that keeps at most `states` alive: everything kept when it fits.
+    assert md.Replay(states=32).parts(20) == 20
+    assert md.Replay(states=32).parts(10_000) == 7
+    assert md.Replay(states=16).parts(10_000) == 2
+    assert md.Replay(k=3).parts(10_000) == 3
+    for bad in (dict(k=1), dict(k=2.5), dict(states=1), dict(k=True)):
+        with pytest.raises(ValueError, match="Replay"):
+            md.Replay(**bad)
+    with pytest.raises(ValueError, match="memory must be one of"):
+        md.MAML(MLP.build_model(), memory="tree")
+    with pytest.raises(ValueError, match="rebuilds unrolled steps"):
+        md.Bilevel(MLP.build_model(), start="current", memory="replay", method=md.bilevel.Neumann())
 
 
 def test_the_training_command_trains_alike_in_either_mode(tmp_path):

@@ -31,6 +31,7 @@ from . import distributed as distributed
 from . import functional as functional
 from . import inner as inner
 from ._data import Batch, MetaBatch, Task, generator_for
+from ._remat import Replay
 from ._share import share
 from .algorithms import (
     ANIL,
@@ -75,6 +76,7 @@ __all__ = [
     "OutOfSyncError",
     "ProtoMAML",
     "ProtoNet",
+    "Replay",
     "Reptile",
     "Task",
     "generator_for",

@@ -26,6 +26,7 @@ the last: 3K per meta-step with the final gradient SUM (the default: 2K + 1).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,6 +43,85 @@ from .inner import InnerOptimizer, SlotState, State, apply_updates
 LossOf = Callable[[Params, "Params | None"], Tensor]
 """``loss_of(fast, buffers)``: the support loss share at ``fast``, with the module's own buffers
 (``None``) or the given ones."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Replay:
+    """``memory=Replay(...)``: the exact meta-gradient through K inner steps, keeping a tree of
+    O(k log_k K) saved weights and optimizer states instead of ``memory="low"``'s K - 1.
+
+    The steps' range is cut into k parts; the forward keeps the state at each part's start.
+    The backward walks the parts in reverse: a part of one step is rebuilt with its graph, as
+    ``memory="low"`` does; a longer part is replayed from its start, without a graph, keeping
+    the starts of its own k parts, and walked the same way (REPLAY, Engstrom et al. 2025,
+    arXiv:2503.13751; the k = 2 case is the bisection of Griewank 1992). At most
+    ``1 + (k - 1) * ceil(log_k K)`` states are alive at once, and a meta-gradient runs about
+    ``K * (1 + log_k K)`` inner steps, against K for ``memory="low"``. The numbers are the same
+    operations on the same values: the meta-gradient is ``memory="low"``'s and the default's.
+
+    Args:
+        k: parts per level (at least 2). ``None``: the largest k whose tree keeps at most
+            ``states`` states alive (the fastest that fits); K or more is ``memory="low"``.
+        states: the budget that chooses k when ``k`` is ``None`` (at least 2).
+    """
+
+    k: int | None = None
+    states: int = 32
+
+    def __post_init__(self) -> None:
+        for name, value, least in (("k", self.k, 2), ("states", self.states, 2)):
+            if value is None and name == "k":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"Replay({name}=) needs a whole number >= {least}, got {value!r}")
+
+    def parts(self, steps: int) -> int:
+        """k for a loop of ``steps`` steps."""
+        if self.k is not None:
+            return self.k
+        for k in range(max(steps, 2), 1, -1):
+            if alive(k, steps) <= self.states:
+                return k
+        return 2
+
+    def __str__(self) -> str:
+        return f"Replay(k={self.k}, states={self.states})"
+
+
+MEMORY_MODES = ("default", "low", "replay")
+
+
+def memory_mode(memory: object) -> str | Replay:
+    """``memory=`` checked: ``"default"`` (every step's graph kept), ``"low"`` (every step's
+    weights kept, each graph rebuilt), or a :class:`Replay` tree (``"replay"``: the default
+    one)."""
+    if isinstance(memory, Replay):
+        return memory
+    if memory == "replay":
+        return Replay()
+    if memory not in MEMORY_MODES:
+        raise ValueError(
+            f"memory must be one of {', '.join(map(repr, MEMORY_MODES))} or a "
+            f"metaddp.Replay(k=...), got {memory!r}"
+        )
+    return str(memory)
+
+
+def alive(k: int, steps: int) -> int:
+    """The most states a replay tree with ``k`` parts per level keeps at once over ``steps``
+    steps: the start, and k - 1 more per level."""
+    depth, span = 0, 1
+    while span < steps:
+        depth, span = depth + 1, span * k
+    return 1 + (k - 1) * depth if steps > 1 else 1
+
+
+def _starts(begin: int, end: int, k: int | None) -> list[int]:
+    """Where the parts of ``[begin, end)`` start: every step without a tree (``k`` ``None``),
+    else ``min(k, end - begin)`` parts as even as whole steps allow."""
+    n = end - begin
+    c = n if k is None else min(k, n)
+    return [begin + (n * i) // c for i in range(c)]
 
 
 def _unzip(state: State) -> tuple[list[Tensor], Callable[[Sequence[Tensor]], State]]:
@@ -80,8 +160,11 @@ class _Loop:
         extras: Sequence[Tensor],
         then: LossOf | None = None,
         draws: _draws.DrawScope | None = None,
+        tree: int | None = None,
     ) -> None:
         self.loss_of, self.names, self.optimizer = loss_of, names, optimizer
+        # Parts per level of the replay tree (Replay), or None: every step's state kept.
+        self.tree = tree
         # The dropout keys of the loop's forwards, numbered once: step k's forward is forward
         # k, the query's forward ``steps``, each time it runs (metaddp.forward).
         self.draws = draws
@@ -123,18 +206,50 @@ class _Loop:
             _refuse_outside(roots, inside, stop=list(g.values()))
         return new, after
 
+    def plain(
+        self, fast: Params, state: State, k: int, *, check: bool, buffers: Params | None = None
+    ) -> tuple[Params, State]:
+        """Step ``k`` with no graph kept: the weights and state after it, detached."""
+        with torch.enable_grad():
+            leaf = {name: v.detach().requires_grad_() for name, v in fast.items()}
+            new, new_state = self.step(
+                leaf, state, k, create_graph=False, check=check, buffers=buffers
+            )
+        tensors, put = _unzip(new_state)
+        return {name: v.detach() for name, v in new.items()}, put([t.detach() for t in tensors])
+
+    def replay(self, fast: Params, state: State, begin: int, end: int) -> list[Kept]:
+        """Steps ``begin`` to ``end`` run again from their start, without a graph, keeping the
+        state where each of the tree's parts of ``[begin, end)`` starts."""
+        starts = _starts(begin, end, self.tree)
+        kept = [(begin, fast, state)]
+        for k in range(begin, starts[-1]):
+            fast, state = self.plain(fast, state, k, check=False, buffers=self.copies())
+            if k + 1 in starts:
+                kept.append((k + 1, fast, state))
+        return kept
+
     def walk(
         self,
-        kept: list[tuple[Params, State]],
+        kept: list[Kept],
+        end: int,
         a_fast: list[Tensor],
         a_state: list[Tensor],
         extra_grads: list[Tensor],
-    ) -> list[Tensor]:
-        """Pull the adjoint of the weights and optimizer state after ``kept[-1]``'s step back
-        through the kept steps, one rebuilt step at a time. Returns the adjoint of
-        ``kept[0]``'s weights; adds the extras' into ``extra_grads``."""
-        for k in reversed(range(len(kept))):
-            fast, state = kept[k]
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """Pull the adjoint of the weights and optimizer state after step ``end - 1`` back to
+        ``kept[0]``'s, part by part in reverse: a one-step part is rebuilt with its graph, a
+        longer one replayed from its kept start (:meth:`replay`) and walked in turn. Returns
+        the adjoints of ``kept[0]``'s weights and state; adds the extras' into
+        ``extra_grads``. ``kept`` is emptied as it goes, so a part's states are freed once
+        walked."""
+        while kept:
+            k, fast, state = kept.pop()
+            if end - k > 1:
+                part = self.replay(fast, state, k, end)
+                a_fast, a_state = self.walk(part, end, a_fast, a_state, extra_grads)
+                end = k
+                continue
             copies = self.copies()
             with torch.enable_grad():
                 leaf, s_leaves, leaf_state = _leaves(fast, state)
@@ -143,7 +258,12 @@ class _Loop:
                 a_fast, a_state, grads = _vjp(outs, leaf, s_leaves, self.extras, a_fast + a_state)
             for e, g in zip(extra_grads, grads, strict=True):
                 e.add_(g)
-        return a_fast
+            end = k
+        return a_fast, a_state
+
+
+Kept = tuple[int, Params, State]
+"""A kept state: the step it comes before, the weights and the optimizer state."""
 
 
 def _leaves(fast: Params, state: State) -> tuple[Params, list[Tensor], State]:
@@ -194,21 +314,16 @@ def _refuse_outside(
         )
 
 
-def _sweep(
-    loop: _Loop, fast: Params, steps: int
-) -> tuple[list[tuple[Params, State]], Params, State]:
-    """``steps`` first-order steps from ``fast``: the weights and state before each (kept),
-    and after the last."""
+def _sweep(loop: _Loop, fast: Params, steps: int) -> tuple[list[Kept], Params, State]:
+    """``steps`` first-order steps from ``fast``: the states where the replay tree's parts
+    start (every step's without a tree), and the weights and state after the last."""
     state = loop.optimizer.init(fast)
+    starts = set(_starts(0, steps, loop.tree)) if steps else set()
     kept = []
     for k in range(steps):
-        kept.append((fast, state))
-        with torch.enable_grad():
-            leaf = {name: v.detach().requires_grad_() for name, v in fast.items()}
-            new, new_state = loop.step(leaf, state, k, create_graph=False, check=True)
-        fast = {name: v.detach() for name, v in new.items()}
-        tensors, put = _unzip(new_state)
-        state = put([t.detach() for t in tensors])
+        if k in starts:
+            kept.append((k, fast, state))
+        fast, state = loop.plain(fast, state, k, check=True)
     return kept, fast, state
 
 
@@ -230,16 +345,16 @@ class _Rematerialized(torch.autograd.Function):
         _first_derivatives_only()
         loop, n = ctx.loop, ctx.n
         extra_grads = [torch.zeros_like(e) for e in loop.extras]
-        last = ctx.kept[-1][0]  # shapes for the adjoints autograd leaves out (None)
+        _, last, before = ctx.kept[-1]  # shapes for the adjoints autograd leaves out (None)
         a_fast = [
             torch.zeros_like(f) if a is None else a
             for a, f in zip(adjoint[:n], last.values(), strict=True)
         ]
         a_state = [
             torch.zeros_like(t) if a is None else a
-            for a, t in zip(adjoint[n:], _unzip(ctx.kept[-1][1])[0], strict=True)
+            for a, t in zip(adjoint[n:], _unzip(before)[0], strict=True)
         ]
-        a_fast = loop.walk(ctx.kept, a_fast, a_state, extra_grads)
+        a_fast, _ = loop.walk(ctx.kept, loop.steps, a_fast, a_state, extra_grads)
         return (None, None, *a_fast, *extra_grads)
 
 
@@ -272,7 +387,7 @@ class _RematerializedLoss(torch.autograd.Function):
                 loss = loop.then(at, None)
             _refuse_outside([loss], [*at.values(), *extras])
             a_fast, a_state, extra_grads = _vjp(loss, leaf, s_leaves, extras, None)
-        a_fast = loop.walk(kept, a_fast, a_state, extra_grads)
+        a_fast, _ = loop.walk(kept, max(loop.steps - 1, 0), a_fast, a_state, extra_grads)
         ctx.grads = (*a_fast, *extra_grads)
         return loss.detach()
 
@@ -304,6 +419,7 @@ def rematerialized_loop(
     extras: Sequence[Tensor] = (),
     buffers: Params | None = None,
     check: Callable[[Params, int], None] = lambda g, k: None,
+    replay: Replay | None = None,
 ) -> Params:
     """``steps`` second-order inner steps whose memory does not grow with ``steps``.
 
@@ -317,6 +433,7 @@ def rematerialized_loop(
             updates in place: a rebuilt step runs on copies, so they move once per step, as
             by default.
         check: called with each step's reduced gradient and the step number.
+        replay: keep a tree of states (:class:`Replay`) instead of every step's.
     """
     if steps == 0:
         return dict(params)
@@ -326,7 +443,7 @@ def rematerialized_loop(
     draws = _draws.reserve(steps)
     loop = _Loop(
         loss_of, names, optimizer, steps - 1, reduce, dict(buffers or {}), check, extras,
-        draws=draws,
+        draws=draws, tree=replay.parts(steps - 1) if replay else None,
     )  # fmt: skip
     if loop.steps:
         out = _Rematerialized.apply(loop, n, *params.values(), *extras)
@@ -349,6 +466,7 @@ def rematerialized_loss(
     extras: Sequence[Tensor] = (),
     buffers: Params | None = None,
     check: Callable[[Params, int], None] = lambda g, k: None,
+    replay: Replay | None = None,
 ) -> Tensor:
     """``query_of`` at the weights after ``steps`` second-order inner steps, in memory that
     grows with neither ``steps`` nor, across tasks, the query pass: nothing but the kept
@@ -364,12 +482,13 @@ def rematerialized_loss(
     draws = _draws.reserve(steps + 1)  # the steps' forwards, then the query's
     loop = _Loop(
         loss_of, names, optimizer, steps, reduce, dict(buffers or {}), check, extras, query_of,
-        draws,
+        draws, replay.parts(steps - 1) if replay else None,
     )  # fmt: skip
     inputs = (*params.values(), *extras)
     if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
         return _RematerializedLoss.apply(loop, len(names), *inputs)
     with torch.no_grad():  # no gradient to compute: the steps first order, then the loss
+        loop.tree = 1  # nothing to walk back: keep only the start
         fast = _sweep(loop, {k: v.detach() for k, v in params.items()}, steps)[1]
         with _draws.numbered(draws, steps):
             return query_of(fast, None)

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from .._data import Batch, Task
 from .._functional import call
+from .._remat import Replay
 from .._types import LossFn, Params, Reduce, Supports
 from ..inner import DEFAULT_LOSS_SCALE, InnerOptimizer, LossScale
 from ._base import Algorithm, OptimizerFactory
@@ -58,7 +59,7 @@ class ANIL(Algorithm):
         first_order: bool = False,
         optimizer: InnerOptimizer | OptimizerFactory | None = None,
         learn_lr: str | None = None,
-        memory: str = "default",
+        memory: str | Replay = "default",
         autocast: torch.dtype | None = None,
         loss_scale: LossScale | bool | None = DEFAULT_LOSS_SCALE,
     ) -> None:

@@ -30,7 +30,7 @@ from .._functional import (
     refusing_draws,
     require_trained,
 )
-from .._remat import rematerialized_loop, rematerialized_loss
+from .._remat import Replay, memory_mode, rematerialized_loop, rematerialized_loss
 from .._share import PerSampleCheck
 from .._types import LossFn, Params, Reduce, Supports
 from ..forward import needs_routes, unkeyable_layers
@@ -60,10 +60,6 @@ CLONED = (
     "clone()'s learner runs forwards whose samples metaddp is not told: use meta_loss or "
     "adapt, which key every forward by its batch"
 )
-# "default": every inner step's graph is kept for the outer backward (memory grows with the
-# steps); "low": each step's graph is rebuilt, one at a time (metaddp._remat), the same
-# meta-gradient in memory that does not grow with the steps.
-MEMORY_MODES = ("default", "low")
 
 
 def _unknown_count(n_local: int) -> int:
@@ -139,7 +135,7 @@ class Algorithm(nn.Module):
         first_order: bool = False,
         optimizer: InnerOptimizer | OptimizerFactory | None = None,
         learn_lr: str | None = None,
-        memory: str = "default",
+        memory: str | Replay = "default",
         autocast: torch.dtype | None = None,
         loss_scale: LossScale | bool | None = DEFAULT_LOSS_SCALE,
     ) -> None:
@@ -151,13 +147,15 @@ class Algorithm(nn.Module):
         refuse_data_parallel(model)
         self.supports.refuse(
             type(self).__name__,
-            low_memory=memory == "low",
+            low_memory=memory != "default",
             autocast=autocast is not None,
             learn_lr=learn_lr is not None,
         )
-        if memory not in MEMORY_MODES:
-            raise ValueError(f"memory must be one of {', '.join(MEMORY_MODES)}, got {memory!r}")
-        self.memory = memory
+        # "default": every inner step's graph kept for the outer backward (memory grows with
+        # the steps); "low": every step's weights kept, each step's graph rebuilt one at a
+        # time (metaddp._remat); a Replay: a tree of O(k log_k K) states, replayed. The
+        # same meta-gradient each way.
+        self.memory = memory_mode(memory)
         if autocast not in (None, torch.bfloat16, torch.float16):
             raise ValueError(
                 f"autocast must be None, torch.bfloat16 or torch.float16, got {autocast}"
@@ -223,7 +221,10 @@ class Algorithm(nn.Module):
     def _rematerialized(self) -> bool:
         """Whether ``memory="low"`` rebuilds the inner steps (not first order, which keeps
         no inner graph and runs the default loop)."""
-        return self.memory == "low" and not self.first_order
+        return self.memory != "default" and not self.first_order
+
+    def _replay(self) -> Replay | None:
+        return self.memory if isinstance(self.memory, Replay) else None
 
     # --- what subclasses change ------------------------------------------------------------
 
@@ -353,6 +354,7 @@ class Algorithm(nn.Module):
                 extras=self._needing_grad(support),
                 buffers=dict(module.named_buffers()),
                 check=check_finite,
+                replay=self._replay(),
             )
         return inner_loop(
             module,
@@ -385,7 +387,7 @@ class Algorithm(nn.Module):
         return None
 
     def _rematerialize(self) -> bool:
-        return self.memory == "low" and not self.first_order and torch.is_grad_enabled()
+        return self._rematerialized() and torch.is_grad_enabled()
 
     def _needing_grad(self, *batches: Batch) -> list[Tensor]:
         """What the inner steps read besides the weights that needs a gradient: the learned
@@ -428,6 +430,7 @@ class Algorithm(nn.Module):
             extras=self._needing_grad(support, query),
             buffers=dict(module.named_buffers()),
             check=check_finite,
+            replay=self._replay(),
         )
 
     def adapt(

@@ -28,7 +28,7 @@ from .._adapt import batch_share, check_finite
 from .._data import Batch, Task
 from .._functional import params_of, refusing_draws
 from .._reach import shapes, unknown_leaves
-from .._remat import rematerialized_loss
+from .._remat import Replay, rematerialized_loss
 from .._types import LossFn, Params, Reduce, Supports
 from ..inner import InnerOptimizer, learned_rates
 from ._base import Algorithm, local_fraction
@@ -69,7 +69,9 @@ class Bilevel(Algorithm):
             of the rate (``md.inner.adam``), called with ``inner_lr``.
         method: the hypergradient method (:class:`metaddp.bilevel.Unrolled` by default;
             ``Truncated``, ``ImplicitCG``, ``Neumann``, ``T1T2``, ``SAMA``).
-        memory: ``"low"`` rebuilds one inner step's graph at a time (``Unrolled`` only).
+        memory: ``"low"`` rebuilds one inner step's graph at a time (``Unrolled`` only);
+            ``"replay"`` or :class:`metaddp.Replay` keeps O(k log_k K) of the K steps' states
+            and replays the rest, for inner problems of thousands of steps.
         weights: a module from per-sample losses (detached) to per-sample weights: the inner
             loss is then ``weights(losses) * losses`` of ``inner_loss`` (Meta-Weight-Net,
             Shu et al. 2019; learning to reweight, Ren et al. 2018). It is an outer variable
@@ -98,7 +100,7 @@ class Bilevel(Algorithm):
         inner_lr: float = 0.01,
         optimizer: InnerOptimizer | Callable[..., InnerOptimizer] | None = None,
         method: Method | None = None,
-        memory: str = "default",
+        memory: str | Replay = "default",
         weights: nn.Module | None = None,
         train_inner: bool = False,
     ) -> None:
@@ -110,9 +112,9 @@ class Bilevel(Algorithm):
                 f"method must be a hypergradient method (metaddp.bilevel.Unrolled(), ImplicitCG(), "
                 f"...), got {type(method).__name__}"
             )
-        if memory == "low" and not isinstance(method, Unrolled):
+        if memory != "default" and not isinstance(method, Unrolled):
             raise ValueError(
-                f"memory='low' rebuilds unrolled steps; {type(method).__name__} has none"
+                f"memory={memory!r} rebuilds unrolled steps; {type(method).__name__} has none"
             )
         if outer is not None and not isinstance(outer, nn.Module):
             raise TypeError(
@@ -280,6 +282,7 @@ class Bilevel(Algorithm):
                 reduce=reduce,
                 extras=self._outer_tensors(task, p.optimizer),
                 check=check_finite,
+                replay=self._replay(),
             )
         return self.method.loss(p)
 
@@ -288,8 +291,11 @@ class Bilevel(Algorithm):
         return [p for p in self.parameters() if p.requires_grad and id(p) not in mine]
 
     def _outer_tensors(self, task: Task, optimizer: InnerOptimizer) -> list[Tensor]:
-        # What the rebuilt steps read besides the fast weights that needs a gradient.
+        # What the rebuilt steps read besides the fast weights that needs a gradient. From
+        # the meta-parameters, a penalty may read them as well (iMAML's proximal term).
         others = self._outer_params()
+        if self.start == "outer" and self.penalty is not None:
+            others += [p for p in self.model.parameters() if p.requires_grad]
         known = {id(p) for p in others}
         rates = [r for r in learned_rates(optimizer) if id(r) not in known]
         inputs = [b.x for b in (task.support, task.query) if b.x.requires_grad]

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .._functional import params_of
+from .._remat import Replay
 from .._types import Params, Supports
 from ..inner import InnerOptimizer
 from ._anil import BodyHead
@@ -54,7 +55,7 @@ class BOIL(MAML):
         optimizer: InnerOptimizer | OptimizerFactory | None = None,
         learn_lr: str | None = None,
         batched: bool | None = None,
-        memory: str = "default",
+        memory: str | Replay = "default",
         autocast: torch.dtype | None = None,
         conv: str = "auto",
     ) -> None:

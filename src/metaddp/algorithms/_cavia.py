@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .._functional import params_of
+from .._remat import Replay
 from .._types import Params, Supports
 from ..inner import InnerOptimizer
 from ._base import OptimizerFactory
@@ -70,7 +71,7 @@ class CAVIA(MAML):
         optimizer: InnerOptimizer | OptimizerFactory | None = None,
         learn_lr: str | None = None,
         batched: bool | None = None,
-        memory: str = "default",
+        memory: str | Replay = "default",
         autocast: torch.dtype | None = None,
     ) -> None:
         if isinstance(context, bool) or not isinstance(context, int) or context < 1:

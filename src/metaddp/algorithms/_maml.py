@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from .. import forward as _draws
 from .._data import Task
 from .._functional import params_of
+from .._remat import Replay
 from .._types import LossFn, Params, Reduce, Supports
 from ..inner import DEFAULT_LOSS_SCALE, InnerOptimizer, LossScale
 from ._base import Algorithm, OptimizerFactory
@@ -43,7 +44,10 @@ class MAML(Algorithm):
             ``meta_loss`` itself: the same meta-gradient, with memory that does not grow
             with ``steps`` and one more collective per inner step but the last on several
             ranks. Stacked tasks rebuild one stacked step at a time; tasks one by one keep
-            only gradients the size of their weights until the backward.
+            only gradients the size of their weights until the backward. ``"low"`` keeps
+            the weights (and optimizer state) before every step; ``"replay"`` or
+            :class:`metaddp.Replay` keeps a tree of O(k log_k K) of them and replays the
+            rest, for loops of thousands of steps (the same meta-gradient).
         autocast: run the forward passes (inner and query) under ``torch.autocast`` in this
             dtype (``torch.bfloat16`` or ``torch.float16``); the meta-parameters, gradients and
             reductions keep the parameters' dtype. Faster matrix work on a GPU, at the
@@ -84,7 +88,7 @@ class MAML(Algorithm):
         optimizer: InnerOptimizer | OptimizerFactory | None = None,
         learn_lr: str | None = None,
         batched: bool | None = None,
-        memory: str = "default",
+        memory: str | Replay = "default",
         autocast: torch.dtype | None = None,
         conv: str = "auto",
         loss_scale: LossScale | bool | None = DEFAULT_LOSS_SCALE,
@@ -203,6 +207,7 @@ class MAML(Algorithm):
                     first_order=self.first_order,
                     reduce=reduce,
                     rematerialize=self._rematerialize(),
+                    replay=self._replay(),
                     extras=self._needing_grad(),
                     conv=self.conv,
                 )

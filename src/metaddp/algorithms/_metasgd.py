@@ -14,6 +14,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from .._remat import Replay
 from .._types import Supports
 from ..inner import DEFAULT_LOSS_SCALE, LossScale
 from ._base import OptimizerFactory
@@ -46,7 +47,7 @@ class MetaSGD(MAML):
         optimizer: OptimizerFactory | None = None,
         per: str = "parameter",
         batched: bool | None = None,
-        memory: str = "default",
+        memory: str | Replay = "default",
         autocast: torch.dtype | None = None,
         loss_scale: LossScale | bool | None = DEFAULT_LOSS_SCALE,
     ) -> None:

@@ -33,7 +33,7 @@ from .._adapt import check_finite, inner_step
 from .._binding import SHARDED
 from .._data import Batch, Task
 from .._functional import call, random_layers
-from .._remat import rematerialized_loss
+from .._remat import Replay, rematerialized_loss
 from .._share import check_per_sample, share
 from .._types import LossFn, Params, Reduce
 from ..forward import needs_routes
@@ -209,6 +209,7 @@ def stacked_task_losses(
     first_order: bool = False,
     reduce: Reduce,
     rematerialize: bool = False,
+    replay: Replay | None = None,
     extras: Sequence[Tensor] = (),
     conv: ConvChoice = GROUPED,
 ) -> Tensor:
@@ -229,6 +230,7 @@ def stacked_task_losses(
             samples (identity on one process); called once per inner step for all tasks.
         rematerialize: second order in memory that does not grow with ``steps``
             (``memory="low"``, :mod:`metaddp._remat`), for all tasks at once.
+        replay: with ``rematerialize``, the tree of kept states (``memory=Replay(...)``).
         extras: what the optimizer reads that needs a gradient (learned rates), with
             ``rematerialize``.
         conv: how the stacked forward convolutions run (:class:`ConvChoice`).
@@ -268,6 +270,7 @@ def stacked_task_losses(
             reduce=reduce,
             extras=list(extras),
             check=check_finite,
+            replay=replay,
         )
     state = optimizer.init(fast)
     with torch.enable_grad():

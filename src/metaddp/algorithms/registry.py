@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._remat import Replay
 from .._types import Supports
 from ..inner import adagrad, adam, adamw, chain, clip_by_global_norm, rmsprop, sgd
 from ._anil import ANIL
@@ -37,7 +38,8 @@ class Settings:
         cg_steps: iMAML's conjugate-gradient budget.
         cg_tol: iMAML's relative residual to stop at. It cannot fall far below the dtype's
             precision: 1e-6 suits float32, 1e-10 float64.
-        memory: ``"default"`` or ``"low"`` (MAML, Meta-SGD, ANIL; see :class:`MAML`).
+        memory: ``"default"``, ``"low"`` or a :class:`metaddp.Replay` (MAML, Meta-SGD, ANIL;
+            see :class:`MAML`).
         optimizer: the inner optimizer by name, one of :data:`INNER_OPTIMIZERS`, at
             ``inner_lr`` (MAML, Meta-SGD, ANIL).
         autocast: ``"bf16"`` or ``"fp16"``: forward passes in that precision (MAML, Meta-SGD,
@@ -57,7 +59,7 @@ class Settings:
     lam: float = 1.0
     cg_steps: int = 25
     cg_tol: float = 1e-6
-    memory: str = "default"
+    memory: str | Replay = "default"
     optimizer: str = "sgd"
     autocast: str | None = None
     method: str = "unrolled"

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from .._data import Batch, Task, generator_for
 from .._functional import call
+from .._remat import Replay
 from .._share import share
 from ..algorithms import ALGORITHMS as REGISTRY
 from ..algorithms import Algorithm, Settings, build
@@ -151,7 +152,7 @@ class Problem:
     running_stats: bool = True  # BatchNorm tracks running statistics (False: MAML's own)
     lam: float = 20.0  # iMAML's proximal strength
     cg_steps: int = 60  # iMAML's conjugate-gradient budget
-    memory: str = "default"  # "low": each inner step's graph rebuilt during the backward
+    memory: str | Replay = "default"  # "low": each step's graph rebuilt in the backward; Replay
     optimizer: str = "sgd"  # the inner optimizer by name (INNER_OPTIMIZERS)
     deterministic: bool = False  # MetaDDP's deterministic mode (bit-identical at any world)
     chunks: int = 8  # its most chunks per batch
@@ -379,6 +380,7 @@ class Weighting(nn.Module):
         return self.net(losses.detach().unsqueeze(1)).squeeze(1)
 
 
+MOMENTUM = 0.9  # the inner SGD's momentum where a scenario asks for it
 PROXIMAL = 2.0  # the proximal strength of the scenarios that start from the meta-parameters
 
 
@@ -390,7 +392,7 @@ class BilevelProblem:
     method: str = "unrolled"  # a name of metaddp.algorithms.METHODS
     steps: int = 3
     inner_lr: float = 0.3
-    optimizer: str = "sgd"  # "sgd" or "adam"
+    optimizer: str = "sgd"  # "sgd", "momentum" (0.9, as torch.optim.SGD) or "adam"
     start: str = "current"  # "current" (a lookahead) or "outer" (MAML-like)
     n_problems: int = 1
     n_inner: int = 7
@@ -398,7 +400,7 @@ class BilevelProblem:
     layout: str = "sample"
     dtype: torch.dtype = torch.float64
     seed: int = 0
-    memory: str = "default"
+    memory: str | Replay = "default"  # or "low", or a Replay tree of kept states
     penalty: bool = True  # the learned weight decay (and proximal term) in the inner loss
     shard: bool = False  # the model's weights sharded over the sample axis
     unit_bytes: int | None = None  # sharded: MetaDDP's unit_bytes (None: its default)
@@ -445,7 +447,11 @@ class BilevelProblem:
                 out = out + 0.5 * PROXIMAL * sum(((fast[k] - theta[k]) ** 2).sum() for k in theta)
             return out
 
-        opt = sgd(self.inner_lr) if self.optimizer == "sgd" else adam(self.inner_lr)
+        opt = {
+            "sgd": lambda: sgd(self.inner_lr),
+            "momentum": lambda: sgd(self.inner_lr, momentum=MOMENTUM),
+            "adam": lambda: adam(self.inner_lr),
+        }[self.optimizer]()
         return Bilevel(
             net, outer=weighting, inner_loss=weighted, outer_loss=ce_per_sample,
             penalty=decay if self.penalty else None,
