@@ -3,7 +3,9 @@
 Prints one row per world size (and layout): the global outer loss, the meta-gradient norm,
 and the largest absolute and relative difference from the 1-rank result, where the relative
 difference is ``max|g_W - g_1| / max|g_1|`` over every compared number. Exits 0 only when
-every row is within its scenario's tolerance.
+every row is within its scenario's tolerance. The seed scenario also prints the README's
+table: the user's DistributedDataParallel recipe (run on the same processes, held to
+nothing) beside metaddp's first and second order, at each world size.
 """
 
 from __future__ import annotations
@@ -20,30 +22,32 @@ from ..algorithms import METHODS
 from ..distributed import set_strict
 from ..distributed.launch import run_local
 from ..testing import scenarios as S
+from ..testing.ddp_recipe import SeedDDPProblem, run_seed_ddp
 
 
 @dataclasses.dataclass(frozen=True)
 class Check:
     name: str
     layout: str
-    problem: S.Problem | S.SeedProblem | S.BilevelProblem
+    problem: S.Problem | S.SeedProblem | S.BilevelProblem | SeedDDPProblem
     # Float64 scenarios: changing the world size only reorders floating-point sums (the
     # per-rank partial sums are added in a different order), which moves results by a few
     # ulps times the inner steps; 1e-10 is far below any real error (a missing reduction
     # or a wrong weighting shows up at 1e-3 or more). The seed runs in float32 as the user's
     # code did: its losses reach 1e3, so reordered sums move the gradient by ~1e-7 relative.
-    tolerance: float
+    # None: shown beside the others and held to nothing (the seed's DDP recipe, whose
+    # meta-gradient changes with the number of ranks: what the exact rows are compared to).
+    tolerance: float | None
 
 
 def checks(scenario: str) -> list[Check]:
     if scenario == "seed":
+        # The README's table: grad2 after one meta-step, the user's DDP recipe beside metaddp's
+        # first and second order (the batch of 8 split over every rank: the sample layout).
         return [
-            Check(
-                "seed", "sample, 1st order", S.SeedProblem(second_order=False, iterations=1), 1e-5
-            ),
-            Check(
-                "seed", "sample, 2nd order x5", S.SeedProblem(second_order=True, iterations=5), 1e-5
-            ),
+            Check("seed", "plain DDP recipe", SeedDDPProblem(), None),
+            Check("seed", "metaddp, 1st order", S.SeedProblem(second_order=False), 1e-5),
+            Check("seed", "metaddp, 2nd order", S.SeedProblem(second_order=True), 1e-5),
         ]
     if scenario in ("conv", "mlp"):
         return [
@@ -215,7 +219,11 @@ def run_checks(todo: list[Check]) -> list[dict]:
     set_strict(True)
     out = []
     for c in todo:
-        if isinstance(c.problem, S.SeedProblem):
+        if isinstance(c.problem, SeedDDPProblem):  # rank 0's gradient and its shard's losses
+            d = run_seed_ddp(c.problem)
+            vec = torch.tensor([d["grad2"]], dtype=torch.float64)
+            out.append({"loss": d["loss1"] + d["loss2"], "vec": vec, "norm": abs(d["grad2"])})
+        elif isinstance(c.problem, S.SeedProblem):
             r = S.run_seed(c.problem)
             vec = torch.cat(
                 [torch.tensor(r["grad2"], dtype=torch.float64), r["weight"].double().flatten()]
@@ -327,6 +335,8 @@ def main(args: argparse.Namespace) -> int:
     print("-" * len(header))
     worst, failed = 0.0, []
     for i, c in enumerate(todo):
+        if c.tolerance is None:  # in the seed's table below
+            continue
         ref = results[sizes[0]][i]
         scale = float(ref["vec"].abs().max()) or 1.0
         for w in sizes:
@@ -344,6 +354,7 @@ def main(args: argparse.Namespace) -> int:
                 f"{c.name:<19} {c.layout:<24} {w:>5} {r['loss']:>22.15g} {r['norm']:>14.6g} "
                 f"{abs_diff:>12.3g} {rel:>12.3g}{verdict}"
             )
+    seed_table(todo, results, sizes)
     if args.deterministic:
         failed += verify_training(sizes)
     if failed:
@@ -354,6 +365,21 @@ def main(args: argparse.Namespace) -> int:
         return 0
     print(f"worst relative difference: {worst:.3g}: every world size agrees within tolerance")
     return 0
+
+
+def seed_table(todo: list[Check], results: dict[int, list[dict]], sizes: list[int]) -> None:
+    """The README's table, from this run: grad2 after one meta-step of the seed at each world
+    size, the DDP recipe's (rank 0's) beside metaddp's, to two decimals as the README."""
+    columns = [(i, c.layout) for i, c in enumerate(todo) if c.name == "seed"]
+    if not columns:
+        return
+    print("\nthe README's table, measured: grad2 after one meta step of the seed (a batch of 8 "
+          "split over the ranks; DDP: rank 0's)")  # fmt: skip
+    print(f"{'ranks':>5}  " + "  ".join(f"{name:>18}" for _, name in columns))
+    for w in sizes:
+        print(
+            f"{w:>5}  " + "  ".join(f"{float(results[w][i]['vec'][0]):>18.2f}" for i, _ in columns)
+        )
 
 
 TRAIN_STEPS = 100
