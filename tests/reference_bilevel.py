@@ -3,13 +3,17 @@
 Plain autograd on whole batches with mean losses, the model and the weighting network as
 hand-written functions of their weight lists, SGD and Adam written out, and for the implicit
 methods the inner objective's Hessian built explicitly and solved by a textbook conjugate
-gradient (or summed as a Neumann series) on that matrix.
+gradient (or summed as a Neumann series) on that matrix. One thing comes from metaddp: which
+samples a minibatch step takes, a definition (``metaddp.generator_for(seed, step)``), not a
+computation.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from metaddp import generator_for
 
 
 def net(theta, x):
@@ -26,8 +30,9 @@ def weights_of(omega, losses):
 class Problem:
     """One scenario's functions: inner and outer losses, the optimizer, the outer variables."""
 
-    def __init__(self, theta, omega, log_decay, *, lr, optimizer, start, proximal):
+    def __init__(self, theta, omega, log_decay, *, lr, optimizer, start, proximal, minibatch=None):
         self.theta, self.omega, self.log_decay = theta, omega, log_decay
+        self.minibatch = minibatch
         self.lr, self.optimizer, self.start, self.proximal = lr, optimizer, start, proximal
 
     def outer_vars(self):
@@ -66,9 +71,19 @@ class Problem:
         return step, (t, ms, vs)
 
 
-def _steps(pb, phi, state, k, xs, ys, graph):
-    for _ in range(k):
-        g = torch.autograd.grad(pb.inner(phi, xs, ys), phi, create_graph=graph)
+def _minibatch(pb, i, xs, ys):
+    """Step i's samples: ``pb.minibatch`` = (size, seed) drawn from (seed, i) without
+    replacement, as md.bilevel.Minibatches defines the sequence; all samples without it."""
+    if pb.minibatch is None:
+        return xs, ys
+    size, seed = pb.minibatch
+    rows = torch.randperm(len(ys), generator=generator_for(seed, i))[:size]
+    return xs[rows], ys[rows]
+
+
+def _steps(pb, phi, state, k, xs, ys, graph, first=0):
+    for i in range(first, first + k):
+        g = torch.autograd.grad(pb.inner(phi, *_minibatch(pb, i, xs, ys)), phi, create_graph=graph)
         step, state = pb.update(g, state)
         phi = [p + s for p, s in zip(phi, step)]
         if not graph:
@@ -134,7 +149,7 @@ def task_loss(pb, task, method, steps, opts):
             ys,
             False,
         )
-        phi, _ = _steps(pb, phi, state, last, xs, ys, True)
+        phi, _ = _steps(pb, phi, state, last, xs, ys, True, first=steps - last)
         return pb.outer(phi, xq, yq)
     phi_start = [p.detach().requires_grad_() for p in phi0]
     if method in ("implicit-cg", "neumann"):

@@ -50,6 +50,13 @@ def problems() -> list[S.BilevelProblem]:
                          inner_lr=0.02, layout="task", n_problems=2, start="outer"),
         S.BilevelProblem(method="unrolled", memory=md.Replay(k=4), steps=64, optimizer="adam",
                          inner_lr=0.01),
+        # A training run: each inner step on its own minibatch (md.bilevel.Minibatches), so at
+        # 3 and 4 ranks a step often finds none of its samples on some rank.
+        S.BilevelProblem(method="unrolled", memory=md.Replay(k=3), steps=40, optimizer="momentum",
+                         inner_lr=0.05, n_inner=23, minibatch=5),
+        S.BilevelProblem(method="unrolled", steps=12, optimizer="adam", inner_lr=0.02, n_inner=17,
+                         minibatch=4, layout="hybrid", n_problems=2),
+        S.BilevelProblem(method="truncated", steps=10, n_inner=11, minibatch=3, start="outer"),
     ]
     return out
 
@@ -80,6 +87,7 @@ def reference(p: S.BilevelProblem) -> tuple[float, dict[str, torch.Tensor]]:
         optimizer=p.optimizer,
         start=p.start,
         proximal=S.PROXIMAL,
+        minibatch=None if p.minibatch is None else (p.minibatch, p.seed),
     )
     tasks = [((t.support.x, t.support.y), (t.query.x, t.query.y)) for t in map(p.task, range(p.n_problems))]
     loss, grads = R.hypergradient(pb, tasks, p.method, p.steps, p.method_options())
@@ -105,7 +113,8 @@ def test_hypergradient_equals_reference(results, world, index):
 
 
 def _name(p: S.BilevelProblem) -> str:
-    return f"{p.method}-{p.start}-{p.optimizer}-{p.layout}-x{p.n_problems}-{p.memory}"
+    batches = "" if p.minibatch is None else f"-minibatch{p.minibatch}"
+    return f"{p.method}-{p.start}-{p.optimizer}-{p.layout}-x{p.n_problems}-{p.memory}{batches}"
 
 
 def test_methods_differ_from_each_other(results):
@@ -211,6 +220,47 @@ def test_refusals():
         md.Bilevel(net, train_inner=True)
     with pytest.raises(TypeError, match="no clone"):
         md.Bilevel(net, penalty=lambda fast: fast["weight"].sum()).clone()
+
+
+def test_minibatch_refusals_name_the_mistake():
+    net = nn.Linear(3, 2).double()
+    mb = md.bilevel.Minibatches(4)
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="Minibatches"):
+            md.bilevel.Minibatches(bad)
+    with pytest.raises(ValueError, match="use Unrolled or Truncated"):
+        md.Bilevel(net, start="current", weights=md.bilevel.WeightNet(), minibatches=mb,
+                   method=md.bilevel.ImplicitCG())
+    with pytest.raises(ValueError, match="drop one of them"):
+        md.Bilevel(net, start="current", train_inner=True, minibatches=mb)
+    with pytest.raises(TypeError, match="Minibatches"):
+        md.Bilevel(net, minibatches=4)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="minibatches="):
+        md.Bilevel(net, minibatches=mb).clone()
+    p = S.BilevelProblem(minibatch=9)  # more than the 7 inner samples
+    with pytest.raises(ValueError, match="minibatches of 9 samples from a support of 7"):
+        p.build_algorithm().meta_loss([p.task(0)])
+    # A rank's part cut by hand without its start: which of its samples a step takes is unknown.
+    t = S.BilevelProblem().task(0)
+    part = md.Task(md.Batch.local(t.support.x[:3], t.support.y[:3], 7), t.query)
+    with pytest.raises(ValueError, match="start=") as e:
+        md.bilevel.Minibatches(2).pick(part.support, 0)
+    assert "learner.shard" in str(e.value)
+
+
+def test_minibatches_split_over_ranks_are_the_minibatch():
+    # Step k's samples, cut at every split of a batch of 11, are the minibatch's, in order,
+    # and each part starts where the parts before it end.
+    mb, x = md.bilevel.Minibatches(5, seed=3), torch.arange(11.0)[:, None]
+    for k in range(4):
+        want = mb.indices(11, k)
+        assert len(set(want.tolist())) == 5
+        for world in (1, 2, 3, 4):
+            parts = [mb.pick(md.Batch.split(x, x[:, 0], r, world), k) for r in range(world)]
+            assert torch.equal(torch.cat([b.x[:, 0] for b in parts]), want.double().float())
+            assert [b.start for b in parts] == [sum(len(q.x) for q in parts[:r]) for r in range(world)]
+            assert all(b.n == 5 for b in parts)
+    assert not torch.equal(mb.indices(11, 0), mb.indices(11, 1))  # each step its own
 
 
 def test_truncating_more_steps_than_taken_is_an_error():

@@ -244,7 +244,7 @@ def test_the_query_loss_and_the_last_step_run_once_and_the_backward_scales():
     xq, yq = torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
     calls = {"support": 0, "query": 0}
 
-    def support(fast, buffers):
+    def support(fast, buffers, step):
         calls["support"] += 1
         return ((x @ fast["w"] - y) ** 2).mean()
 
@@ -255,7 +255,7 @@ def test_the_query_loss_and_the_last_step_run_once_and_the_backward_scales():
     steps = 4
     fast, v = {"w": w}, None
     for _ in range(steps):  # the default: every step's graph kept
-        (g,) = torch.autograd.grad(support(fast, None), [fast["w"]], create_graph=True)
+        (g,) = torch.autograd.grad(support(fast, None, 0), [fast["w"]], create_graph=True)
         v = g if v is None else 0.9 * v + g
         fast = {"w": fast["w"] - 0.1 * v}
     (want,) = torch.autograd.grad(2.5 * query(fast, None), [w])

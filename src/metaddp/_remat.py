@@ -41,8 +41,11 @@ from ._types import Params, Reduce
 from .inner import InnerOptimizer, SlotState, State, apply_updates
 
 LossOf = Callable[[Params, "Params | None"], Tensor]
-"""``loss_of(fast, buffers)``: the support loss share at ``fast``, with the module's own buffers
+"""``query_of(fast, buffers)``: the query loss share at ``fast``, with the module's own buffers
 (``None``) or the given ones."""
+StepLoss = Callable[[Params, "Params | None", int], Tensor]
+"""``loss_of(fast, buffers, k)``: inner step ``k``'s support loss share at ``fast``, with the
+module's own buffers (``None``) or the given ones."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +153,7 @@ class _Loop:
 
     def __init__(
         self,
-        loss_of: LossOf,
+        loss_of: StepLoss,
         names: list[str],
         optimizer: InnerOptimizer,
         steps: int,
@@ -193,7 +196,7 @@ class _Loop:
         check: bool = False,
     ) -> tuple[Params, State]:
         with _draws.numbered(self.draws, k):
-            loss = self.loss_of(fast, buffers)
+            loss = self.loss_of(fast, buffers, k)
         g = grad(loss, fast, reduce=self.reduce, create_graph=create_graph)
         if check:  # once per step, where it first runs; a rebuilt step is the same
             self.check(g, k)
@@ -410,7 +413,7 @@ def _first_derivatives_only() -> None:
 
 
 def rematerialized_loop(
-    loss_of: LossOf,
+    loss_of: StepLoss,
     params: Params,
     *,
     steps: int,
@@ -424,7 +427,7 @@ def rematerialized_loop(
     """``steps`` second-order inner steps whose memory does not grow with ``steps``.
 
     Args:
-        loss_of: this rank's share of the support loss at the given fast weights.
+        loss_of: this rank's share of step k's support loss at the given fast weights.
         params: the weights to start from.
         steps, optimizer, reduce: as :func:`metaddp.functional.inner_loop`.
         extras: every other tensor the steps depend on that needs a gradient (learned rates
@@ -456,7 +459,7 @@ def rematerialized_loop(
 
 
 def rematerialized_loss(
-    loss_of: LossOf,
+    loss_of: StepLoss,
     query_of: LossOf,
     params: Params,
     *,
@@ -473,7 +476,7 @@ def rematerialized_loss(
     weights lives until the backward.
 
     Args:
-        loss_of: this rank's share of the support loss at the given fast weights.
+        loss_of: this rank's share of step k's support loss at the given fast weights.
         query_of: this rank's share of the query loss at the given fast weights.
         extras: every other tensor either loss depends on that needs a gradient.
         Others: as :func:`rematerialized_loop`.

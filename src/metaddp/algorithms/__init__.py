@@ -3,7 +3,7 @@
 from .._types import Supports
 from ._anil import ANIL, BodyHead
 from ._base import Algorithm
-from ._bilevel import Bilevel, WeightNet
+from ._bilevel import Bilevel, Minibatches, WeightNet
 from ._boil import BOIL
 from ._cavia import CAVIA
 from ._hypergrad import (
@@ -59,6 +59,7 @@ __all__ = [
     "T1T2",
     "Truncated",
     "Unrolled",
+    "Minibatches",
     "WeightNet",
     "build",
     "conjugate_gradient",

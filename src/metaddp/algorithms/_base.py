@@ -346,7 +346,7 @@ class Algorithm(nn.Module):
                 raise ValueError(f"{type(self).__name__} has no memory='low' mode")
             self.unscaled('memory="low"')
             return rematerialized_loop(
-                lambda fast, buffers: batch_share(module, fast, support, loss_fn, buffers),
+                lambda fast, buffers, _: batch_share(module, fast, support, loss_fn, buffers),
                 start,
                 steps=steps,
                 optimizer=self.inner_optimizer(),
@@ -421,7 +421,7 @@ class Algorithm(nn.Module):
             return batch_share(module, fast, query, loss_fn)
         self.unscaled('memory="low"')
         return rematerialized_loss(
-            lambda fast, buffers: batch_share(module, fast, support, loss_fn, buffers),
+            lambda fast, buffers, _: batch_share(module, fast, support, loss_fn, buffers),
             lambda fast, buffers: batch_share(module, fast, query, loss_fn, buffers),
             self.fast_weights(),
             steps=self.steps,

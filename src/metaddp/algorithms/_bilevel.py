@@ -17,6 +17,7 @@ reduced vectors, so the hypergradient is the one-process value for any split.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
 from typing import ClassVar, cast
@@ -25,17 +26,69 @@ import torch
 from torch import Tensor, nn
 
 from .._adapt import batch_share, check_finite
-from .._data import Batch, Task
+from .._data import Batch, Shard, Task, generator_for
 from .._functional import params_of, refusing_draws
 from .._reach import shapes, unknown_leaves
 from .._remat import Replay, rematerialized_loss
 from .._types import LossFn, Params, Reduce, Supports
 from ..inner import InnerOptimizer, learned_rates
 from ._base import Algorithm, local_fraction
-from ._hypergrad import InnerProblem, Method, Unrolled, held, unroll
+from ._hypergrad import InnerProblem, Method, Truncated, Unrolled, held, unroll
 from ._learner import Learner
 
 STARTS = ("outer", "current")
+
+
+@dataclasses.dataclass(frozen=True)
+class Minibatches:
+    """``Bilevel(..., minibatches=Minibatches(size))``: each inner step trains on its own
+    minibatch of the support's samples, as a training run does, instead of on all of them.
+
+    Step k's minibatch is ``size`` samples drawn without replacement from the support's
+    ``n`` by a generator of ``(seed, k)`` alone (:func:`metaddp.generator_for`), so every
+    rank, every world size and every replay of the step (``memory=Replay``) sees the same
+    samples; each rank runs the forward on those of its own part, and their shares sum to the
+    minibatch's mean. The sequence is the same at every meta-step: the inner problem is one
+    fixed training run, whose metagradient the outer steps follow.
+
+    Args:
+        size: samples per inner step (at most the support's).
+        seed: the run's seed for the draws.
+    """
+
+    size: int
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"Minibatches(size=) needs a whole number >= 1, got {self.size!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"Minibatches(seed=) needs a whole number, got {self.seed!r}")
+
+    def indices(self, n: int, step: int) -> Tensor:
+        """Step ``step``'s samples among ``n``: global indices, in increasing order."""
+        if self.size > n:
+            raise ValueError(f"minibatches of {self.size} samples from a support of {n}")
+        g = generator_for(self.seed, step)
+        return torch.randperm(n, generator=g)[: self.size].sort().values
+
+    def pick(self, support: Batch, step: int) -> Batch:
+        """This rank's part of step ``step``'s minibatch: its own samples among them, a
+        shard of a batch of ``size`` whose start is how many fall on the ranks before."""
+        local = support.x.shape[0]
+        start = getattr(support, "start", None)
+        if start is None:
+            if local != support.n and local != 0:
+                raise ValueError(
+                    "minibatches pick samples by their global index: give the support as "
+                    "md.Batch.local(x, y, n, start=...) or cut it with learner.shard"
+                )
+            start = 0
+        idx = self.indices(support.n, step)
+        mine = idx[(idx >= start) & (idx < start + local)] - start
+        before = int((idx < start).sum())  # host integers: nothing waits on a device
+        rows = mine.to(support.x.device)
+        return Shard.at(support.x[rows], support.y[rows.to(support.y.device)], self.size, before)
 
 
 class Bilevel(Algorithm):
@@ -76,6 +129,9 @@ class Bilevel(Algorithm):
             loss is then ``weights(losses) * losses`` of ``inner_loss`` (Meta-Weight-Net,
             Shu et al. 2019; learning to reweight, Ren et al. 2018). It is an outer variable
             (kept as :attr:`weights`).
+        minibatches: :class:`metaddp.bilevel.Minibatches`: each inner step on its own
+            minibatch of the support, drawn by step (a training run; with
+            ``memory=md.Replay()``, thousands of steps). ``Unrolled`` and ``Truncated`` only.
         train_inner: with ``start="current"``, the meta-loss also carries the gradient of the
             inner objective at the model's current weights, the outer variables held: one
             backward and one optimizer step train both levels (simultaneous updates, where
@@ -103,6 +159,7 @@ class Bilevel(Algorithm):
         memory: str | Replay = "default",
         weights: nn.Module | None = None,
         train_inner: bool = False,
+        minibatches: Minibatches | None = None,
     ) -> None:
         if start not in STARTS:
             raise ValueError(f"start must be one of {', '.join(STARTS)}, got {start!r}")
@@ -145,6 +202,21 @@ class Bilevel(Algorithm):
                 "train_inner trains the model on the inner loss at its current weights: it "
                 "needs start='current' (with start='outer' the weights are outer variables)"
             )
+        if minibatches is not None:
+            if not isinstance(minibatches, Minibatches):
+                raise TypeError(
+                    f"minibatches must be md.bilevel.Minibatches(size), got {minibatches!r}"
+                )
+            if not isinstance(method, (Unrolled, Truncated)):
+                raise ValueError(
+                    f"minibatches give each inner step its own objective; {type(method).__name__} "
+                    "reads one inner objective at the solution: use Unrolled or Truncated"
+                )
+            if train_inner:
+                raise ValueError(
+                    "train_inner trains on the inner objective at the current weights, which "
+                    "minibatches leave undefined (whose step?): drop one of them"
+                )
         if weights is not None and not isinstance(weights, nn.Module):
             raise TypeError(f"weights must be an nn.Module, got {type(weights).__name__}")
         if start == "current" and outer is None and weights is None and not train_inner:
@@ -155,6 +227,7 @@ class Bilevel(Algorithm):
         self.outer = outer
         self.weights = weights
         self.train_inner = bool(train_inner)
+        self.minibatches = minibatches
         self.inner_loss, self.outer_loss, self.penalty = inner_loss, outer_loss, penalty
         self.start, self.method = start, method
         # Its own rates it learns through optimizer= (no learn_lr here): they must be ours.
@@ -185,6 +258,7 @@ class Bilevel(Algorithm):
             super().settings(),
             start=self.start,
             weighted=self.weights is not None,
+            minibatches=None if self.minibatches is None else dataclasses.astuple(self.minibatches),
             train_inner=self.train_inner,
             **self.method.settings(),
         )
@@ -226,8 +300,14 @@ class Bilevel(Algorithm):
         model, penalty, support, weights = self.model, self.penalty, task.support, self.weights
         inner_loss = per_sample if weights is None else _weighted(per_sample, weights)
 
-        def inner(fast: Params) -> Tensor:
-            loss = batch_share(model, fast, support, inner_loss)
+        minibatches = self.minibatches
+
+        def inner(fast: Params, step: int | None = None) -> Tensor:
+            batch = support
+            if minibatches is not None:
+                assert step is not None, "with minibatches every inner objective is a step's"
+                batch = minibatches.pick(support, step)
+            loss = batch_share(model, fast, batch, inner_loss)
             if penalty is None:
                 return loss
             # Every rank computes the penalty in full; weighted by its fraction of the batch,
@@ -251,7 +331,7 @@ class Bilevel(Algorithm):
         # held: a share's gradient (the wrapper's SUM makes it the batch's).
         theta = params_of(self.model)
         with torch.enable_grad():
-            objective = p.inner(theta)
+            objective = p.inner(theta, None)
             # This gradient is taken without its graph: a trained tensor the inner loss reads
             # from outside the problem (a weighting network by closure) would get nothing.
             if outside := unknown_leaves([objective], list(self.parameters())):
@@ -274,7 +354,7 @@ class Bilevel(Algorithm):
             return p.outer(p.start).detach()  # no outer variable to reach: the loss alone
         if isinstance(self.method, Unrolled) and self._rematerialize():
             return rematerialized_loss(
-                lambda fast, buffers: p.inner(fast),
+                lambda fast, buffers, step: p.inner(fast, step),
                 lambda fast, buffers: p.outer(fast),
                 p.start,
                 steps=p.steps,
@@ -346,6 +426,7 @@ class Bilevel(Algorithm):
                 ("inner_loss=", self.inner_loss is not None),
                 ("weights=", self.weights is not None),
                 ("train_inner=True", self.train_inner),
+                ("minibatches=", self.minibatches is not None),
                 ("start='current'", self.start == "current"),
                 (f"method={type(self.method).__name__}()", not isinstance(self.method, Unrolled)),
             )

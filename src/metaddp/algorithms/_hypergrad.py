@@ -146,8 +146,10 @@ class InnerProblem:
     """One inner problem as every method sees it.
 
     Attributes:
-        inner: this rank's share of the inner objective at the given fast weights (a
-            function of the outer variables too, through whatever it closes over).
+        inner: ``inner(fast, k)``: this rank's share of inner step k's objective at the given
+            fast weights (a function of the outer variables too, through whatever it closes
+            over); ``k`` ``None``: the objective at a solution, for methods that read no step
+            (the same objective at every step unless the problem has minibatches).
         outer: this rank's share of the outer loss at the given fast weights.
         start: the fast weights the inner steps start from.
         steps: the number of inner optimizer steps, K.
@@ -156,7 +158,7 @@ class InnerProblem:
         check: ``check(reduced_grads, step)``: refuses a non-finite inner gradient.
     """
 
-    inner: Callable[[Params], Tensor]
+    inner: Callable[[Params, int | None], Tensor]
     outer: Callable[[Params], Tensor]
     start: Params
     steps: int
@@ -218,7 +220,7 @@ def _first_order(
     last, anchor = None, _anchor(p)
     for k in range(first, first + steps):
         with torch.enable_grad():
-            g = grad(p.inner(fast), fast, reduce=p.reduce, create_graph=False)
+            g = grad(p.inner(fast, k), fast, reduce=p.reduce, create_graph=False)
         p.check(g, k)
         with torch.no_grad():
             updates, new_state = p.optimizer.update(g, state, fast)
@@ -234,7 +236,7 @@ def unroll(p: InnerProblem, fast: Params, state: State, steps: int, first: int =
     with torch.enable_grad():
         for k in range(first, first + steps):
             fast, state = inner_step(
-                p.inner(fast), fast, state, p.optimizer, step=k, reduce=p.reduce
+                p.inner(fast, k), fast, state, p.optimizer, step=k, reduce=p.reduce
             )
     return fast
 
@@ -375,7 +377,7 @@ class _Implicit(Method):
         # This rank's share's gradient, with its graph: to phi for the Hessian-vector
         # products, to the outer variables for the mixed term.
         with torch.enable_grad():
-            share = problem.inner(phi)
+            share = problem.inner(phi, None)
         g_in, hvp = hessian_products(share, list(phi.values()), problem.reduce)
         with torch.no_grad():
             v = self.solve(hvp, [t.detach() for t in b])
@@ -493,7 +495,7 @@ class _FiniteDifference(Method):
             plus = {k: point[k].detach() + e * d for k, d in zip(names, vjp, strict=True)}
             minus = {k: point[k].detach() - e * d for k, d in zip(names, vjp, strict=True)}
         with torch.enable_grad():
-            mixed = (problem.inner(plus) - problem.inner(minus)) / (2 * e)
+            mixed = (problem.inner(plus, None) - problem.inner(minus, None)) / (2 * e)
         return _with_gradient_of(q, mixed)
 
 

@@ -262,7 +262,9 @@ def stacked_task_losses(
     if remat:
         # memory="low": every task's steps at once, one stacked step's graph at a time.
         return rematerialized_loss(
-            lambda w, _: stacked_shares(model, w, sx, sy, sn, loss_fn, conv=conv, start=s0).sum(),
+            lambda w, _, __: stacked_shares(
+                model, w, sx, sy, sn, loss_fn, conv=conv, start=s0
+            ).sum(),
             lambda w, _: stacked_shares(model, w, qx, qy, qn, loss_fn, conv=conv, start=q0).sum(),
             fast,
             steps=steps,

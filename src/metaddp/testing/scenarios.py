@@ -401,6 +401,7 @@ class BilevelProblem:
     dtype: torch.dtype = torch.float64
     seed: int = 0
     memory: str | Replay = "default"  # or "low", or a Replay tree of kept states
+    minibatch: int | None = None  # each inner step on this many samples (Minibatches)
     penalty: bool = True  # the learned weight decay (and proximal term) in the inner loss
     shard: bool = False  # the model's weights sharded over the sample axis
     unit_bytes: int | None = None  # sharded: MetaDDP's unit_bytes (None: its default)
@@ -428,7 +429,7 @@ class BilevelProblem:
         return net, Weighting().to(self.dtype)
 
     def build_algorithm(self) -> Algorithm:
-        from ..algorithms import Bilevel
+        from ..algorithms import Bilevel, Minibatches
         from ..inner import adam, sgd
 
         net, weighting = self.build_model()
@@ -457,6 +458,7 @@ class BilevelProblem:
             penalty=decay if self.penalty else None,
             start=self.start, steps=self.steps, optimizer=opt, method=self.build_method(),
             memory=self.memory,
+            minibatches=None if self.minibatch is None else Minibatches(self.minibatch, self.seed),
         )  # fmt: skip
 
     def task(self, index: int) -> Task:
