@@ -74,7 +74,7 @@ def test_older_checkpoints_are_kept_and_a_damaged_newest_falls_back(tmp_path):
     # The newest three are kept, newest first.
     assert [int(_checkpoint.load(p, {})["step"]) for p in _checkpoint.history(path)] == [8, 6, 4]
     path.write_bytes(b"torn")  # the newest is damaged (a disk error, a copy cut short)
-    with pytest.warns(RuntimeWarning, match="corrupt or unreadable.*trying the checkpoint before"):
+    with pytest.warns(RuntimeWarning, match="corrupt or unreadable.*; resuming from checkpoint.1.pt \\(step 6\\)"):
         state = _checkpoint.load_latest(path, {"seed": 1})
     assert state["step"] == 6
     # Another configuration is never a reason to fall back: that is the wrong run.

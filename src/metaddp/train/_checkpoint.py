@@ -5,13 +5,19 @@ configuration. No random state is needed: every task is a function of (seed, glo
 so the step number alone says where the data stream continues. A sharded run's file holds,
 in place of the tensors, the folder of their sharded state (:mod:`._sharded_state`), written
 before it.
+
+Every checkpoint proves itself: it holds the CRC-32 of each of its tensors' bytes and of
+everything else in it (:func:`checksums`), checked when it is read. A checkpoint whose bytes
+changed after it was written (a flipped bit on a disk or in a copy) is refused like a truncated
+one, and a resume takes the one before it, saying so.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping
+import zlib
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +25,11 @@ import torch
 
 from .._output import atomic_write
 
-FORMAT = "metaddp-checkpoint-1"
+FORMAT = "metaddp-checkpoint-2"
+# Read as well: the first format is the second without "checksums".
+FORMATS = ("metaddp-checkpoint-1", FORMAT)
 KEYS = ("format", "step", "config")  # and "model" and "optimizer", or "sharded"
+STRUCTURE = "(structure)"  # the checksum of all but the tensors' bytes (:func:`checksums`)
 
 
 class CheckpointError(ValueError):
@@ -41,6 +50,53 @@ DCP_INDEX = ".metadata"  # the index torch.distributed.checkpoint writes last
 def complete(folder: Path) -> bool:
     """Whether ``folder`` holds a whole sharded (DCP) state: its index is written last."""
     return (Path(folder) / DCP_INDEX).is_file()
+
+
+def crc32(t: torch.Tensor) -> int:
+    """The CRC-32 of a tensor's bytes, in its dtype, on the CPU, in row-major order."""
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    return zlib.crc32(flat.view(torch.uint8).numpy().data)
+
+
+def _structure(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> str:
+    """``value`` as text, with each tensor's dtype and shape in its place; collects the tensors
+    by their path (``model/0.weight``, ``optimizer/state/0/exp_avg``)."""
+    if isinstance(value, torch.Tensor):
+        tensors[path] = value
+        return f"tensor({value.dtype}, {list(value.shape)})"
+    inner = lambda key: f"{path}/{key}" if path else str(key)  # noqa: E731
+    if isinstance(value, Mapping):
+        items = [f"{k!r}: {_structure(v, inner(k), tensors)}" for k, v in value.items()]
+        return "{" + ", ".join(items) + "}"
+    if isinstance(value, list | tuple):  # a tuple saved may come back a tuple or a list
+        return "[" + ", ".join(_structure(v, inner(i), tensors) for i, v in enumerate(value)) + "]"
+    return repr(value)
+
+
+def checksums(state: Mapping[str, Any]) -> dict[str, int]:
+    """The CRC-32 of each tensor of a checkpoint's dict, by its path, and under
+    :data:`STRUCTURE` that of everything else (the step, the settings, the optimizer's
+    settings, every tensor's path, dtype and shape). The dict's own ``"checksums"`` are left
+    out."""
+    tensors: dict[str, torch.Tensor] = {}
+    rest = _structure({k: v for k, v in state.items() if k != "checksums"}, "", tensors)
+    return {STRUCTURE: zlib.crc32(rest.encode())} | {p: crc32(t) for p, t in tensors.items()}
+
+
+def _check(path: Path, state: Mapping[str, Any]) -> None:
+    """Refuse ``state`` (read from ``path``) if it does not match the checksums it holds."""
+    recorded = state.get("checksums")
+    if not isinstance(recorded, dict):
+        raise CorruptCheckpoint(f"checkpoint {path} has lost its checksums")
+    now = checksums(state)
+    failed = [k for k in sorted(set(now) | set(recorded)) if now.get(k) != recorded.get(k)]
+    if failed:
+        named = ["everything but the tensors" if k == STRUCTURE else k for k in failed]
+        more = f" and {len(named) - 3} more" if len(named) > 3 else ""
+        raise CorruptCheckpoint(
+            f"checkpoint {path} fails its checksum ({', '.join(named[:3])}{more}): its bytes "
+            "changed after it was written"
+        )
 
 
 def history(path: Path, keep: int = KEEP) -> list[Path]:
@@ -104,6 +160,7 @@ def save(
         state["metrics"] = metrics
     if world is not None:
         state["world"] = int(world)
+    state["checksums"] = checksums(state)
     older = history(Path(path))
     for new, old in zip(older[:0:-1], older[-2::-1], strict=True):
         if old.is_file():
@@ -149,16 +206,17 @@ def load(path: Path, identity: Mapping[str, Any], map_location: Any = "cpu") -> 
     except Exception as e:  # torch raises several types for truncated or foreign files
         raise CorruptCheckpoint(
             f"checkpoint {path} is corrupt or unreadable ({type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}); restore it from a "
-            "copy or start a new run"
+            f"{str(e).splitlines()[0] if str(e) else ''})"
         ) from e
     if (
         not isinstance(state, dict)
-        or state.get("format") != FORMAT
+        or state.get("format") not in FORMATS
         or any(k not in state for k in KEYS)
         or not (("model" in state and "optimizer" in state) or "sharded" in state)
     ):
         raise CorruptCheckpoint(f"{path} is not a metaddp training checkpoint")
+    if state["format"] != FORMATS[0]:  # the first format had no checksums
+        _check(path, state)
     if "sharded" in state:
         record = state["sharded"]
         name = record.get("folder") if isinstance(record, dict) else None
@@ -168,7 +226,7 @@ def load(path: Path, identity: Mapping[str, Any], map_location: Any = "cpu") -> 
         if not complete(folder):
             raise CorruptCheckpoint(
                 f"checkpoint {path} names its sharded state {folder}, which is missing or "
-                "incomplete; restore it from a copy or start a new run"
+                "incomplete"
             )
     saved = {**settings_before(state["config"]), **state["config"]}
     diff = [
@@ -185,24 +243,51 @@ def load(path: Path, identity: Mapping[str, Any], map_location: Any = "cpu") -> 
 
 
 def load_latest(
-    path: Path, identity: Mapping[str, Any], map_location: Any = "cpu"
+    path: Path,
+    identity: Mapping[str, Any],
+    map_location: Any = "cpu",
+    verify: Callable[[Path, dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """The newest checkpoint of :func:`history` that reads back, warning about each that does
-    not: a damaged newest checkpoint falls back to the one before.
+    """The newest checkpoint of :func:`history` that reads back and proves itself. A missing or
+    damaged newer one falls back to the one before, in one warning that names each one passed
+    over and why, and the file and step resumed from.
+
+    Args:
+        path: the newest checkpoint's file (``checkpoint.pt``).
+        identity: the settings that must match (:func:`load`).
+        map_location: where tensors are loaded.
+        verify: called with each candidate's path and dict once :func:`load` accepts it; a
+            :class:`CorruptCheckpoint` it raises falls back like an unreadable file (a sharded
+            state whose files fail their checksums). Every process calls it alike.
 
     Raises:
         CheckpointError: none can be read, or one comes from another configuration (that is
             a wrong folder or wrong settings, never a reason to fall back).
     """
-    first: CheckpointError | None = None
+    passed: list[str] = []  # why each newer candidate was passed over
+    damaged: list[str] = []
     for candidate in history(Path(path)):
         if not candidate.is_file():
+            passed.append(f"{candidate} is missing")
             continue
         try:
             state = load(candidate, identity, map_location)
+            if verify is not None:
+                verify(candidate, state)
         except CorruptCheckpoint as e:
-            warnings.warn(f"{e}; trying the checkpoint before it", RuntimeWarning, stacklevel=2)
-            first = first or e
+            passed.append(str(e))
+            damaged.append(str(e))
             continue
+        if passed:
+            warnings.warn(
+                f"{'; '.join(passed)}; resuming from {candidate.name} (step {state['step']})",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         return state
-    raise first or CheckpointError(f"no checkpoint at {path}: nothing to resume")
+    if damaged:
+        raise CorruptCheckpoint(
+            f"{'; '.join(damaged)}; no checkpoint in {Path(path).parent} reads back whole: "
+            "restore one from a copy or start a new run"
+        )
+    raise CheckpointError(f"no checkpoint at {path}: nothing to resume")
