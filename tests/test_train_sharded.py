@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,9 +28,25 @@ CFG = TrainConfig(task="sinusoid", algorithm="maml", steps=6, meta_batch=3, inne
 HALF = dataclasses.replace(CFG, steps=3)
 
 
+def flip_a_bit_in_a_shard(folder: Path, rows: torch.Tensor) -> str:
+    """Flip a bit of ``rows`` in the shard file of the newest checkpoint in ``folder`` that
+    holds them (found by their bytes); its name."""
+    state = torch.load(folder / "checkpoint.pt", weights_only=True)
+    shards = folder / state["sharded"]["folder"]
+    held = rows.numpy().tobytes()
+    (path,) = [p for p in shards.iterdir() if p.suffix == ".distcp" and held in p.read_bytes()]
+    raw = bytearray(path.read_bytes())
+    # A middle element's top mantissa bit (float64, little-endian): a finite number still.
+    raw[raw.find(held) + 8 * (rows.numel() // 2) + 6] ^= 0x08
+    path.write_bytes(bytes(raw))
+    return path.name
+
+
 def saved_on_two(root: str) -> dict:
     """On 2 processes: the whole sharded run; its first half (step-3 checkpoint); a
-    replicated first half. Rank 0 copies each half's folder to hand it to other counts."""
+    replicated first half. Rank 0 copies each half's folder to hand it to other counts. Last,
+    the whole run's folder with a bit flipped in a shard of its newest checkpoint (step 6),
+    resumed."""
     out = {"full": run(CFG, f"{root}/full", False)}
     run(HALF, f"{root}/half", False)
     run(dataclasses.replace(HALF, shard=False), f"{root}/half-replicated", False)
@@ -37,6 +54,15 @@ def saved_on_two(root: str) -> dict:
         shutil.copytree(f"{root}/half", f"{root}/on-three")
         shutil.copytree(f"{root}/half", f"{root}/on-one")
         shutil.copytree(f"{root}/half-replicated", f"{root}/replicated-on-three")
+        shutil.copytree(f"{root}/full", f"{root}/flipped")
+        # Rank 0's rows of a weight (torch.chunk's first 8 of 16): in the file rank 1 checks.
+        rows = out["full"]["weights"]["model.2.weight"][:8]
+        out["flipped_file"] = flip_a_bit_in_a_shard(Path(f"{root}/flipped"), rows)
+    dist.barrier()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out["flipped"] = run(CFG, f"{root}/flipped", True)
+    out["said"] = [str(w.message) for w in seen if "checkpoint" in str(w.message)]
     return out
 
 
@@ -120,6 +146,23 @@ def test_a_missing_sharded_state_falls_back_to_the_checkpoint_before(runs, tmp_p
     with pytest.warns(RuntimeWarning, match="names its sharded state .* missing or incomplete"):
         state = _checkpoint.load_latest(folder / "checkpoint.pt", CFG.identity())
     assert state["step"] == 3
+
+
+def test_a_flipped_bit_in_a_shard_falls_back_on_every_process_as_if_uninterrupted(runs):
+    first, second = runs["two"]
+    assert first["flipped_file"] == "__0_0.distcp"  # read back by process 1 alone
+    folder = runs["root"] / "flipped"
+    for rank_result in runs["two"]:
+        said = rank_result["said"]
+        assert len(said) == 1, said
+        assert said[0].startswith(f"checkpoint {folder / 'checkpoint.pt'} names its sharded state "), said
+        assert said[0].endswith(", in which __0_0.distcp fails its checksum: its bytes changed after they were "
+                                "written; resuming from checkpoint.1.pt (step 3)"), said
+        assert rank_result["flipped"]["start"] == 3
+        # Steps 4-6 again on the same 2 processes, from step 3's rows and Adam state: the
+        # same bits as the run that never stopped.
+        weights = rank_result["flipped"]["weights"]
+        assert all(torch.equal(first["full"]["weights"][k], weights[k]) for k in weights)
 
 
 @pytest.mark.parametrize("option, message", [

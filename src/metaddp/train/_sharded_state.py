@@ -14,6 +14,11 @@ The folder of one checkpoint is ``shards/step-S-TOKEN`` under the run folder; th
 checkpoint file (:mod:`._checkpoint`) names it and is written last, atomically, so a crash at
 any moment leaves either no reference to a half-written folder or a complete one. Folders no
 kept checkpoint names are removed after each save (:func:`collect`).
+
+The record the checkpoint file keeps holds the CRC-32 of every file of the folder (each process
+reads back its share of them after the save); a resume checks them (:func:`verify`) before
+reading any, each process its share, and the processes agree on the verdict, so that a
+flipped bit in any shard makes every process fall back to the checkpoint before alike.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import contextlib
 import secrets
 import shutil
 import warnings
+import zlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -31,6 +37,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ._checkpoint import DCP_INDEX, CheckpointError, CorruptCheckpoint, history
+
+_BLOCK = 1 << 22  # bytes read at a time for a file's checksum
 
 SHARDS = "shards"  # the run folder's folder of sharded states
 _METADATA = DCP_INDEX  # DCP's index, written last (to a temporary name, then renamed)
@@ -88,6 +96,69 @@ def _folder_name(step: int) -> str:
     return f"{SHARDS}/{name[0]}"
 
 
+def _file_crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(_BLOCK):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def _everyones(mine: dict[str, Any]) -> dict[str, Any]:
+    """The union of every process's ``mine`` (a collective), on every process."""
+    if not dist.is_initialized():
+        return dict(mine)
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {k: v for part in every for k, v in part.items()}
+
+
+def _share(names: list[str]) -> list[str]:
+    """This process's share of ``names`` (all of them on one process)."""
+    if not dist.is_initialized():
+        return names
+    return names[dist.get_rank() :: dist.get_world_size()]
+
+
+def _checksums(folder: Path) -> dict[str, int]:
+    """The CRC-32 of every file of ``folder``, as rank 0 lists it; each process reads its
+    share (a collective)."""
+    names = [sorted(p.name for p in folder.iterdir() if p.is_file())]
+    if dist.is_initialized():
+        dist.broadcast_object_list(names, src=0)
+    return _everyones({n: _file_crc32(folder / n) for n in _share(names[0])})
+
+
+def verify(checkpoint: Path, state: Mapping[str, Any]) -> None:
+    """Check the files of the sharded state a checkpoint's dict ``state`` (read from
+    ``checkpoint``) names against their checksums, each process its share; every process
+    calls it, and all raise alike (a collective). Nothing to check for a checkpoint with whole
+    tensors, or one written before sharded states had checksums.
+
+    Raises:
+        CorruptCheckpoint: a file is missing or fails its checksum.
+    """
+    record = state.get("sharded")
+    if not isinstance(record, Mapping) or not isinstance(record.get("checksums"), Mapping):
+        return
+    folder = Path(checkpoint).parent / record["folder"]
+    sums = record["checksums"]
+    failed: dict[str, str] = {}
+    for name in _share(sorted(sums)):
+        try:
+            if _file_crc32(folder / name) != sums[name]:
+                failed[name] = "fails its checksum"
+        except OSError as e:
+            failed[name] = f"cannot be read ({e.strerror or e})"
+    failed = _everyones(failed)
+    if failed:
+        said = ", ".join(f"{name} {why}" for name, why in sorted(failed.items()))
+        raise CorruptCheckpoint(
+            f"checkpoint {checkpoint} names its sharded state {folder}, in which {said}: "
+            "its bytes changed after they were written"
+        )
+
+
 def save(
     out: Path,
     step: int,
@@ -97,7 +168,8 @@ def save(
 ) -> dict[str, Any]:
     """Write the model's and the optimizer's tensors as this process holds them (every
     process calls it: a collective); return the record the checkpoint file keeps: the
-    folder, the optimizer's settings and the parameters' names."""
+    folder, the optimizer's settings, the parameters' names and the checksums of the
+    folder's files."""
     import torch.distributed.checkpoint as dcp
 
     cuts = _cuts(learner)
@@ -129,6 +201,7 @@ def save(
         "folder": folder,
         "names": names,
         "optimizer": {"param_groups": saved["param_groups"], "state": others},
+        "checksums": _checksums(Path(out) / folder),
     }
 
 

@@ -99,8 +99,13 @@ class Trainer:
         self.log: MetricsLog | None = None
         state: dict[str, Any] | None = None
         if resume:
+            # A sharded state's files are checked against their checksums too (on every
+            # process, which all fall back alike).
             state = _checkpoint.load_latest(
-                self.out / CHECKPOINT, cfg.identity(), map_location=self.device
+                self.out / CHECKPOINT,
+                cfg.identity(),
+                map_location=self.device,
+                verify=_sharded_state.verify,
             )
             if "model" in state:  # whole tensors (a replicated run's): cut by MetaDDP if sharded
                 self.algorithm.load_state_dict(state["model"])
