@@ -60,16 +60,17 @@ def check_folder(out: Path, resume: bool, force: bool) -> None:
         raise RunFolderError(f"--out {out} is a file, not a folder")
     held = sorted(p.name for p in out.iterdir() if p.name != LOCK) if out.is_dir() else []
     if held and not force:
-        go_on = (
-            f"Continue that run with --resume {quoted(out)}, choose"
-            if _checkpoint.exists(out / CHECKPOINT)
-            else "It holds no checkpoint (a run with other settings that stopped before its "
-            "first): choose"
-        )
-        raise RunFolderError(
-            f"{out} is not empty (it holds {', '.join(held[:4])}...). {go_on} another --out, "
-            "or pass --force to replace it"
-        )
+        if _checkpoint.exists(out / CHECKPOINT):  # never advise deleting its checkpoints
+            go_on = (
+                f"Continue that run with --resume {quoted(out)}, or choose another --out "
+                "(--force would replace it, deleting its checkpoints)"
+            )
+        else:
+            go_on = (
+                "It holds no checkpoint (a run with other settings that stopped before its "
+                "first): choose another --out, or pass --force to replace it"
+            )
+        raise RunFolderError(f"{out} is not empty (it holds {', '.join(held[:4])}...). {go_on}")
 
 
 def unsaved_start(out: Path, identity: dict[str, Any]) -> bool:

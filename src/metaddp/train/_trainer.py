@@ -194,14 +194,21 @@ class Trainer:
 
     def _kept(self) -> str:
         """What a stopped run keeps, and how to go on: a resume takes the checkpoint's
-        settings, so a changed learning rate is a new run (in the same folder, --force)."""
-        again = (
-            "to try again, run the same command with the setting changed and --force, which "
-            f"replaces {quoted(self.out)} (or give another --out to keep it)"
-        )
+        settings, so a changed learning rate is a new run. Its folder is reused (--force) only
+        when it holds no checkpoint: the advice never deletes good ones."""
         if self.saved:
-            return f"the last checkpoint holds step {self.saved}, under these settings; {again}"
-        return f"no checkpoint was written yet; {again}"
+            return (
+                f"the last checkpoint holds step {self.saved}, under these settings; it and "
+                f"the ones before it stay in {quoted(self.out)} (metaddp train --resume "
+                f"{quoted(self.out)} continues from it). To try again with the setting changed, "
+                "run the same command with another --out: replacing this folder would delete "
+                "them"
+            )
+        return (
+            "no checkpoint was written yet; to try again, run the same command with the "
+            f"setting changed and --force, which replaces {quoted(self.out)} (or give another "
+            "--out to keep it)"
+        )
 
     def _diagnose(self, step: int, tasks: Sequence[Task], what: str) -> str:
         """Why step ``step`` went non-finite: the meta-parameters (the outer learning rate) or
