@@ -19,7 +19,11 @@ of the same method, by ``max |g_N - g_1| / max |g_1|`` (as ``metaddp verify``).
   DDP averages ``.grad``.
 
 Timing: one hypergradient (both libraries' functions from the same weights; metaddp with its
-backward and gradient SUM), median of ``--repeats``, at 1 and 2 processes.
+backward and gradient SUM), median of ``--repeats``, at 1 and 2 processes. Then whole steps
+at one process, median of ``--whole-steps``: Betty's ``Engine`` with an inner ``ImplicitProblem``
+(forward, backward, SGD or Adam step) and an outer one (forward, hypergradient, Adam step,
+``unroll_steps=1``), against metaddp's ``Bilevel(start="current", train_inner=True)`` step
+(meta-loss, backward, gradient SUM, one Adam step over the model and the weighting).
 
     python benchmarks/betty_bilevel.py --json benchmarks/results/betty_bilevel.json
 """
@@ -167,6 +171,75 @@ def betty_hypergradient(p: S.BilevelProblem, kind: str, world: int) -> tuple[tor
     return torch.stack(per_rank).mean(0), seconds
 
 
+# --- Whole steps: forward, hypergradient and both optimizers' steps -----------------------
+
+
+def metaddp_whole_steps(p: S.BilevelProblem, steps: int) -> float:
+    """Seconds per whole step of metaddp's reweighting at one process: the inner problem's
+    lookahead, the hypergradient, the model's own gradient on the weighted loss
+    (``train_inner=True``), and one Adam step over the model and the weighting."""
+    algorithm = build(p)
+    algorithm.train_inner = True  # the model trains on the weighted loss in the same step
+    learner = md.MetaDDP(algorithm, md.Mesh.create())
+    opt = torch.optim.Adam(learner.parameters(), 1e-3)
+    task = [p.task(0)]
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        learner.meta_loss(learner.shard(task)).backward()
+        learner.sync_grads()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[steps // 5:])
+
+
+def betty_whole_steps(p: S.BilevelProblem, kind: str, steps: int) -> float:
+    """Seconds per whole step of Betty's engine on the same problem: the inner problem's
+    forward, backward and optimizer step, then the outer problem's forward, hypergradient
+    (``kind``) and optimizer step (``unroll_steps=1``)."""
+    from betty.configs import Config, EngineConfig
+    from betty.engine import Engine
+    from betty.problems import ImplicitProblem
+
+    task = p.task(0)
+    net, weighting = p.build_model()
+    inner_batch = (task.support.x, task.support.y)
+    outer_batch = (task.query.x, task.query.y)
+    cfg = dict(type=kind, darts_alpha=0.01, neumann_iterations=ITERATIONS, neumann_alpha=LR,
+               cg_iterations=ITERATIONS, cg_alpha=1.0)
+
+    class Inner(ImplicitProblem):
+        def training_step(self, batch):
+            x, y = batch
+            ce = F.cross_entropy(self.module(x), y, reduction="none")
+            w = self.outer.module
+            decay = 0.5 * w.log_decay.exp() * sum((q * q).sum() for q in self.module.parameters())
+            return (w(ce) * ce).mean() + decay
+
+    class Outer(ImplicitProblem):
+        def training_step(self, batch):
+            x, y = batch
+            return F.cross_entropy(self.inner.module(x), y)
+
+    inner_opt = (torch.optim.SGD(net.parameters(), lr=LR) if p.optimizer == "sgd"
+                 else torch.optim.Adam(net.parameters(), lr=LR))
+    inner = Inner(name="inner", module=net, optimizer=inner_opt,
+                  train_data_loader=[inner_batch] * (steps + 2), config=Config(type=kind, unroll_steps=1))
+    outer = Outer(name="outer", module=weighting, optimizer=torch.optim.Adam(weighting.parameters(), 1e-3),
+                  train_data_loader=[outer_batch] * (steps + 2), config=Config(**cfg))
+    engine = Engine(problems=[outer, inner], config=EngineConfig(train_iters=steps, strategy="default"),
+                    dependencies={"l2u": {inner: [outer]}, "u2l": {outer: [inner]}})
+    times = []
+    engine.train()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.global_step += 1
+        engine.train_step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[steps // 5:])
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
@@ -175,6 +248,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[32, 128])
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--whole-steps", type=int, default=100, help="whole steps timed per library")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     try:
@@ -206,7 +280,20 @@ def main() -> None:
         print(f"{r['batch']:>5} {r['metaddp']:<12} {r['betty']:<8} {r['metaddp_rel_2']:>9.1e} "
               f"{r['metaddp_rel_4']:>9.1e} {r['betty_rel_2']:>9.1%} {r['betty_rel_4']:>9.1%} "
               f"{r['metaddp_ms_1']:>10.2f} {r['metaddp_ms_2']:>10.2f} {r['betty_ms_1']:>11.2f}")
-    save_json(Path(a.json) if a.json else None, run_record(settings=vars(a), rows=rows))
+    # Whole steps at one process: each library's forward, hypergradient and optimizer steps.
+    whole = []
+    for batch in a.batch:
+        for method, kind, opt in PAIRS:
+            p = problem(method, opt, batch)
+            ours, theirs = metaddp_whole_steps(p, a.whole_steps), betty_whole_steps(p, kind, a.whole_steps)
+            whole.append({"batch": batch, "metaddp": method, "betty": kind, "metaddp_ms": 1e3 * ours,
+                          "betty_ms": 1e3 * theirs, "ratio": ours / theirs})
+    print(f"\nwhole step, one process (ms, median of {a.whole_steps})")
+    print(f"{'batch':>5} {'metaddp':<12} {'Betty':<8} {'metaddp':>8} {'Betty':>8} {'ratio':>6}")
+    for r in whole:
+        print(f"{r['batch']:>5} {r['metaddp']:<12} {r['betty']:<8} {r['metaddp_ms']:>8.2f} {r['betty_ms']:>8.2f}"
+              f" {r['ratio']:>6.2f}")
+    save_json(Path(a.json) if a.json else None, run_record(settings=vars(a), rows=rows, whole=whole))
 
 
 if __name__ == "__main__":
