@@ -66,6 +66,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "train",
         help="meta-train on a task family (" + ", ".join(FAMILIES) + ")",
         description=__doc__,
+        epilog="each task's defaults (none given: the general default; flags and --config "
+        "override them; --show-settings prints a run's resolved settings):\n"
+        + TrainConfig.defaults_table(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
@@ -75,7 +78,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="task family (taken from the run when resuming)",
     )
-    g = p.add_argument_group("what to train (default: the task's own settings)")
+    g = p.add_argument_group("what to train (default: the task's own, in the table below)")
     g.add_argument("--algorithm", choices=list(ALGORITHMS), default=S, help="default maml")
     g.add_argument("--steps", type=int, default=S, help="outer steps in total (default 1000)")
     g.add_argument("--meta-batch", type=int, default=S, help="tasks per outer step")
@@ -177,10 +180,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "turns it off",
     )
     g = p.add_argument_group("evaluation and output")
-    g.add_argument("--eval-every", type=int, default=S, help="steps between meta-test runs (100)")
+    g.add_argument(
+        "--eval-every",
+        type=int,
+        default=S,
+        help="steps between evaluations (default 100; 0: only at the end of the run)",
+    )
     g.add_argument("--eval-tasks", type=int, default=S, help="held-out tasks per meta-test (100)")
     g.add_argument("--eval-steps", type=int, default=S, help="adaptation steps at meta-test")
-    g.add_argument("--checkpoint-every", type=int, default=S, help="steps between checkpoints")
+    g.add_argument(
+        "--checkpoint-every", type=int, default=S, help="steps between checkpoints (default 100)"
+    )
     g.add_argument("--out", default=None, help="output folder (default runs/TASK-ALGORITHM)")
     g.add_argument(
         "--resume",
@@ -192,6 +202,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--force", action="store_true", help="replace a previous run in --out")
     g.add_argument("--config", metavar="FILE", default=None, help="TOML file of settings")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument(
+        "--show-settings",
+        action="store_true",
+        help="print the resolved settings of this task and algorithm (with the flags given "
+        "applied) and exit without training",
+    )
     g.add_argument(
         "--debug", action="store_true", help="show the full traceback of an error in the settings"
     )
@@ -316,6 +332,11 @@ def settings(args: argparse.Namespace, world: int) -> tuple[TrainConfig, Path, b
             )
         check_folder(out, resume=True, force=False)
         saved = saved_config(out)
+        if "task" in flags and saved.get("task") not in (None, flags["task"]):
+            raise UsageError(
+                f"the run in {out} is a {saved['task']} run; this command trains "
+                f"{flags['task']}: drop the task name to continue it, or give another --out"
+            )
         # A run from before a setting existed resumes as it ran (no BatchNorm, SGD steps...).
         values.update({**settings_before(saved), **saved})
     # What this command sets (its file, then its flags), beside what a resumed run recorded.
@@ -489,8 +510,34 @@ def torchrun_main(args: argparse.Namespace) -> int:
     return finish(outcome, TrainConfig(**cfg_dict), Path(out))
 
 
+def show_settings(args: argparse.Namespace) -> int:
+    """``--show-settings``: the resolved settings (a resumed run's, with the flags given), and
+    no run."""
+    flags = {
+        k: v
+        for k, v in vars(args).items()
+        if k in TrainConfig.names() and not (k == "task" and v is None)
+    }
+    values: dict[str, Any] = {}
+    if args.resume not in (None, "auto"):
+        saved = saved_config(Path(args.resume))
+        values.update({**settings_before(saved), **saved})
+    values.update({**(read_toml(args.config) if args.config is not None else {}), **flags})
+    if "task" not in values:
+        raise UsageError("name a task: metaddp train {" + ",".join(FAMILIES) + "} [options]")
+    print("\n".join(TrainConfig(**values).resolved().lines()))
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
     warnings.formatwarning = one_line_warning  # e.g. a damaged checkpoint that falls back
+    if getattr(args, "show_settings", False):
+        try:
+            return show_settings(args)
+        except USER_ERRORS as e:
+            if args.debug:
+                raise
+            return user_error(e)
     if under_torchrun():
         return torchrun_main(args)
     try:

@@ -25,6 +25,13 @@ INNER_OPTIMIZERS = tuple(_BY_NAME)  # the registry's names
 AUTOCASTS = ("bf16", "fp16")
 OUTER_SCHEDULES = ("constant", "cosine")
 CLASSIFIERS = ("protonet", "protomaml")  # algorithms whose loss needs classes
+# Which algorithms fit which tasks, declared once: the bilevel ones (data reweighting and the
+# plain training it is measured against) train the task that is a bilevel problem, and adapt
+# nothing; the classifiers need classes; the other (meta-learning) algorithms train any task.
+BILEVEL = ("reweight", "erm")
+BILEVEL_TASKS = ("noisy-digits",)
+# The settings a task family fills (--show-settings and the help's table print them).
+SHOWN = ("meta_batch", "inner_steps", "inner_lr", "outer_lr", "shots", "query", "ways", "hidden")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +222,67 @@ class TrainConfig:
             )
         return cfg
 
+    @staticmethod
+    def algorithms_for(task: str) -> tuple[str, ...]:
+        """The algorithms that train ``task`` (:data:`BILEVEL`, :data:`CLASSIFIERS`)."""
+        from ..algorithms import ALGORITHMS
+
+        classes = family_class(task).classification
+        return tuple(
+            a
+            for a in ALGORITHMS
+            if (a not in BILEVEL or task in BILEVEL_TASKS) and (a not in CLASSIFIERS or classes)
+        )
+
+    @staticmethod
+    def adapts(algorithm: str) -> bool:
+        """Whether ``algorithm`` adapts to each task (meta-learning), rather than training one
+        network on weighted or plain batches (:data:`BILEVEL`)."""
+        return algorithm not in BILEVEL
+
+    def lines(self) -> list[str]:
+        """The resolved settings in two lines (the start of a run, ``--show-settings``)."""
+        eval_note = (
+            f"every {self.eval_every} steps and at the end"
+            if self.eval_every
+            else "at the end only (eval_every 0)"
+        )
+        what = ", ".join(
+            f"{k} {getattr(self, k)}"
+            for k in ("steps", *SHOWN, "seed", "dtype")
+            if getattr(self, k) is not None
+        )
+        return [
+            f"{self.algorithm} on {self.task}: {what}",
+            f"evaluation on {self.eval_tasks} held-out tasks ({self.eval_steps} adaptation "
+            f"steps) {eval_note}; "
+            f"checkpoint every {self.checkpoint_every} steps; layout {self.layout}",
+        ]
+
+    @classmethod
+    def defaults_table(cls) -> str:
+        """Each task's default settings, one row per task (the help's epilog)."""
+        from ..tasks import FAMILIES
+
+        rows: list[tuple[str, ...]] = [("task", *SHOWN, "eval_steps", "algorithms")]
+        for task in FAMILIES:
+            d = dict(family_class(task).defaults)
+            d.setdefault("eval_steps", d.get("inner_steps"))
+            takes = cls.algorithms_for(task)
+            left = [a for a in _all_algorithms() if a not in takes]
+            rows.append(
+                (
+                    task,
+                    *(str(d.get(k, "-")) for k in (*SHOWN, "eval_steps")),
+                    "all but " + ", ".join(left) if left else "all",
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+        return "\n".join(
+            "  " + " ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + " " + r[-1]
+            for r in rows
+        )
+
     def check(self) -> None:
         from ..algorithms import ALGORITHMS, METHODS
 
@@ -334,6 +402,10 @@ class TrainConfig:
         for k in ("inner_lr", "outer_lr", "lam"):
             if not (getattr(self, k) > 0 and math.isfinite(getattr(self, k))):
                 raise ValueError(f"{k} must be a positive finite number, got {getattr(self, k)!r}")
+        if self.algorithm not in (takes := self.algorithms_for(self.task)):
+            raise ValueError(
+                f"{self.algorithm} does not train {self.task}: {self.task} takes {', '.join(takes)}"
+            )
 
     def _not_shardable(self) -> str | None:
         """Why these settings' meta-parameters cannot be sharded, or ``None``. What only the
@@ -486,6 +558,12 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _all_algorithms() -> tuple[str, ...]:
+    from ..algorithms import ALGORITHMS
+
+    return tuple(ALGORITHMS)
 
 
 # What each setting holds, from the field's annotation ("int | None" -> int).

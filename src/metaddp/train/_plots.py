@@ -21,21 +21,32 @@ def training_curves(
     metric: str,
     title: str,
     baseline: tuple[float, float] | None = None,
-) -> None:
+    adapts: bool = True,
+) -> dict[str, object]:
     """Meta-training loss per step (left) and meta-test score with its 95% CI (right).
 
     ``baseline``: the accuracy (and 95% half-width) of a classifier that learns nothing on the
     same held-out tasks (the raw-pixel nearest-class-mean for images), drawn as a level line.
+    ``adapts``: the algorithm adapts to each task (meta-learning), so the score is drawn before
+    and after adaptation; otherwise (reweighting, plain training) the network is scored as
+    trained, one curve. One evaluation is drawn as a point with its interval as an error bar.
+
+    Returns:
+        The words drawn: ``title`` of the score's panel, its ``ylabel``, the curves'
+        ``labels`` and the figure's ``suptitle``.
     """
+    from matplotlib.ticker import MaxNLocator
+
     plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     steps = [r["step"] for r in rows]
     a.plot(steps, [r["meta_loss"] for r in rows], lw=0.8)
     a.set(
         xlabel="outer step",
-        ylabel="meta-training loss (query, after adaptation)",
-        title="meta-training loss",
+        ylabel="meta-training loss (query, after adaptation)" if adapts else "training loss",
+        title="meta-training loss" if adapts else "training loss",
     )
+    a.xaxis.set_major_locator(MaxNLocator(integer=True))
     if all(r["meta_loss"] > 0 for r in rows):
         a.set_yscale("log")
     ev = [r for r in rows if not math.isnan(r.get("test_after", math.nan))]
@@ -44,15 +55,19 @@ def training_curves(
         x = [r["step"] for r in ev]
         after = [r[f"{key}_after"] for r in ev]
         ci = [0.0 if math.isnan(r[f"{key}_after_ci"]) else r[f"{key}_after_ci"] for r in ev]
-        b.plot(x, [r[f"{key}_before"] for r in ev], "o-", label="before adaptation")
-        b.plot(x, after, "o-", label="after adaptation")
-        b.fill_between(
+        if adapts:
+            b.plot(x, [r[f"{key}_before"] for r in ev], "o-", label="before adaptation")
+        b.errorbar(
             x,
-            [m - c for m, c in zip(after, ci, strict=True)],
-            [m + c for m, c in zip(after, ci, strict=True)],
-            alpha=0.3,
-            label="95% CI",
+            after,
+            yerr=ci,
+            fmt="o-",
+            capsize=4,
+            label=("after adaptation" if adapts else "as trained") + " (95% CI)",
         )
+        b.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if len(x) == 1:  # one point: an axis around it in whole steps
+            b.set_xlim(x[0] - 1, x[0] + 1)
     if ev and baseline is not None:
         level, half = baseline
         half = 0.0 if math.isnan(half) else half
@@ -60,12 +75,16 @@ def training_curves(
         b.axhspan(level - half, level + half, color="0.5", alpha=0.15, lw=0)
     if ev:
         b.legend(fontsize="small")
-    b.set(
-        xlabel="outer step",
-        ylabel="query accuracy" if classification else f"query {metric}",
-        title="meta-test on held-out " + ("classes" if classification else "tasks"),
-    )
+    if adapts:
+        panel = "meta-test on held-out " + ("classes" if classification else "tasks")
+        ylabel = "query accuracy" if classification else f"query {metric}"
+    else:
+        panel = "test on held-out data, as trained"
+        ylabel = "test accuracy" if classification else f"test {metric}"
+    b.set(xlabel="outer step", ylabel=ylabel, title=panel)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    labels = [t.get_text() for t in b.get_legend().get_texts()] if ev else []
     plt.close(fig)
+    return {"title": panel, "ylabel": ylabel, "labels": labels, "suptitle": title}

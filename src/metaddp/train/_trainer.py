@@ -98,15 +98,23 @@ class Trainer:
         self.saved_metrics: torch.Tensor | None = None  # the checkpoint's copy of metrics.csv
         self.log: MetricsLog | None = None
         state: dict[str, Any] | None = None
+        self.resumed_from: Path | None = None  # the checkpoint file a resume read
         if resume:
+            read_from: list[Path] = []
+
+            def verify(candidate: Path, state: dict[str, Any]) -> None:
+                read_from.append(candidate)  # the last one verified is the one resumed from
+                _sharded_state.verify(candidate, state)
+
             # A sharded state's files are checked against their checksums too (on every
             # process, which all fall back alike).
             state = _checkpoint.load_latest(
                 self.out / CHECKPOINT,
                 cfg.identity(),
                 map_location=self.device,
-                verify=_sharded_state.verify,
+                verify=verify,
             )
+            self.resumed_from = read_from[-1] if read_from else self.out / CHECKPOINT
             if "model" in state:  # whole tensors (a replicated run's): cut by MetaDDP if sharded
                 self.algorithm.load_state_dict(state["model"])
                 if not cfg.shard:
@@ -313,7 +321,13 @@ class Trainer:
             paths[0],
             classification=self.family.classification,
             metric=self.family.metric,
-            title=f"{self.cfg.algorithm} on {self.cfg.task}",
+            title=f"{self.cfg.algorithm} on {self.cfg.task}"
+            + (
+                ""
+                if TrainConfig.adapts(self.cfg.algorithm)
+                else " (no adaptation: scored as trained)"
+            ),
+            adapts=TrainConfig.adapts(self.cfg.algorithm) and self.cfg.eval_steps != 0,
             baseline=(
                 (summary["test_acc_baseline"], summary["test_acc_baseline_ci"])
                 if "test_acc_baseline" in summary
@@ -359,6 +373,11 @@ class Trainer:
             (``{"signal": name, "step": checkpoint step}``) and no summary.
         """
         cfg, me = self.cfg, rank()
+        if me == 0:
+            said = cfg.lines()
+            if self.resumed_from is not None:
+                said.append(f"resumed from step {self.start} ({self.resumed_from})")
+            print("\n".join(said), flush=True)
         log = MetricsLog(self.out, self.start, saved=self.saved_metrics) if me == 0 else None
         self.log = log
         bar = progress_bar(cfg, self.start) if me == 0 and progress else None
