@@ -3,7 +3,15 @@
   metaddp train sinusoid --nproc 2 --steps 2000 --out runs/sinusoid
   metaddp train digits --ways 5 --shots 1 --nproc 2
   metaddp train --resume runs/sinusoid --steps 4000      # continue, any number of processes
-  torchrun --nnodes 2 --nproc-per-node 8 ... -m metaddp train omniglot --data DIR   # many machines
+  metaddp train omniglot --data DIR --nnodes 1:2 --nproc 8 --rdzv-endpoint HOST:29500 \
+      --max-restarts 3 --resume auto --out DIR     # on every machine: an elastic run
+
+--nnodes MIN:MAX starts this machine's share of a run over several machines (the same command
+on each, --nproc processes per machine), joined at --rdzv-endpoint (the machine there hosts
+the rendezvous) under --rdzv-id; a run that loses a machine continues on the ones left after a
+restart (--max-restarts). At the end each machine's agent waits at most 10 s for the others.
+Under torchrun (python -m metaddp train ...) the same run works, but its agents wait 300 s
+where another machine's agent ended before its processes, and log a traceback.
 
 Settings come from the defaults, then the task's own defaults, then --config FILE (TOML, the
 option names with underscores, all at top level or all under [train]), then the flags given.
@@ -28,7 +36,7 @@ from typing import Any
 from .._output import quoted
 from ..algorithms import build
 from ..algorithms.registry import INNER_OPTIMIZERS
-from ..distributed import DEFAULT_TIMEOUT
+from ..distributed import DEFAULT_TIMEOUT, keep_freed_memory
 from ..distributed.launch import oversubscribed
 from ..tasks import FAMILIES, family_class
 from ..train import (
@@ -45,6 +53,7 @@ from ..train import (
     checkpoint_step,
     checkpoint_world,
     launch,
+    launch_nodes,
     one_line_warning,
     quiet_latest,
     read_toml,
@@ -216,7 +225,31 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--nproc",
         type=int,
         default=None,
-        help="local processes to start (default 1; a resumed run: the count it ran on)",
+        help="local processes to start (default 1; a resumed run: the count it ran on); with "
+        "--nnodes, on each machine",
+    )
+    g.add_argument(
+        "--nnodes",
+        default=None,
+        metavar="MIN:MAX",
+        help="run over several machines: start the same command on each; the run starts "
+        "once MIN have joined, takes up to MAX, and continues on the ones left when one is "
+        "lost (with --max-restarts and --resume auto --out DIR on a shared file system). "
+        "Needs --rdzv-endpoint",
+    )
+    g.add_argument(
+        "--rdzv-endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="with --nnodes: where the machines meet; the machine at HOST hosts the "
+        "rendezvous (losing it ends the run)",
+    )
+    g.add_argument(
+        "--rdzv-id",
+        default="metaddp",
+        metavar="ID",
+        help="with --nnodes: the run's name at the rendezvous, the same on every machine "
+        "(default %(default)s; give each run that shares an endpoint its own)",
     )
     g.add_argument(
         "--layout",
@@ -254,8 +287,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--max-restarts",
         type=int,
         default=0,
-        help="with --nproc: restart all processes this many times after one fails; they "
-        "continue from the latest checkpoint (default 0)",
+        help="with --nproc or --nnodes: restart all processes this many times after one fails "
+        "or a machine is lost; they continue from the latest checkpoint (default 0)",
     )
     p.set_defaults(func=main)
 
@@ -280,13 +313,17 @@ def check_processes(args: argparse.Namespace) -> None:
 
     if under_torchrun() and args.nproc is not None:
         raise UsageError("already started by torchrun; drop --nproc")
+    if under_torchrun() and args.nnodes is not None:
+        raise UsageError("already started by torchrun; drop --nnodes")
+    if args.nnodes is None and args.rdzv_endpoint is not None:
+        raise UsageError("--rdzv-endpoint is where the machines of --nnodes meet: give --nnodes")
     if args.nproc is None:
         args.nproc = 1
     if args.nproc < 1:
         raise UsageError(f"--nproc must be at least 1, got {args.nproc}")
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
-    if args.max_restarts and args.nproc == 1 and not under_torchrun():
+    if args.max_restarts and args.nproc == 1 and not under_torchrun() and args.nnodes is None:
         raise UsageError(
             "--max-restarts restarts the processes that --nproc starts: give --nproc 2 or more "
             "(one process runs without a launcher)"
@@ -491,14 +528,16 @@ def torchrun_main(args: argparse.Namespace) -> int:
     with lock:
         try:
             outcome = worker(cfg_dict, out, resume, backend, 0, not args.no_progress, args.timeout)
-        except Exception as e:  # one line; torchrun restarts the processes if it may
+        except Exception as e:  # one line; the launcher restarts the processes if it may
             if args.debug:
                 raise
             left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(
                 os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             )
             then = (
-                f"torchrun restarts it ({left} restart(s) left)" if left > 0 else "no restart left"
+                f"the launcher restarts it ({left} restart(s) left)"
+                if left > 0
+                else "no restart left"
             )
             print(
                 f"metaddp train: process {me} failed: {_first_line(e)}; {then}; "
@@ -508,6 +547,85 @@ def torchrun_main(args: argparse.Namespace) -> int:
             )
             return 1
     return finish(outcome, TrainConfig(**cfg_dict), Path(out))
+
+
+def nnodes_range(text: str) -> tuple[int, int]:
+    """``--nnodes``: ``N`` or ``MIN:MAX`` machines."""
+    lo, _, hi = text.partition(":")
+    try:
+        least, most = int(lo), int(hi or lo)
+    except ValueError:
+        raise UsageError(f"--nnodes takes N or MIN:MAX machines, like 1:2; got {text!r}") from None
+    if not 1 <= least <= most:
+        raise UsageError(f"--nnodes needs 1 <= MIN <= MAX, got {text!r}")
+    return least, most
+
+
+def nodes_main(args: argparse.Namespace) -> int:
+    """``--nnodes``: this machine's agent, whose processes run the command as under torchrun
+    (rank 0 checks the settings and takes the folder); it reports only a failure."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
+
+    try:
+        least, most = nnodes_range(args.nnodes)
+        if args.rdzv_endpoint is None:
+            raise UsageError("--nnodes needs --rdzv-endpoint HOST:PORT, the same on every machine")
+        check_processes(args)
+    except UsageError as e:
+        if args.debug:
+            raise
+        return user_error(e)
+    launched = argparse.Namespace(
+        **{**vars(args), "nproc": None, "nnodes": None, "rdzv_endpoint": None}
+    )
+    try:
+        launch_nodes(
+            processes_main,
+            (launched,),
+            min_nodes=least,
+            max_nodes=most,
+            nproc=args.nproc,
+            endpoint=args.rdzv_endpoint,
+            run_id=args.rdzv_id,
+            max_restarts=args.max_restarts,
+        )
+    except SignalException as e:
+        # Passed on to the processes, which end their step, write a checkpoint and say so.
+        print(f"metaddp train: stopped by {signal_name(e.sigval)}", file=sys.stderr)
+        return EXIT_STOPPED
+    except ChildFailedError as e:
+        if args.debug:
+            print(e, file=sys.stderr)
+        first = e.get_first_failure()[0]
+        failure = e.failures[first]
+        if failure.exitcode == EXIT_STOPPED:
+            return EXIT_STOPPED  # stopped by a signal to the processes: they said so
+        error = _recorded_error(failure)
+        how = (
+            f"was killed by {failure.signal_name()}"
+            if failure.exitcode < 0
+            else f"exited with status {failure.exitcode}"
+            if error is None
+            else f"failed: {error}"
+        )
+        print(f"metaddp train: process {first} {how}; no restart left", file=sys.stderr)
+        return 1
+    except RendezvousError as e:  # the endpoint unreachable, or too few machines in time
+        if args.debug:
+            raise
+        print(f"metaddp train: the machines did not meet: {_first_line(e)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def processes_main(args: argparse.Namespace) -> None:
+    """What each process that ``--nnodes`` starts runs: the command, as under torchrun."""
+    keep_freed_memory()
+    status = main(args)
+    if status:
+        raise SystemExit(status)
 
 
 def show_settings(args: argparse.Namespace) -> int:
@@ -538,6 +656,8 @@ def main(args: argparse.Namespace) -> int:
             if args.debug:
                 raise
             return user_error(e)
+    if args.nnodes is not None and not under_torchrun():
+        return nodes_main(args)
     if under_torchrun():
         return torchrun_main(args)
     try:

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -119,20 +120,24 @@ def worker(
     return {"stopped": stopped} if stopped else {"summary": result["summary"]}
 
 
-def launch(nproc: int, max_restarts: int, *args: Any) -> dict | None:
-    """``worker(*args)`` on ``nproc`` local processes, started by torch's elastic launcher."""
-    import uuid
-
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    # Its own warnings and error reports on a stop, restart or failure repeat what this
-    # command reports in one line (--debug prints the failure report).
+def quiet_launcher() -> None:
+    """Quiet torch's elastic launcher: its own warnings and error reports on a stop, restart or
+    failure repeat what this command reports in one line (--debug prints the failure report)."""
     # torch gives each of its modules' loggers a level of its own, so each is quieted.
     for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     # ... and so does its "Terminating process ... via signal SIGTERM" as it ends the others.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+
+
+def launch(nproc: int, max_restarts: int, *args: Any) -> dict | None:
+    """``worker(*args)`` on ``nproc`` local processes, started by torch's elastic launcher."""
+    import uuid
+
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    quiet_launcher()
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -145,6 +150,104 @@ def launch(nproc: int, max_restarts: int, *args: Any) -> dict | None:
     )
     results = elastic_launch(config, worker)(*args, True)
     return results[0]
+
+
+# How long a machine whose processes finished waits for the other machines' agents before it
+# exits. torch's agent waits 300 s, spent in full where another machine's agent ended before
+# its processes (under torchrun, whose processes outlive their agent, measured 304 s after
+# the last step); every result is written before this wait.
+EXIT_BARRIER_S = 10.0
+
+
+def launch_nodes(
+    entrypoint: Callable[..., Any],
+    args: tuple,
+    *,
+    min_nodes: int,
+    max_nodes: int,
+    nproc: int,
+    endpoint: str,
+    run_id: str,
+    max_restarts: int,
+    exit_barrier_s: float = EXIT_BARRIER_S,
+) -> None:
+    """This machine's agent of an elastic run over ``min_nodes`` to ``max_nodes`` machines:
+    ``entrypoint(*args)`` on ``nproc`` processes here, joined with the other machines' through
+    the c10d rendezvous at ``endpoint`` (``HOST:PORT``, hosted by the machine at that
+    address), restarted up to ``max_restarts`` times when a process fails or the machines
+    change. As ``torchrun`` (``torch.distributed.launcher``'s agent), but it waits
+    ``exit_barrier_s`` for the other agents at the end instead of torchrun's 300 s.
+
+    Raises ``ChildFailedError`` when a process failed with no restart left and
+    ``SignalException`` when the agent was told to stop (it passed the signal on).
+    """
+    from torch.distributed.elastic import events, metrics
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, registry
+    from torch.distributed.launcher.api import LaunchConfig
+
+    quiet_launcher()
+    # torch's launch_agent with the agent built here, where its exit barrier can be set
+    # (LaunchConfig has no field for it); LaunchConfig supplies torchrun's other defaults.
+    config = LaunchConfig(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=nproc,
+        run_id=run_id,
+        rdzv_backend="c10d",
+        rdzv_endpoint=endpoint,
+        max_restarts=max_restarts,
+        start_method="spawn",
+    )
+    rdzv = RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **config.rdzv_configs,
+    )
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    spec = WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        entrypoint=entrypoint,
+        args=args,
+        rdzv_handler=registry.get_rendezvous_handler(rdzv),
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval,
+        local_addr=config.local_addr,
+        event_log_handler=config.event_log_handler,
+        numa_options=config.numa_options,
+    )
+    assert config.logs_specs is not None and config.shutdown_timeout is not None
+    agent = LocalElasticAgent(
+        spec=spec,
+        logs_specs=config.logs_specs,
+        start_method=config.start_method,
+        exit_barrier_timeout=exit_barrier_s,
+        shutdown_timeout=config.shutdown_timeout,
+    )
+    shutdown_rdzv = True
+    try:
+        metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
+        result = agent.run()
+        events.record(agent.get_event_succeeded(), config.event_log_handler)
+        if result.is_failed():
+            raise ChildFailedError(
+                name=getattr(entrypoint, "__name__", ""), failures=result.failures
+            )
+    except SignalException:
+        # As torch's: the rendezvous stays open, so the other machines may go on.
+        shutdown_rdzv = False
+        raise
+    finally:
+        if shutdown_rdzv:
+            spec.rdzv_handler.shutdown()
 
 
 def checkpoint_world(out: Path) -> int | None:
