@@ -140,10 +140,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument(
         "--memory",
-        choices=("default", "low"),
+        choices=("default", "low", "replay"),
         default=S,
         help="low: rebuild each inner step's graph, one at a time, the same "
-        "meta-gradient in memory that does not grow with --inner-steps (default: keep them)",
+        "meta-gradient in memory that does not grow with --inner-steps (default: keep them); "
+        "replay: keep a tree of O(log) of the steps' weights, not every step's",
     )
     g.add_argument(
         "--inner-optimizer",

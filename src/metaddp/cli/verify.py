@@ -264,10 +264,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--memory",
-        choices=("default", "low"),
+        choices=("default", "low", "replay"),
         default="default",
         help="run MAML, Meta-SGD and ANIL scenarios with each inner step's graph rebuilt "
-        "one at a time (memory='low')",
+        "one at a time (memory='low'), or through a replay tree of their states (replay)",
     )
     p.add_argument(
         "--deterministic",

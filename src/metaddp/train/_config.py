@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 DTYPES = ("float32", "float64")
 LAYOUTS = ("sample", "task", "hybrid")
-MEMORY_MODES = ("default", "low")
+MEMORY_MODES = ("default", "low", "replay")
 INNER_OPTIMIZERS = tuple(_BY_NAME)  # the registry's names
 AUTOCASTS = ("bf16", "fp16")
 OUTER_SCHEDULES = ("constant", "cosine")
@@ -65,7 +65,8 @@ class TrainConfig:
         checkpoint_every: write a checkpoint every this many steps (and at the end).
         data: dataset folder (omniglot, miniimagenet), or the glyph cache folder (glyphs).
         memory: "default" keeps every inner step's graph; "low" rebuilds one at a time in the
-            backward (the same meta-gradient; memory that does not grow with inner_steps).
+            backward (the same meta-gradient; memory that does not grow with inner_steps);
+            "replay" keeps a tree of the steps' weights instead of every step's (metaddp.Replay).
         inner_optimizer: one of :data:`INNER_OPTIMIZERS` (sgd, adam, adamw, rmsprop, adagrad),
             at inner_lr (MAML, Meta-SGD, ANIL...).
         inner_clip: clip every inner gradient to this global norm first; None: off.
@@ -370,7 +371,7 @@ class TrainConfig:
                 f"{self.algorithm} does not take: it is a setting of "
                 f"{', '.join(having('low_memory'))}"
             )
-        if self.memory == "low" and self.autocast == "fp16":
+        if self.memory != "default" and self.autocast == "fp16":
             raise ValueError(
                 "memory low rebuilds the inner steps without the loss scaling that autocast "
                 "fp16 needs (small gradients would underflow): use autocast bf16, or memory "
