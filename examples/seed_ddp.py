@@ -9,6 +9,8 @@ backward runs through tensors DDP has no hooks on, so each rank keeps its own sh
 """
 
 import gc
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -88,6 +90,14 @@ def train() -> float:
     return grad2
 
 
+def refuse_launcher() -> None:
+    """This script starts its own processes: under torchrun each of them would start more."""
+    if "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
+        sys.exit("seed_ddp.py starts its own 1, 2 and 4 processes: run it with plain python "
+                 "(python examples/seed_ddp.py), not under torchrun")
+
+
 if __name__ == "__main__":
+    refuse_launcher()
     for ranks in (1, 2, 4):
         print(f"plain DDP, {ranks} rank(s): grad2 = {run_local(train, ranks)[0]:.2f}")

@@ -94,3 +94,75 @@ def test_the_capability_table_is_what_the_classes_declare():
     for name, supports in SUPPORTS.items():
         row = f"| `{name}` | " + " | ".join("yes" if getattr(supports, f) else "no" for f in fields) + " |"
         assert row in text, row
+
+
+# Every code block of README.md and docs/*.md is a complete program, or names the file under
+# examples/ that holds it: a comment `# complete program: examples/NAME.py` on its first line,
+# or the sentence right before it naming `examples/NAME.py`. A program whose block or file
+# says `runs on any number of processes` is run at 1 process and at 2, and must print the
+# same numbers.
+PROGRAM = "complete program: examples/"
+ANY_WORLD = "runs on any number of processes"
+
+
+def doc_blocks() -> list[tuple[str, str, str, str]]:
+    """(file, language, the text before the block, the block) for every fenced block."""
+    out = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        parts = path.read_text().split("```")
+        for before, block in zip(parts[0::2], parts[1::2]):
+            lang, _, body = block.partition("\n")
+            out.append((path.name, lang.strip(), before.rstrip().rsplit("\n\n", 1)[-1], body))
+    return out
+
+
+def named_program(before: str, body: str) -> str | None:
+    import re
+
+    first = body.lstrip().split("\n", 1)[0]
+    found = re.search(r"examples/[\w./]+\.py", first if PROGRAM in first else before)
+    return found.group(0) if found else None
+
+
+def test_every_named_program_exists_and_the_marked_ones_agree_at_1_and_2_processes():
+    import os
+    import re
+    import subprocess
+    import sys
+
+    named = {}
+    for name, lang, before, body in doc_blocks():
+        if lang == "python" and (program := named_program(before, body)):
+            assert (ROOT / program).is_file(), f"{name} names {program}, which is not there"
+            named[program] = ANY_WORLD in body or ANY_WORLD in (ROOT / program).read_text()
+    assert "examples/algorithms_loop.py" in named  # docs/algorithms.md's first block
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("LOCAL_RANK", None)
+    for program in (p for p, any_world in sorted(named.items()) if any_world):
+        runs = []
+        for launcher in ([], ["-m", "torch.distributed.run", "--nproc-per-node", "2"]):
+            done = subprocess.run([sys.executable, *launcher, program], cwd=ROOT, env=env,
+                                  capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, f"{program} {launcher}\n{done.stdout}\n{done.stderr[-3000:]}"
+            runs.append([float(v) for v in re.findall(r"-?\d+\.\d+(?:e-?\d+)?", done.stdout)])
+        one, two = runs
+        assert one and len(one) == len(two), (program, one, two)
+        # float32 sums taken in another order at 2 processes differ by rounding (1e-7
+        # relative), which a few optimizer steps amplify; the printed 6 digits agree exactly
+        # as measured, and 1e-4 leaves room for a machine that rounds otherwise.
+        for a, b in zip(one, two):
+            assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), (program, one, two)
+
+
+def test_seed_ddp_refuses_torchrun_in_one_line():
+    import os
+    import subprocess
+    import sys
+
+    for variable in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        env = dict(os.environ, **{variable: "0"})
+        done = subprocess.run([sys.executable, "examples/seed_ddp.py"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 1, done.stderr
+        assert done.stdout == "" and done.stderr.count("\n") == 1, done.stderr
+        assert "not under torchrun" in done.stderr
