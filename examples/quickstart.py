@@ -1,4 +1,5 @@
 """The README's one-screen API as a runnable script: sinusoid MAML on a task x sample mesh.
+It runs on any number of processes, with the same numbers to rounding.
 
     python examples/quickstart.py                         # one plain process
     torchrun --nproc-per-node 4 examples/quickstart.py    # 2 task groups x 2 ranks each
