@@ -140,7 +140,8 @@ def test_every_named_program_exists_and_the_marked_ones_agree_at_1_and_2_process
                 missing = [line for line in code_lines(body) if line not in code_lines(text)]
                 assert not missing, f"{name}: lines not in {program}: {missing}"
     assert {"examples/algorithms_loop.py", "examples/bilevel_reweight.py", "examples/migration_higher.py",
-            "examples/migration_learn2learn.py", "examples/quickstart.py"} <= set(named)
+            "examples/migration_learn2learn.py", "examples/quickstart.py",
+            "examples/algorithms_modes.py"} <= set(named)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("LOCAL_RANK", None)
     for program in (p for p, any_world in sorted(named.items()) if any_world):
