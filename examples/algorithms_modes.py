@@ -1,6 +1,6 @@
-"""docs/algorithms.md's blocks on whole-batch statistics, transformers with dropout and
-deterministic mode, as one complete program on tiny problems. Runs on any number of
-processes (deterministic mode's losses are the same bits):
+"""docs/algorithms.md's blocks on whole-batch statistics, transformers with dropout,
+deterministic mode and float16 loss scaling, as one complete program on tiny problems.
+It runs on any number of processes (deterministic mode's losses are the same bits):
 
     python examples/algorithms_modes.py
     torchrun --nproc-per-node 2 examples/algorithms_modes.py
@@ -87,11 +87,22 @@ def deterministic(steps: int = 2, n_tasks: int = 4) -> list[float]:
     return losses
 
 
+def float16() -> list[float]:
+    """MAML's float16 forward passes scale the inner loss (on by default), or not."""
+    net = nn.Sequential(nn.Linear(1, 16), nn.ReLU(), nn.Linear(16, 1))
+    learner = md.MAML(net, inner_lr=0.01, autocast=torch.float16, batched=False)
+    learner.loss_scale  # noqa: B018 (the page shows it: LossScale(init=1024.0), on by default)
+    first = learner.loss_scale.init
+    learner.loss_scale = md.inner.LossScale(init=2.0**12)   # or None / False: off
+    return [first, learner.loss_scale.init]
+
+
 def main() -> list[float]:
     md.init()
-    values = statistics() + transformer() + deterministic()
+    values = statistics() + transformer() + deterministic() + float16()
     if md.rank() == 0:
-        print("class means, counts, variance, transformer meta-losses, deterministic meta-losses:")
+        print("class means, counts, variance, transformer meta-losses, deterministic meta-losses, "
+              "float16 loss scales:")
         print(" ".join(f"{v:.9f}" for v in values))
     return values
 

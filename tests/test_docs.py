@@ -139,12 +139,20 @@ def test_every_named_program_exists_and_the_marked_ones_agree_at_1_and_2_process
             if PROGRAM in body and name != "README.md":  # README's: the test above
                 missing = [line for line in code_lines(body) if line not in code_lines(text)]
                 assert not missing, f"{name}: lines not in {program}: {missing}"
+    unnamed = [(name, body.strip().splitlines()[0]) for name, lang, before, body in doc_blocks()
+               if lang == "python" and not named_program(before, body)]
+    assert not unnamed, f"python blocks that are not a complete program and name none: {unnamed}"
     assert {"examples/algorithms_loop.py", "examples/bilevel_reweight.py", "examples/migration_higher.py",
-            "examples/migration_learn2learn.py", "examples/quickstart.py",
-            "examples/algorithms_modes.py"} <= set(named)
+            "examples/migration_learn2learn.py", "examples/quickstart.py", "examples/algorithms_modes.py",
+            "examples/algorithms_hf.py", "examples/algorithms_graphs.py"} <= set(named)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("LOCAL_RANK", None)
     for program in (p for p, any_world in sorted(named.items()) if any_world):
+        if "transformers" in (ROOT / program).read_text():
+            import importlib.util
+
+            if importlib.util.find_spec("transformers") is None:
+                continue  # the optional extra metaddp[hf]; tests/test_hf.py says the same
         runs = []
         for launcher in ([], ["-m", "torch.distributed.run", "--nproc-per-node", "2"]):
             done = subprocess.run([sys.executable, *launcher, program], cwd=ROOT, env=env,
@@ -174,3 +182,60 @@ def test_seed_ddp_refuses_torchrun_in_one_line():
         assert done.returncode == 1, done.stderr
         assert done.stdout == "" and done.stderr.count("\n") == 1, done.stderr
         assert "not under torchrun" in done.stderr
+
+
+def shell_commands() -> list[tuple[str, str]]:
+    """(file, command) for every line of the shell blocks (no language) of README.md and docs/
+    that holds a command (not only a comment), continued lines joined."""
+    import shlex
+
+    out = []
+    for name, lang, _, body in doc_blocks():
+        if lang:
+            continue
+        for line in body.replace("\\\n", " ").splitlines():
+            if shlex.split(line, comments=True):
+                out.append((name, line.strip()))
+    return out
+
+
+def test_every_command_in_a_shell_block_is_one_that_runs(capsys):
+    """Each command line a page shows runs as written: ``metaddp train`` runs with
+    ``--show-settings`` (every setting resolved and checked, nothing trained), a resume, and
+    ``metaddp verify`` and ``data``, parse; ``make`` targets, extras and scripts exist; the
+    README's ``.venv/bin/`` commands run in full above. Output and diagrams are ``text``
+    blocks."""
+    import shlex
+    import tomllib
+
+    from metaddp.cli import build_parser, main
+
+    makefile = (ROOT / "Makefile").read_text()
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    commands = shell_commands()
+    assert len(commands) >= 30
+    checked = 0
+    for name, command in commands:
+        words = shlex.split(command, comments=True)
+        if words[0].startswith(".venv/bin/"):
+            continue  # test_every_readme_command_runs_as_written
+        if words[0] == "make":
+            assert f"\n{words[1]}:" in makefile, (name, command)
+        elif words[:3] == ["pip", "install", "-e"]:
+            wanted = words[3].split("[")[1].rstrip("]").split(",")
+            assert set(wanted) <= set(extras), (name, command)
+        elif words[0] == "python":
+            assert (ROOT / words[1]).is_file(), (name, command)
+        elif words[0] == "torchrun":
+            assert words[-1] == "your_script.py" or (ROOT / words[-1]).is_file(), (name, command)
+        else:
+            assert words[0] == "metaddp", f"{name}: a command this test does not know: {command}"
+            args = words[1:]
+            resume = "--resume" in args and args[args.index("--resume") + 1] != "auto"
+            if args[0] == "train" and not resume:
+                assert main([*args, "--show-settings"]) == 0, (name, command)
+                assert " on " in capsys.readouterr().out, (name, command)
+            else:
+                build_parser().parse_args(args)
+        checked += 1
+    assert checked >= 25
