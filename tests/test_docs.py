@@ -125,10 +125,12 @@ def named_program(before: str, body: str) -> str | None:
 
 
 def test_every_named_program_exists_and_the_marked_ones_agree_at_1_and_2_processes():
+    import importlib.util
     import os
     import re
     import subprocess
     import sys
+    from concurrent.futures import ThreadPoolExecutor
 
     named = {}
     for name, lang, before, body in doc_blocks():
@@ -147,19 +149,25 @@ def test_every_named_program_exists_and_the_marked_ones_agree_at_1_and_2_process
             "examples/algorithms_hf.py", "examples/algorithms_graphs.py"} <= set(named)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("LOCAL_RANK", None)
-    for program in (p for p, any_world in sorted(named.items()) if any_world):
-        if "transformers" in (ROOT / program).read_text():
-            import importlib.util
+    # The README's own commands run examples/quickstart.py at 1 and 2 processes already.
+    readme = " ".join(readme_commands())
+    programs = [p for p, any_world in sorted(named.items()) if any_world and p not in readme]
+    if importlib.util.find_spec("transformers") is None:  # the optional extra metaddp[hf]
+        programs = [p for p in programs if "transformers" not in (ROOT / p).read_text()]
 
-            if importlib.util.find_spec("transformers") is None:
-                continue  # the optional extra metaddp[hf]; tests/test_hf.py says the same
-        runs = []
-        for launcher in ([], ["-m", "torch.distributed.run", "--nproc-per-node", "2"]):
-            done = subprocess.run([sys.executable, *launcher, program], cwd=ROOT, env=env,
-                                  capture_output=True, text=True, timeout=120)
-            assert done.returncode == 0, f"{program} {launcher}\n{done.stdout}\n{done.stderr[-3000:]}"
-            runs.append(re.findall(r"-?\d+\.\d+", done.stdout))  # the printed numbers
-        one, two = runs
+    def run(job: tuple[str, tuple[str, ...]]) -> list[str]:
+        program, launcher = job
+        done = subprocess.run([sys.executable, *launcher, program], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0, f"{program} {launcher}\n{done.stdout}\n{done.stderr[-3000:]}"
+        return re.findall(r"-?\d+\.\d+", done.stdout)  # the printed numbers
+
+    # Two runs at a time, one per core: each program at 1 process, then at 2.
+    jobs = [(p, launcher) for p in programs
+            for launcher in ((), ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"))]
+    with ThreadPoolExecutor(2) as pool:
+        printed = list(pool.map(run, jobs))
+    for program, one, two in zip(programs, printed[0::2], printed[1::2]):
         assert one and len(one) == len(two), (program, one, two)
         # float32 sums taken in another order at 2 processes differ by rounding (1e-7
         # relative), which a few optimizer steps amplify to 1e-6 at most in these short runs;
