@@ -106,9 +106,12 @@ def test_hypergradient_equals_reference(results, world, index):
     assert set(got["grads"]) == set(ref), "the outer variables that got a gradient"
     scale = max(float(g.abs().max()) for g in ref.values())
     assert scale > 1e-6, "a hypergradient that vanishes would compare nothing"
+    # Unrolled and truncated steps (replayed or not, on minibatches or not) are the reference's
+    # own arithmetic in another order: observed <= 4.5e-15 relative, held to 1e-12.
+    tol = 1e-12 if p.method in ("unrolled", "truncated") else RTOL
     for k, g in ref.items():
         err = float((got["grads"][k] - g).abs().max()) / scale
-        assert err < RTOL, f"{k}: {err:.3g}"
+        assert err < tol, f"{k}: {err:.3g}"
     assert got["loss"] == pytest.approx(loss, rel=1e-12)  # one loss: rounding of a mean
 
 
