@@ -115,9 +115,11 @@ def test_an_overflowing_scale_skips_maml_plus_plus_and_protomaml_steps():
 def test_paths_without_loss_scaling_refuse_float16_scaling():
     net = P.build_model
     # memory="low" rebuilds the steps unscaled: refused at construction, not dropped.
-    with pytest.raises(ValueError, match='memory="low" runs the inner steps without loss scaling'):
+    with pytest.raises(ValueError, match="memory='low' runs the inner steps without loss scaling"):
         md.MAML(net(), autocast=torch.float16, memory="low")
     assert md.MAML(net(), autocast=torch.float16, memory="low", loss_scale=None).loss_scale is None
+    with pytest.raises(ValueError, match=r"memory=Replay\(k=2, states=32\) runs the inner steps without"):
+        md.MAML(net(), autocast=torch.float16, memory=md.Replay(k=2))  # a replay tree, likewise
     assert md.MAML(net(), autocast=torch.float16, memory="low", first_order=True).loss_scale  # the loop
     low = md.MAML(net(), autocast=torch.float16, loss_scale=None, memory="low")
     with pytest.raises(ValueError, match="without loss scaling"):

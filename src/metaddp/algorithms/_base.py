@@ -200,7 +200,7 @@ class Algorithm(nn.Module):
     def loss_scale(self, value: LossScale | bool | None) -> None:
         self._loss_scale = resolve_loss_scale(value, self.autocast)
         if self._rematerialized():
-            self.unscaled('memory="low"')
+            self.unscaled(f"memory={self.memory!r}")
         if getattr(self, "batched", None):  # MAML's stacked tasks
             self.unscaled("batched=True (stacked tasks)")
 
@@ -344,7 +344,7 @@ class Algorithm(nn.Module):
         if self._rematerialize():
             if extra_grad is not None:
                 raise ValueError(f"{type(self).__name__} has no memory='low' mode")
-            self.unscaled('memory="low"')
+            self.unscaled(f"memory={self.memory!r}")
             return rematerialized_loop(
                 lambda fast, buffers, _: batch_share(module, fast, support, loss_fn, buffers),
                 start,
@@ -419,7 +419,7 @@ class Algorithm(nn.Module):
         if not self._rematerialize():
             fast = self.inner_loop(support, loss_fn, reduce=reduce)
             return batch_share(module, fast, query, loss_fn)
-        self.unscaled('memory="low"')
+        self.unscaled(f"memory={self.memory!r}")
         return rematerialized_loss(
             lambda fast, buffers, _: batch_share(module, fast, support, loss_fn, buffers),
             lambda fast, buffers: batch_share(module, fast, query, loss_fn, buffers),
