@@ -131,9 +131,12 @@ def across_ranks(request):
     return request.param, run_local(worker, request.param, DIST + MIXED + REPLAY)
 
 
-def test_low_memory_across_ranks_is_exact_with_3k_collectives(across_ranks):
+def _exact_with_collectives(across_ranks, problems: list[S.Problem], first: int, more: int) -> None:
+    """Problems ``first``, ... of every rank's results give the float64 reference's
+    meta-gradient, and in the sample layout make 3K + 2 + the first step's checks + ``more``
+    collectives."""
     world, results = across_ranks
-    for i, p in enumerate(DIST):
+    for i, p in enumerate(problems, start=first):
         _, want = reference.maml_meta_grad(p.build_model(), p.tasks(), steps=p.steps,
                                            inner_lr=p.inner_lr, first_order=False,
                                            classification=False)
@@ -141,13 +144,16 @@ def test_low_memory_across_ranks_is_exact_with_3k_collectives(across_ranks):
             got = r[i]
             assert rel(got["grads"], want) < RTOL, f"{p.layout} world {world} rank {rank}"
             if p.layout == "sample":
-                # The MLP's tasks are stacked (all at once): K forward SUMs, K adjoint SUMs
-                # and K - 1 rebuilt steps' SUMs (the last step is built once, with its
-                # graph); besides, the weights' broadcast when MetaDDP is built, the
-                # meta-gradient SUM and the SUM of the loss's value. The first step is
-                # checked: six small collectives compare the meta-batch across the ranks
-                # (kind and task count, task counts, batch sizes (2), make_task's tasks (2)).
-                assert got["calls"] == 3 * p.steps + 2 + FIRST_STEP_CHECKS, got["calls"]
+                assert got["calls"] == 3 * p.steps + 2 + FIRST_STEP_CHECKS + more, got["calls"]
+
+
+def test_low_memory_across_ranks_is_exact_with_3k_collectives(across_ranks):
+    # The MLP's tasks are stacked (all at once): K forward SUMs, K adjoint SUMs and K - 1
+    # rebuilt steps' SUMs (the last step is built once, with its graph); besides, the weights'
+    # broadcast when MetaDDP is built, the meta-gradient SUM and the SUM of the loss's value.
+    # The first step is checked: six small collectives compare the meta-batch across the ranks
+    # (kind and task count, task counts, batch sizes (2), make_task's tasks (2)).
+    _exact_with_collectives(across_ranks, DIST, 0, more=0)
 
 
 def test_low_memory_across_ranks_with_adam_learned_rates_batchnorm_and_empty_shards(across_ranks):
@@ -160,21 +166,11 @@ def test_low_memory_across_ranks_with_adam_learned_rates_batchnorm_and_empty_sha
 
 
 def test_a_replay_tree_across_ranks_is_exact_with_its_replayed_steps_collectives(across_ranks):
-    world, results = across_ranks
-    for i, p in enumerate(REPLAY, start=len(DIST) + len(MIXED)):
-        _, want = reference.maml_meta_grad(p.build_model(), p.tasks(), steps=p.steps,
-                                           inner_lr=p.inner_lr, first_order=False,
-                                           classification=False)
-        for rank, r in enumerate(results):
-            got = r[i]
-            assert rel(got["grads"], want) < RTOL, f"{p.layout} world {world} rank {rank}"
-            if p.layout == "sample":
-                # memory="low"'s 3K + 2 and the first step's checks, and one SUM per replayed
-                # step. The forward keeps the states before steps 0 and 4 of the eight inside
-                # the function; the backward replays each half from its start, running 2
-                # steps to reach its second quarter and 1 to reach each quarter's second
-                # step: 2 * (2 + 1 + 1) = 8, (n / 2)(log2 n - 1) for n = 8.
-                assert got["calls"] == 3 * p.steps + 2 + FIRST_STEP_CHECKS + 8, got["calls"]
+    # memory="low"'s collectives, and one SUM per replayed step. The forward keeps the states
+    # before steps 0 and 4 of the eight inside the function; the backward replays each half
+    # from its start, running 2 steps to reach its second quarter and 1 to reach each
+    # quarter's second step: 2 * (2 + 1 + 1) = 8, (n / 2)(log2 n - 1) for n = 8.
+    _exact_with_collectives(across_ranks, REPLAY, len(DIST) + len(MIXED), more=8)
 
 
 def test_replay_chooses_the_fastest_tree_within_its_budget_and_refuses_nonsense():

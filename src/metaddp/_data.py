@@ -31,6 +31,12 @@ def whole(value: Any, what: str) -> int:
         raise TypeError(f"{what} must be a whole number (an int), got {value!r}") from None
 
 
+def at_least(value: object, what: str, least: int = 1) -> None:
+    """Refuse anything but a whole number (an ``int``, not a ``bool``) of at least ``least``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{what} needs a whole number >= {least}, got {value!r}")
+
+
 def positive(value: Any, what: str, *, integer: bool = False) -> Any:
     """``value`` if it is a positive finite number (a whole one with ``integer``); an error
     naming ``what`` otherwise (a negative rate or zero steps would train silently wrong)."""

@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import forward as _draws
 from ._adapt import grad
+from ._data import at_least
 from ._reach import shapes, unknown_leaves
 from ._types import Params, Reduce
 from .inner import InnerOptimizer, SlotState, State, apply_updates
@@ -72,11 +73,9 @@ class Replay:
     states: int = 32
 
     def __post_init__(self) -> None:
-        for name, value, least in (("k", self.k, 2), ("states", self.states, 2)):
-            if value is None and name == "k":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"Replay({name}=) needs a whole number >= {least}, got {value!r}")
+        if self.k is not None:
+            at_least(self.k, "Replay(k=)", 2)
+        at_least(self.states, "Replay(states=)", 2)
 
     def parts(self, steps: int) -> int:
         """k for a loop of ``steps`` steps."""
@@ -86,9 +85,6 @@ class Replay:
             if alive(k, steps) <= self.states:
                 return k
         return 2
-
-    def __str__(self) -> str:
-        return f"Replay(k={self.k}, states={self.states})"
 
 
 MEMORY_MODES = ("default", "low", "replay")

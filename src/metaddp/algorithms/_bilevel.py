@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from .._adapt import batch_share, check_finite
-from .._data import Batch, Shard, Task, generator_for
+from .._data import Batch, Shard, Task, at_least, generator_for, whole
 from .._functional import params_of, refusing_draws
 from .._reach import shapes, unknown_leaves
 from .._remat import Replay, rematerialized_loss
@@ -60,10 +60,8 @@ class Minibatches:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
-            raise ValueError(f"Minibatches(size=) needs a whole number >= 1, got {self.size!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"Minibatches(seed=) needs a whole number, got {self.seed!r}")
+        at_least(self.size, "Minibatches(size=)")
+        whole(self.seed, "Minibatches(seed=)")
 
     def indices(self, n: int, step: int) -> Tensor:
         """Step ``step``'s samples among ``n``: global indices, in increasing order."""
@@ -87,8 +85,8 @@ class Minibatches:
         idx = self.indices(support.n, step)
         mine = idx[(idx >= start) & (idx < start + local)] - start
         before = int((idx < start).sum())  # host integers: nothing waits on a device
-        rows = mine.to(support.x.device)
-        return Shard.at(support.x[rows], support.y[rows.to(support.y.device)], self.size, before)
+        x, y = support.x[mine.to(support.x.device)], support.y[mine.to(support.y.device)]
+        return Shard.at(x, y, self.size, before)
 
 
 class Bilevel(Algorithm):

@@ -55,6 +55,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_map
 
 from .._adapt import grad, inner_step
+from .._data import at_least
 from .._types import Params, Reduce
 from ..inner import InnerOptimizer, State, apply_updates, learned_rates
 
@@ -403,7 +404,7 @@ class ImplicitCG(_Implicit):
     name = "implicit-cg"
 
     def __post_init__(self) -> None:
-        _whole(self.iterations, "ImplicitCG(iterations=)")
+        at_least(self.iterations, "ImplicitCG(iterations=)")
         if not (self.tol >= 0 and self.damping >= 0):
             raise ValueError(
                 f"ImplicitCG needs tol and damping >= 0, got {self.tol}, {self.damping}"
@@ -439,7 +440,7 @@ class Neumann(_Implicit):
     name = "neumann"
 
     def __post_init__(self) -> None:
-        _whole(self.iterations, "Neumann(iterations=)", least=0)
+        at_least(self.iterations, "Neumann(iterations=)", least=0)
         if not self.alpha > 0:
             raise ValueError(f"Neumann(alpha=) must be positive, got {self.alpha!r}")
 
@@ -535,11 +536,6 @@ class SAMA(_FiniteDifference):
     r: float = 0.01
     at_end: bool = dataclasses.field(default=True, init=False)
     name = "sama"
-
-
-def _whole(value: object, what: str, least: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"{what} needs a whole number >= {least}, got {value!r}")
 
 
 METHODS: dict[str, Callable[..., Method]] = {
