@@ -52,6 +52,9 @@ def test_reweighting_on_two_processes_resumes_and_matches_one(tmp_path, capsys):
         (["noisy-digits", "--algorithm", "reweight", "--method", "neumann", "--memory", "low"],
          "memory='low'"),
         (["noisy-digits", "--eval-tasks", "13"], "12 test batches of held-out data"),
+        (["noisy-run", "--method", "neumann"], "choose --method unrolled or truncated"),
+        (["noisy-run", "--algorithm", "maml"], "noisy-run takes reweight"),
+        (["noisy-run", "--eval-steps", "0"], "eval_steps must be >= 1"),
     ],
 )
 def test_settings_that_cannot_work_are_one_line(tmp_path, capsys, args, message):
@@ -59,3 +62,64 @@ def test_settings_that_cannot_work_are_one_line(tmp_path, capsys, args, message)
     err = capsys.readouterr().err
     assert code == 2, err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_weighting_learned_through_a_whole_run_matches_a_plain_torch_loop(tmp_path, capsys):
+    """``metaddp train noisy-run`` against the same run written with ``torch.optim`` and
+    autograd through every step: the outer loss of each meta-step (the first with the initial
+    weighting, the second after one Adam step on the hypergradient through all 12 minibatch
+    steps, here rebuilt from a tree of states) and the plain run's test loss."""
+    import torch
+    import torch.nn.functional as F
+
+    from metaddp.bilevel import Minibatches, WeightNet
+    from metaddp.tasks import make
+
+    out = tmp_path / "run"
+    steps, batch = 12, 32
+    args = ["train", "noisy-run", "--steps", "2", "--inner-steps", str(steps), "--eval-every",
+            "0", "--eval-tasks", "3", "--dtype", "float64", "--no-progress", "--out", str(out)]
+    assert main(args) == 0
+    assert "plain training" in capsys.readouterr().out
+    logged = [float(r["meta_loss"]) for r in rows(out)]
+    summary = json.loads((out / "summary.json").read_text())
+
+    family = make("noisy-run", shots=batch, query=100)
+    torch.manual_seed(0)  # the run's seed: the network first, then the weighting
+    net = family.model().double()
+    weighting = WeightNet().double()
+    (xs, ys), (xq, yq) = ((b.x.double(), b.y) for b in family.task(0, 0))
+    theta = dict(net.named_parameters())
+
+    def run(weighted: bool) -> dict[str, torch.Tensor]:
+        """SGD with momentum 0.9 at 0.1, torch.optim.SGD's rule, with its graph."""
+        fast, buf = dict(theta), {}
+        for t in range(steps):
+            rows_t = Minibatches(batch, 0).indices(len(ys), t)
+            pred = torch.func.functional_call(net, fast, (xs[rows_t],))
+            losses = F.cross_entropy(pred, ys[rows_t], reduction="none")
+            if weighted:
+                losses = weighting(losses.detach()) * losses
+            grads = torch.autograd.grad(losses.mean(), list(fast.values()), create_graph=True)
+            for (k, p), g in zip(list(fast.items()), grads):
+                buf[k] = g if t == 0 else 0.9 * buf[k] + g
+                fast[k] = p - 0.1 * buf[k]
+        return fast
+
+    def outer() -> torch.Tensor:
+        pred = torch.func.functional_call(net, run(True), (xq,))
+        return F.cross_entropy(pred, yq)
+
+    expected = [outer()]
+    opt = torch.optim.Adam(weighting.parameters(), lr=0.01)
+    expected[0].backward()
+    opt.step()
+    expected.append(outer())
+    # float64 through 12 steps, summed in another order: rounding is ~1e-15; an error in a
+    # minibatch, a momentum term or the weighting's gradient moves these by 1e-3 or more.
+    assert logged == pytest.approx([e.item() for e in expected], abs=1e-10)
+    plain = {k: v.detach() for k, v in run(False).items()}
+    test = [family.task(0, i, "test").query for i in range(3)]
+    losses = [F.cross_entropy(torch.func.functional_call(net, plain, (q.x.double(),)), q.y)
+              for q in test]
+    assert summary["test_before"] == pytest.approx(float(sum(losses)) / 3, abs=1e-10)

@@ -285,8 +285,11 @@ class Bilevel(Algorithm):
             return set()
         return {f"model.{k}" for k, _ in self.model.named_parameters()}
 
-    def problem(self, task: Task, loss_fn: LossFn | None, *, reduce: Reduce) -> InnerProblem:
-        """The inner problem of ``task``: its support is the inner batch, its query the outer."""
+    def problem(
+        self, task: Task, loss_fn: LossFn | None, *, reduce: Reduce, weighted: bool = True
+    ) -> InnerProblem:
+        """The inner problem of ``task``: its support is the inner batch, its query the outer
+        (``weighted=False``: without the weighting, whose outer variables it then ignores)."""
         # Its own losses checked as meta_loss checks the one it is given.
         per_sample = self.per_sample(self.inner_loss) if self.inner_loss else loss_fn
         outer_loss = self.per_sample(self.outer_loss) if self.outer_loss else loss_fn
@@ -295,7 +298,8 @@ class Bilevel(Algorithm):
                 "this Bilevel has no inner_loss or outer_loss of its own: pass loss_fn to "
                 "meta_loss(tasks, loss_fn), or build it with both"
             )
-        model, penalty, support, weights = self.model, self.penalty, task.support, self.weights
+        model, penalty, support = self.model, self.penalty, task.support
+        weights = self.weights if weighted else None
         inner_loss = per_sample if weights is None else _weighted(per_sample, weights)
 
         minibatches = self.minibatches
@@ -402,13 +406,17 @@ class Bilevel(Algorithm):
         *,
         steps: int | None = None,
         reduce: Reduce | None = None,
+        weighted: bool = True,
     ) -> Params:
         """The fast weights after the inner steps (penalty included) on ``support``, the
-        inner batch, with their graph."""
+        inner batch, with their graph. ``weighted=False``: the same steps on the plain losses,
+        without ``weights`` (the training a weighting is measured against)."""
         c = self.collectives(reduce)
         self.check_batches({"the support": support}, c)
         given = None if loss_fn is None else self.per_sample(loss_fn, c)
-        p = self.problem(Task(support, support), given or self.outer_loss, reduce=c.reduce)
+        p = self.problem(
+            Task(support, support), given or self.outer_loss, reduce=c.reduce, weighted=weighted
+        )
         k = self.steps if steps is None else steps
         with refusing_draws(c.split):
             return unroll(p, p.start, p.optimizer.init(p.start), k)

@@ -15,7 +15,7 @@ from .._types import Supports
 from ..inner import adagrad, adam, adamw, chain, clip_by_global_norm, rmsprop, sgd
 from ._anil import ANIL
 from ._base import Algorithm, OptimizerFactory
-from ._bilevel import Bilevel, WeightNet
+from ._bilevel import Bilevel, Minibatches, WeightNet
 from ._boil import BOIL
 from ._hypergrad import METHODS
 from ._imaml import IMAML
@@ -51,6 +51,11 @@ class Settings:
         schedule_steps: the run's meta-steps; MAML++ anneals its multi-step loss over the
             first fifteenth and trains first order over the first third, the paper's
             proportions (10 and 50 of 150 epochs). ``None``: no schedule.
+        minibatch: ``reweight``: the inner problem is a whole training run of ``steps``
+            minibatch steps of this size from the network's initialisation, drawn from
+            ``seed`` (:class:`metaddp.bilevel.Minibatches`), not a one-step lookahead that
+            trains the network as it goes. ``None``: the lookahead.
+        seed: the minibatches' seed.
     """
 
     inner_lr: float = 0.01
@@ -66,6 +71,8 @@ class Settings:
     clip: float | None = None
     ways: int | None = None
     schedule_steps: int | None = None
+    minibatch: int | None = None
+    seed: int = 0
 
     def classes(self, algorithm: str) -> int:
         if self.ways is None:
@@ -98,6 +105,8 @@ INNER_OPTIMIZERS: dict[str, OptimizerFactory] = {
     "adamw": adamw,
     "rmsprop": rmsprop,
     "adagrad": adagrad,
+    # torch.optim.SGD(momentum=0.9), the usual way to train a network.
+    "momentum": lambda lr: sgd(lr, momentum=0.9),
 }
 
 Builder = Callable[[nn.Module, Settings], Algorithm]
@@ -173,11 +182,17 @@ ALGORITHMS: dict[str, Builder] = {
         m,
         weights=WeightNet(),
         start="current",
-        train_inner=True,
         steps=s.steps,
         optimizer=s.inner_optimizer()(s.inner_lr),
         method=METHODS[s.method](),
         memory=s.memory,
+        **(
+            dict(train_inner=True)
+            if s.minibatch is None
+            # The whole run, from the network's weights (never stepped): the hypergradient
+            # reaches the weighting through every minibatch step of it.
+            else dict(minibatches=Minibatches(s.minibatch, s.seed))
+        ),
     ),
     # Plain training on the support batches (the baseline reweighting is measured against).
     "erm": lambda m, s: Bilevel(

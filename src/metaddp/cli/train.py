@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 from .._output import quoted
-from ..algorithms import build
 from ..algorithms.registry import INNER_OPTIMIZERS
 from ..distributed import DEFAULT_TIMEOUT, keep_freed_memory
 from ..distributed.launch import oversubscribed
@@ -397,7 +396,7 @@ def settings(args: argparse.Namespace, world: int) -> tuple[TrainConfig, Path, b
     family = cfg.family()  # building it runs the family's checks (e.g. enough classes for --ways)
     # ... and building the algorithm its constructor's (a method that cannot rebuild its steps),
     # and what it says of sharded meta-parameters.
-    cfg.check_algorithm(build(cfg.algorithm, family.model(), cfg.algorithm_settings()))
+    cfg.check_algorithm(cfg.build(family.model()))
     if resume:
         # A run still going in the folder rotates its checkpoints under us: say that the
         # folder is busy before reading them (begin() takes the lock for good).
@@ -435,6 +434,18 @@ def world_change(before: int, now: int, cfg: TrainConfig) -> str:
 
 def report(summary: dict, cfg: TrainConfig, out: Path) -> None:
     n, k = summary["eval_tasks"], summary["eval_steps"]
+    if family_class(cfg.task).run:  # two training runs: plain, and with what was learned
+        print(f"\ntest on {n} held-out batches after a training run of {k} steps:")
+        print(
+            f"  accuracy: plain training {summary['test_acc_before']:.4f}, with the learned "
+            f"weighting {summary['test_acc_after']:.4f} ± {summary['test_acc_after_ci']:.4f}"
+        )
+        print(
+            f"  loss: plain training {summary['test_before']:.4f}, with the learned "
+            f"weighting {summary['test_after']:.4f} ± {summary['test_after_ci']:.4f}"
+        )
+        _files(summary, out)
+        return
     if k == 0 and "test_acc_after" in summary:  # a network scored as trained (noisy-digits)
         print(f"\ntest on {n} held-out batches, mean and 95% CI:")
         print(
@@ -678,6 +689,8 @@ def main(args: argparse.Namespace) -> int:
     if crowded := oversubscribed(args.nproc):
         print(f"metaddp train: warning: {crowded}", file=sys.stderr)
     threads = max(1, (os.cpu_count() or 1) // args.nproc)
+    if (asked_threads := os.environ.get("OMP_NUM_THREADS", "")).isdigit() and int(asked_threads):
+        threads = int(asked_threads)  # the user's own choice (several runs side by side)
     common = (
         cfg.to_dict(),
         str(out),

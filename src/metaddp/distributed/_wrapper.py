@@ -347,17 +347,23 @@ class MetaDDP(nn.Module):
         return loss
 
     def adapt(
-        self, support: Batch, loss_fn: LossFn | None = None, *, steps: int | None = None
+        self,
+        support: Batch,
+        loss_fn: LossFn | None = None,
+        *,
+        steps: int | None = None,
+        **options: Any,
     ) -> Params:
         """The wrapped algorithm's fast weights after adapting to ``support`` (``loss_fn``:
-        the per-sample loss of its inner steps; a prototypical network takes none)."""
+        the per-sample loss of its inner steps; a prototypical network takes none).
+        ``options``: the algorithm's own (``Bilevel``'s ``weighted=False``)."""
         batches: dict[BatchKey, Batch] = {"the support": support}
         self.guards.refuse_whole(batches)
         self.guards.moved = True
         if self.guards.schedule.due():
             self.guards.check_batch_sizes(batches)
         with self.guards.own_loop(), self._saving():
-            return self._algorithm("adapt").adapt(support, loss_fn, steps=steps)
+            return self._algorithm("adapt").adapt(support, loss_fn, steps=steps, **options)
 
     def clone(self) -> Any:
         """A learner with its own fast weights (learn2learn's ``clone()``), reducing its inner

@@ -20,6 +20,7 @@ FAMILIES = (
     "omniglot",
     "miniimagenet",
     "noisy-digits",
+    "noisy-run",
     "sequences",
 )
 
@@ -44,6 +45,10 @@ def family_class(name: str) -> type[TaskFamily]:
         from .noisy import NoisyDigits
 
         return NoisyDigits
+    if name == "noisy-run":
+        from .noisy import NoisyRun
+
+        return NoisyRun
     if name == "sequences":
         from .sequences import Sequences
 
@@ -86,7 +91,7 @@ def make(
     for k, v in (("noise", noise), ("keep", keep)):
         if v is not None:
             if k not in cls.defaults:
-                raise ValueError(f"{k} is a setting of noisy-digits, not of {name}")
+                raise ValueError(f"{k} is a setting of noisy-digits and noisy-run, not of {name}")
             opts[k] = v
     return cls(**opts)
 

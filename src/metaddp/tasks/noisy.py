@@ -9,6 +9,11 @@ the ``i``-th block of 50 test images, scored on the network as trained (no adapt
 
 ``keep="clean"`` trains on the clean training images alone: the oracle that knows which labels
 were flipped, the bound a reweighting can approach.
+
+``noisy-run`` (:class:`NoisyRun`) is the same data as a bilevel problem whose inner problem is
+a whole training run: every "task" is the whole noisy training set (the inner problem's data,
+drawn in minibatches of ``shots`` per inner step) and the 100 clean meta images (the outer
+batch); test task ``i`` is the training set and the ``i``-th block of test images.
 """
 
 from __future__ import annotations
@@ -110,6 +115,11 @@ class NoisyDigits(TaskFamily):
 
         return Task(draw("train", self.shots), draw("meta", self.query))
 
+    def _training_losses(self, algorithm: MetaAlgorithm, x: Tensor, y: Tensor) -> Tensor:
+        """Each training image's loss under the network the weighting sees (as trained)."""
+        with torch.no_grad():
+            return self.loss(algorithm(x), y)
+
     def model(self) -> nn.Module:
         h = self.hidden
         return nn.Sequential(
@@ -135,9 +145,9 @@ class NoisyDigits(TaskFamily):
             return []
         from .._output import pyplot
 
+        x = self.x["train"].to(device=device, dtype=dtype)
+        losses = self._training_losses(algorithm, x, self.y["train"].to(device))
         with torch.no_grad():
-            x = self.x["train"].to(device=device, dtype=dtype)
-            losses = self.loss(algorithm(x), self.y["train"].to(device))
             w = weights(losses).float().cpu()
             grid = torch.linspace(0, float(losses.max()) * 1.05, 200, dtype=dtype, device=device)
             curve = weights(grid).float().cpu()
@@ -156,3 +166,72 @@ class NoisyDigits(TaskFamily):
         fig.savefig(path, dpi=120)
         plt.close(fig)
         return [path]
+
+
+class NoisyRun(NoisyDigits):
+    """Data weights learned through a whole training run: the inner problem is ``inner_steps``
+    minibatch steps of training from the network's initialisation, the outer loss the trained
+    network's loss on the clean meta images. The network itself is never stepped; a
+    weighting's hypergradient goes through every step of the run (``metaddp.Replay``)."""
+
+    name: ClassVar[str] = "noisy-run"
+    run: ClassVar[bool] = True
+    defaults: ClassVar[dict[str, Any]] = {
+        **{k: v for k, v in NoisyDigits.defaults.items() if k != "eval_steps"},  # the run's T
+        "algorithm": "reweight",
+        "shots": 32,  # the minibatch of every inner step
+        "query": META,  # every clean meta image, each outer step
+        "hidden": 32,
+        "inner_steps": 200,  # T: the training run's length
+        "inner_lr": 0.1,
+        "inner_optimizer": "momentum",
+        "memory": "replay",  # under an unrolled hypergradient (the others: "default")
+        "outer_lr": 0.01,
+        "steps": 100,  # each a whole run and its replay: about a second on a CPU core
+        "eval_every": 25,
+        "checkpoint_every": 25,
+    }
+
+    def __init__(
+        self,
+        ways: int = 10,
+        shots: int = 32,
+        query: int = META,
+        hidden: int = 32,
+        noise: float = 0.4,
+        keep: str = "all",
+    ) -> None:
+        if query != META:
+            raise ValueError(
+                f"noisy-run scores every step on all {META} clean meta images: drop --query {query}"
+            )
+        super().__init__(ways, shots, query, hidden, noise, keep)
+        if shots > len(self.y["train"]):
+            raise ValueError(
+                f"--shots {shots} is each inner step's minibatch, from {len(self.y['train'])} "
+                "training images: give fewer"
+            )
+
+    def task(self, seed: int, index: int, split: str = "train") -> Task:
+        if split == "test":
+            _, query = super().task(seed, index, "test")
+            return Task(self._training_set(), query)
+        return super().task(seed, index, split)
+
+    def sample(self, generator: torch.Generator, split: str) -> Task:
+        # The same problem every outer step: the run's minibatches are drawn by the inner
+        # steps themselves (metaddp.bilevel.Minibatches), from the run's seed.
+        return Task(self._training_set(), Batch(self.x["meta"], self.y["meta"], META))
+
+    def _training_losses(self, algorithm: MetaAlgorithm, x: Tensor, y: Tensor) -> Tensor:
+        """Each training image's loss at the end of a run with the learned weighting."""
+        fast = algorithm.adapt(Batch(x, y, len(y)), self.loss)
+        with torch.no_grad():
+            return self.loss(algorithm(x, {k: v.detach() for k, v in fast.items()}), y)
+
+    def _training_set(self) -> Batch:
+        return Batch(self.x["train"], self.y["train"], len(self.y["train"]))
+
+    def model(self) -> nn.Module:
+        h = self.hidden
+        return nn.Sequential(nn.Linear(64, h), nn.Tanh(), nn.Linear(h, 10))

@@ -16,7 +16,7 @@ from ..algorithms.registry import INNER_OPTIMIZERS as _BY_NAME
 from ..tasks import NORMS, TaskFamily, family_class, make
 
 if TYPE_CHECKING:
-    from ..algorithms import Settings
+    from ..algorithms import Algorithm, Settings
 
 DTYPES = ("float32", "float64")
 LAYOUTS = ("sample", "task", "hybrid")
@@ -29,7 +29,19 @@ CLASSIFIERS = ("protonet", "protomaml")  # algorithms whose loss needs classes
 # plain training it is measured against) train the task that is a bilevel problem, and adapt
 # nothing; the classifiers need classes; the other (meta-learning) algorithms train any task.
 BILEVEL = ("reweight", "erm")
-BILEVEL_TASKS = ("noisy-digits",)
+BILEVEL_TASKS = ("noisy-digits", "noisy-run")
+# A task whose inner problem is a whole training run takes only what learns through one.
+RUN_ALGORITHMS = ("reweight",)
+RUN_METHODS = ("unrolled", "truncated")  # the methods that differentiate a run step by step
+# The settings' defaults where a task family sets none (noisy-run sets all but the last two).
+FALLBACK = {
+    "algorithm": "maml",
+    "steps": 1000,
+    "eval_every": 100,
+    "checkpoint_every": 100,
+    "memory": "default",
+    "inner_optimizer": "sgd",
+}
 # The settings a task family fills (--show-settings and the help's table print them).
 SHOWN = ("meta_batch", "inner_steps", "inner_lr", "outer_lr", "shots", "query", "ways", "hidden")
 
@@ -39,9 +51,10 @@ class TrainConfig:
     """Everything that defines a training run (``None``: the task family's default).
 
     Args:
-        task: task family ("sinusoid", "digits", "glyphs", "omniglot", "miniimagenet").
-        algorithm: meta-learning algorithm ("maml", "fomaml", "metasgd", "anil", "reptile",
-            "imaml").
+        task: task family ("sinusoid", "digits", "glyphs", "omniglot", "miniimagenet",
+            "noisy-digits", "noisy-run", "sequences").
+        algorithm: the algorithm by name (metaddp.algorithms.ALGORITHMS); default "maml",
+            and on noisy-run its one algorithm, "reweight".
         steps: outer steps to train for (in total, counting resumed ones).
         meta_batch: tasks per outer step.
         inner_steps: adaptation steps per task during training.
@@ -100,8 +113,8 @@ class TrainConfig:
     """
 
     task: str = "sinusoid"
-    algorithm: str = "maml"
-    steps: int = 1000
+    algorithm: str | None = None
+    steps: int | None = None
     meta_batch: int | None = None
     inner_steps: int | None = None
     inner_lr: float | None = None
@@ -115,13 +128,13 @@ class TrainConfig:
     layout: str = "sample"
     seed: int = 0
     dtype: str = "float32"
-    eval_every: int = 100
+    eval_every: int | None = None
     eval_tasks: int | None = None
     eval_steps: int | None = None
-    checkpoint_every: int = 100
+    checkpoint_every: int | None = None
     data: str | None = None
-    memory: str = "default"
-    inner_optimizer: str = "sgd"
+    memory: str | None = None
+    inner_optimizer: str | None = None
     inner_clip: float | None = None
     autocast: str | None = None
     norm: str | None = None
@@ -208,8 +221,14 @@ class TrainConfig:
             raise ValueError(f"norm is a setting of the image tasks, not of {self.task}")
         # The fonts' identity replaces "all" or "matplotlib"; a recorded one must be found here.
         filled["fonts"] = cls.font_set(self.fonts)
-        if self.algorithm == "reweight" and filled["method"] is None:
+        for k, v in FALLBACK.items():  # where the task family has no default of its own
+            if filled[k] is None:
+                filled[k] = v
+        if filled["algorithm"] == "reweight" and filled["method"] is None:
             filled["method"] = "unrolled"
+        if self.memory is None and (filled["method"] != "unrolled" or self.deterministic):
+            # A run's tree of states is for the unrolled method, in the default mode.
+            filled["memory"] = "default"
         if filled["eval_tasks"] is None:
             filled["eval_tasks"] = cls.defaults.get("eval_tasks", 100)
         if filled["eval_steps"] is None:
@@ -228,15 +247,18 @@ class TrainConfig:
         """The algorithms that train ``task`` (:data:`BILEVEL`, :data:`CLASSIFIERS`)."""
         from ..algorithms import ALGORITHMS
 
-        classes = family_class(task).classification
+        family = family_class(task)
+        if family.run:
+            return RUN_ALGORITHMS
         return tuple(
             a
             for a in ALGORITHMS
-            if (a not in BILEVEL or task in BILEVEL_TASKS) and (a not in CLASSIFIERS or classes)
+            if (a not in BILEVEL or task in BILEVEL_TASKS)
+            and (a not in CLASSIFIERS or family.classification)
         )
 
     @staticmethod
-    def adapts(algorithm: str) -> bool:
+    def adapts(algorithm: str | None) -> bool:
         """Whether ``algorithm`` adapts to each task (meta-learning), rather than training one
         network on weighted or plain batches (:data:`BILEVEL`)."""
         return algorithm not in BILEVEL
@@ -253,8 +275,13 @@ class TrainConfig:
             for k in ("steps", *SHOWN, "seed", "dtype")
             if getattr(self, k) is not None
         )
+        how = ", ".join(
+            f"{k.replace('_', ' ')} {getattr(self, k)}"
+            for k, plain in (("method", None), ("inner_optimizer", "sgd"), ("memory", "default"))
+            if getattr(self, k) != plain
+        )
         return [
-            f"{self.algorithm} on {self.task}: {what}",
+            f"{self.algorithm} on {self.task}: {what}" + (f"; {how}" if how else ""),
             f"evaluation on {self.eval_tasks} held-out tasks ({self.eval_steps} adaptation "
             f"steps) {eval_note}; "
             f"checkpoint every {self.checkpoint_every} steps; layout {self.layout}",
@@ -319,6 +346,12 @@ class TrainConfig:
                 raise ValueError(
                     f"unknown method {self.method!r}; choose from {', '.join(METHODS)}"
                 )
+            if family_class(self.task).run and self.method not in RUN_METHODS:
+                raise ValueError(
+                    f"{self.task}'s inner problem is a training run of minibatch steps, which "
+                    f"{self.method} cannot differentiate (it reads one inner objective at the "
+                    f"solution): choose --method {' or '.join(RUN_METHODS)}"
+                )
         if self.outer_schedule not in OUTER_SCHEDULES:
             raise ValueError(
                 f"unknown outer schedule {self.outer_schedule!r}; choose from "
@@ -333,6 +366,11 @@ class TrainConfig:
             raise ValueError(
                 "noisy-digits scores the trained network as it is: eval_steps must be 0, got "
                 f"{self.eval_steps}"
+            )
+        if family_class(self.task).run and not self.eval_steps:
+            raise ValueError(
+                f"{self.task} scores a training run of eval_steps steps (with and without what "
+                "was learned): eval_steps must be >= 1, got 0"
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose from {', '.join(DTYPES)}")
@@ -439,6 +477,13 @@ class TrainConfig:
             )
         return None
 
+    def build(self, model: Any) -> Algorithm:
+        """This run's algorithm around ``model`` (a resolved configuration's)."""
+        from ..algorithms import build
+
+        assert self.algorithm is not None, "resolve the settings first"
+        return build(self.algorithm, model, self.algorithm_settings())
+
     def check_algorithm(self, algorithm: Any) -> None:
         """The rules that need the built algorithm: with :attr:`shard`, its own refusal of
         sharded meta-parameters (``Algorithm.sharded_refusal``)."""
@@ -530,6 +575,7 @@ class TrainConfig:
         from ..algorithms import Settings
 
         assert self.inner_lr is not None and self.inner_steps is not None
+        assert self.memory is not None and self.inner_optimizer is not None
         # iMAML's CG residual cannot fall far below the dtype's precision.
         return Settings(
             inner_lr=self.inner_lr,
@@ -544,12 +590,14 @@ class TrainConfig:
             schedule_steps=self.steps,
             autocast=self.autocast,
             method=self.method or "unrolled",
+            minibatch=self.shots if family_class(self.task).run else None,
+            seed=self.seed,
         )
 
     def outer_lr_at(self, step: int) -> float:
         """The outer learning rate of step ``step`` (0-based) under :attr:`outer_schedule`:
         a function of the step alone, so a resumed run continues the same schedule."""
-        assert self.outer_lr is not None
+        assert self.outer_lr is not None and self.steps is not None
         if self.outer_schedule == "constant":
             return self.outer_lr
         return 0.5 * self.outer_lr * (1 + math.cos(math.pi * step / self.steps))

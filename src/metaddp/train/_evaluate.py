@@ -7,6 +7,8 @@ one SUM all-reduce (every rank fills only its own tasks' shares, zeros elsewhere
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -41,6 +43,10 @@ def evaluate(
 ) -> dict[str, float]:
     """Query loss (and accuracy) on ``n_tasks`` held-out tasks, before and after ``steps``.
 
+    A family whose inner problem is a training run (``family.run``) compares two runs of
+    ``steps`` instead: "before" is the run without what was learned (plain training), "after"
+    the run with it. Its tasks share their support (the training set), so each run is made once.
+
     Args:
         algorithm: the algorithm, wrapped in the :class:`metaddp.MetaDDP` of ``mesh`` (its
             ``adapt`` reduces over a task's sample group without being told).
@@ -58,14 +64,24 @@ def evaluate(
     index, parts = (mesh.task_index, mesh.tasks)
     if whole:
         index, parts = group_rank(mesh.group), group_size(mesh.group)
+    # (steps, the algorithm's own adapt options) of the two columns.
+    columns: tuple[tuple[int, dict[str, Any]], ...] = (
+        ((steps, {"weighted": False}), (steps, {})) if family.run else ((0, {}), (steps, {}))
+    )
+    runs: dict[int, dict[str, Tensor]] = {}
     for i in shard_range(n_tasks, index, parts):
         task = family.task(seed, i, "test")
         if not whole:
             task = task.split(mesh.sample_index, mesh.samples)
         task = to(task, dtype, device)
-        for col, k in enumerate((0, steps)):
-            fast = algorithm.adapt(task.support, family.loss, steps=k)
-            fast = {name: p.detach() for name, p in fast.items()}
+        for col, (k, options) in enumerate(columns):
+            if col in runs:
+                fast = runs[col]
+            else:
+                fast = algorithm.adapt(task.support, family.loss, steps=k, **options)
+                fast = {name: p.detach() for name, p in fast.items()}
+                if family.run:
+                    runs[col] = fast
             with torch.no_grad():
                 # The algorithm reads its own fast weights; dropout, if the model has any, keyed
                 # by the query's samples (Algorithm.predict).

@@ -22,6 +22,7 @@ def training_curves(
     title: str,
     baseline: tuple[float, float] | None = None,
     adapts: bool = True,
+    run: bool = False,
 ) -> dict[str, object]:
     """Meta-training loss per step (left) and meta-test score with its 95% CI (right).
 
@@ -29,7 +30,9 @@ def training_curves(
     same held-out tasks (the raw-pixel nearest-class-mean for images), drawn as a level line.
     ``adapts``: the algorithm adapts to each task (meta-learning), so the score is drawn before
     and after adaptation; otherwise (reweighting, plain training) the network is scored as
-    trained, one curve. One evaluation is drawn as a point with its interval as an error bar.
+    trained, one curve. ``run``: every outer step is a whole training run (noisy-run): the
+    loss is the run's outer loss, and the score is drawn for a plain run and for a run with
+    what was learned. One evaluation is drawn as a point with its interval as an error bar.
 
     Returns:
         The words drawn: ``title`` of the score's panel, its ``ylabel``, the curves'
@@ -41,11 +44,14 @@ def training_curves(
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     steps = [r["step"] for r in rows]
     a.plot(steps, [r["meta_loss"] for r in rows], lw=0.8)
-    a.set(
-        xlabel="outer step",
-        ylabel="meta-training loss (query, after adaptation)" if adapts else "training loss",
-        title="meta-training loss" if adapts else "training loss",
-    )
+    if run:
+        a.set(xlabel="outer step", ylabel="outer loss, after the run", title="outer loss")
+    else:
+        a.set(
+            xlabel="outer step",
+            ylabel="meta-training loss (query, after adaptation)" if adapts else "training loss",
+            title="meta-training loss" if adapts else "training loss",
+        )
     a.xaxis.set_major_locator(MaxNLocator(integer=True))
     if all(r["meta_loss"] > 0 for r in rows):
         a.set_yscale("log")
@@ -55,15 +61,17 @@ def training_curves(
         x = [r["step"] for r in ev]
         after = [r[f"{key}_after"] for r in ev]
         ci = [0.0 if math.isnan(r[f"{key}_after_ci"]) else r[f"{key}_after_ci"] for r in ev]
-        if adapts:
-            b.plot(x, [r[f"{key}_before"] for r in ev], "o-", label="before adaptation")
+        if adapts or run:
+            first = "plain training" if run else "before adaptation"
+            b.plot(x, [r[f"{key}_before"] for r in ev], "o-", label=first)
+        label = "after adaptation" if adapts else "as trained"
         b.errorbar(
             x,
             after,
             yerr=ci,
             fmt="o-",
             capsize=4,
-            label=("after adaptation" if adapts else "as trained") + " (95% CI)",
+            label=("with what was learned" if run else label) + " (95% CI)",
         )
         b.xaxis.set_major_locator(MaxNLocator(integer=True))
         if len(x) == 1:  # one point: an axis around it in whole steps
@@ -75,7 +83,10 @@ def training_curves(
         b.axhspan(level - half, level + half, color="0.5", alpha=0.15, lw=0)
     if ev:
         b.legend(fontsize="small")
-    if adapts:
+    if run:
+        panel = "test after a training run"
+        ylabel = "test accuracy" if classification else f"test {metric}"
+    elif adapts:
         panel = "meta-test on held-out " + ("classes" if classification else "tasks")
         ylabel = "query accuracy" if classification else f"query {metric}"
     else:

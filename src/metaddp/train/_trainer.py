@@ -30,7 +30,7 @@ from .._binding import LOCAL, bind
 from .._data import Task
 from .._output import quoted
 from .._share import share
-from ..algorithms import Algorithm, NotPositiveDefinite, build
+from ..algorithms import Algorithm, NotPositiveDefinite
 from ..distributed import CapturedStep, Mesh, MetaDDP, rank
 from . import _checkpoint, _sharded_state
 from ._config import TrainConfig
@@ -89,7 +89,7 @@ class Trainer:
         self.dtype: torch.dtype = getattr(torch, cfg.dtype)
         self.family = cfg.family()
         torch.manual_seed(cfg.seed)
-        algorithm = build(cfg.algorithm, self.family.model(), cfg.algorithm_settings())
+        algorithm = cfg.build(self.family.model())
         self.algorithm = algorithm.to(device=self.device, dtype=self.dtype)
         self.algorithm.draw_seed = cfg.seed  # dropout masks: keyed by the run's seed and step
         self.optimizer = torch.optim.Adam(self.algorithm.parameters(), lr=cfg.outer_lr)
@@ -123,6 +123,7 @@ class Trainer:
             # A stop at a step whose evaluation was due skipped it: the resume runs it first.
             self.evaluate_first = bool(state.get("evaluation_due", False))
             self.saved_metrics = state.get("metrics")
+            assert cfg.steps is not None  # resolved settings
             if self.start > cfg.steps:
                 raise _checkpoint.CheckpointError(
                     f"the checkpoint is at step {self.start}, beyond --steps {cfg.steps}: "
@@ -323,11 +324,14 @@ class Trainer:
             metric=self.family.metric,
             title=f"{self.cfg.algorithm} on {self.cfg.task}"
             + (
-                ""
+                f" (a training run of {self.cfg.inner_steps} steps per outer step)"
+                if self.family.run
+                else ""
                 if TrainConfig.adapts(self.cfg.algorithm)
                 else " (no adaptation: scored as trained)"
             ),
             adapts=TrainConfig.adapts(self.cfg.algorithm) and self.cfg.eval_steps != 0,
+            run=self.family.run,
             baseline=(
                 (summary["test_acc_baseline"], summary["test_acc_baseline_ci"])
                 if "test_acc_baseline" in summary
@@ -353,7 +357,7 @@ class Trainer:
         steps may still hold them as shards, which a derivative by them would meet."""
         cfg = self.cfg
         with torch.random.fork_rng(devices=[]):  # its initialisation draws from no stream
-            copy = build(cfg.algorithm, self.family.model(), cfg.algorithm_settings())
+            copy = cfg.build(self.family.model())
         copy = copy.to(device=self.device, dtype=self.dtype)
         copy.draw_seed = cfg.seed
         copy.load_state_dict(self.algorithm.state_dict())
@@ -395,6 +399,7 @@ class Trainer:
                     last_eval = self.evaluate()
                     if log is not None:
                         log.complete(self.start, last_eval)
+                assert cfg.steps is not None  # resolved settings
                 for step in range(self.start, cfg.steps):
                     value, stop = self.step(step, signals.received is not None)
                     losses.append(value)
@@ -466,6 +471,7 @@ class Trainer:
             row.update(last_eval)
         if log is not None:
             log.write(row)
+        assert cfg.checkpoint_every is not None  # resolved settings
         if not stopping and (done == cfg.steps or done % cfg.checkpoint_every == 0):
             self.save(done)
         if bar is not None:
