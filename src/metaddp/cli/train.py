@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .._output import quoted
+from ..algorithms import having
 from ..algorithms.registry import INNER_OPTIMIZERS
 from ..distributed import DEFAULT_TIMEOUT, keep_freed_memory
 from ..distributed.launch import oversubscribed
@@ -427,7 +428,12 @@ def world_change(before: int, now: int, cfg: TrainConfig) -> str:
     cost = (
         "deterministic: the same bits as on the same count"
         if cfg.deterministic
-        else "the same steps, equal only to rounding (bit for bit with --deterministic)"
+        else "the same steps, equal only to rounding"
+        + (
+            " (bit for bit with --deterministic)"
+            if cfg.algorithm in having("deterministic")
+            else ""
+        )
     )
     return f"note: the run ran on {s(before)} and continues on {s(now)}: {cost}"
 
