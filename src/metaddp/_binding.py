@@ -72,8 +72,8 @@ LOCAL = Collectives(identity_reduce, int, "one process")
 
 SHARDED = "metaddp_sharded"
 """The attribute of a model whose trained parameters are shards: a callable that, given the
-model and the weights of a forward, returns them with every sharded one full
-(``metaddp.distributed._sharded.Sharding``)."""
+model and the weights of a forward, returns them with every sharded one full, and whose
+``whole(weights)`` gathers them outside a forward (``metaddp.distributed._sharded.Sharding``)."""
 
 BINDABLE = "metaddp_bound"
 """The attribute of a module that holds its :class:`Collectives` (``None``: unbound)."""

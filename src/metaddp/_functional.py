@@ -53,6 +53,15 @@ def call(
         return torch.func.functional_call(module, weights, args, kwargs, strict=False)
 
 
+def whole(module: nn.Module, params: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+    """``params`` (the module's weights, or fast weights made from them) as whole tensors:
+    where the module's meta-parameters are sharded, each rank's rows gathered, by a gather
+    whose adjoint sums over the ranks that hold them; elsewhere ``params`` as they are. For
+    an algorithm that reads its weights outside a forward (Reptile's displacement)."""
+    sharding = getattr(module, SHARDED, None)
+    return params if sharding is None else sharding.whole(params)
+
+
 def draws_when_called(m: nn.Module) -> bool:
     """Whether the layer ``m`` itself draws random numbers when called now: dropout with
     ``p > 0`` or RReLU, in training mode."""

@@ -40,9 +40,7 @@ class BOIL(MAML):
     model: BodyHead
     # Deterministic mode sums the gradients of the fast weights only; the head's would stay
     # each rank's own.
-    supports: ClassVar[Supports] = dataclasses.replace(
-        MAML.supports, deterministic=False, sharded=False
-    )
+    supports: ClassVar[Supports] = dataclasses.replace(MAML.supports, deterministic=False)
 
     def __init__(
         self,

@@ -77,8 +77,13 @@ class ProtoNet(Algorithm):
 
     def prototypes(self, support: Batch, *, reduce: Reduce) -> Tensor:
         """The class means of the support set's embeddings, over the whole set."""
-        means, _ = class_means(self.model(support.x), support.y, self.ways, reduce=reduce)
+        means, _ = class_means(self.embed(support.x), support.y, self.ways, reduce=reduce)
         return means
+
+    def embed(self, x: Tensor) -> Tensor:
+        """The model on ``x``, through metaddp's forward (its weights gathered where they are
+        sharded, its dropout keyed by sample)."""
+        return call(self.model, params_of(self.model), x)
 
     def task_loss(self, task: Task, loss_fn: LossFn, *, reduce: Reduce) -> Tensor:
         logits = self.forward(
@@ -106,7 +111,7 @@ class ProtoNet(Algorithm):
                 "a prototypical network classifies against a support set's prototypes: "
                 "pass fast=learner.adapt(support) (its embedding alone is learner.model(x))"
             )
-        return -squared_distances(self.model(x), fast[PROTOTYPES])
+        return -squared_distances(self.embed(x), fast[PROTOTYPES])
 
     def clone(self, *, reduce: Reduce | None = None) -> Any:
         raise TypeError(

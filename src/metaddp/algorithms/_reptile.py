@@ -9,12 +9,13 @@ inner loop (no second-order terms, no query loss). It arrives in ``.grad`` throu
 
 from __future__ import annotations
 
-from typing import cast
+from typing import ClassVar, cast
 
 from torch import Tensor, nn
 
 from .._data import Task
-from .._types import LossFn, Reduce
+from .._functional import whole
+from .._types import LossFn, Reduce, Supports
 from ..inner import InnerOptimizer
 from ._base import Algorithm, OptimizerFactory, local_fraction
 
@@ -39,6 +40,8 @@ class Reptile(Algorithm):
     gradients over ranks counts every task once.
     """
 
+    supports: ClassVar[Supports] = Supports(sharded=True)
+
     def __init__(
         self,
         model: nn.Module,
@@ -61,6 +64,10 @@ class Reptile(Algorithm):
         theta = self.fast_weights()
         start = {k: p.detach().requires_grad_() for k, p in theta.items()}
         phi = self.inner_loop(task.support, loss_fn, reduce=reduce, start=start)
+        # Whole weights where they are sharded: every rank's share of the displacement then
+        # reaches every row (the gather's adjoint sums the shares), as it would in a forward.
+        theta = dict(whole(self.model, theta))
+        phi = dict(whole(self.model, {k: v.detach() for k, v in phi.items()}))
         # theta holds the adapted parameters (never empty), so the sum is a tensor.
-        dist2 = cast(Tensor, sum(((theta[k] - phi[k].detach()) ** 2).sum() for k in theta))
+        dist2 = cast(Tensor, sum(((theta[k] - phi[k]) ** 2).sum() for k in theta))
         return 0.5 * local_fraction(task.support) * dist2

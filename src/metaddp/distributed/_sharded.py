@@ -207,6 +207,17 @@ class Sharding:
         if self.regather is not None and full.nbytes >= self.unit_bytes:
             self.regather.register(full, shard, cut)
 
+    def whole(self, weights: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """``weights`` with every shard-shaped sharded one gathered now (one collective), for
+        an algorithm that reads them outside a forward; the others as they are."""
+        out = dict(weights)
+        names = [n for n, c in self.cuts.items() if n in out and out[n].shape == c.local_shape]
+        if self._full or not names:
+            return out
+        fulls = gather([out[n] for n in names], [self.cuts[n] for n in names], self.group)
+        out.update(zip(names, fulls, strict=True))
+        return out
+
     def _gather_one(self, shard: Tensor, cut: Cut) -> Tensor:
         return gather([shard], [cut], self.group)[0]
 

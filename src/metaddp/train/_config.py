@@ -104,7 +104,7 @@ class TrainConfig:
             of the identity: a resume may switch it.
         shard: keep only each process's rows of every meta-parameter, of their gradients and
             of Adam's state, cut over the processes that split each task
-            (``MetaDDP(shard=True)``: maml, fomaml, reweight, erm). It needs more than one
+            (``MetaDDP(shard=True)``: maml, fomaml, reptile, boil, reweight, erm). It needs more than one
             process per task: ``layout`` "sample", or "hybrid" on 4 or more processes. On one
             process there is nothing to cut, and it changes only the checkpoint's form. The
             same numbers (to rounding), so not part of the identity: a resume may switch it,
