@@ -302,7 +302,19 @@ def fsdp2() -> dict:
     out["stepped"] = {k: q.detach().full_tensor() for k, q in net.named_parameters()}
     out["still"] = all(isinstance(q, DTensor) and q.placements == (Shard(0),)
                        for q in net.parameters())
+    out["state"] = sum(isinstance(v, DTensor) for v in learner.sharded_state_dict().values())
+
+    def error(fn) -> str:
+        try:
+            fn()
+        except RuntimeError as e:
+            return str(e)
+        return "ran"
+
+    out["model(x)"] = error(lambda: net(torch.zeros(3, 1, dtype=torch.float64)))
+    out["gathered"] = error(lambda: learner.gathered().__enter__())
     learner.release()
+    out["released"] = float(net(torch.zeros(3, 1, dtype=torch.float64)).sum())  # FSDP's own
     if md.world_size() != 2:  # the refusals once (Shard(1) needs columns that 2 ranks divide)
         return out
 

@@ -285,7 +285,12 @@ def test_a_fully_shard_model_meta_trains_under_metaddp(fsdp2, world):
 
 
 def test_fsdp2_settings_metaddp_cannot_adopt_are_refused_with_what_to_do(fsdp2):
-    refused = fsdp2[2][0]["refused"]
+    got = fsdp2[2][0]
+    assert got["state"] == 6  # sharded_state_dict(): the model's six DTensors, for DCP
+    assert "fully_shard" in got["model(x)"] and "learner.meta_loss" in got["model(x)"]
+    assert "full_tensor()" in got["gathered"]
+    assert math.isfinite(got["released"])  # release() gave FSDP its forward back
+    refused = got["refused"]
     assert "mixed precision policy" in refused["mixed precision"]
     assert "CPUOffloadPolicy" in refused["offload"]
     assert "(Shard(dim=1),)" in refused["Shard(1)"] and "Shard(0)" in refused["Shard(1)"]
