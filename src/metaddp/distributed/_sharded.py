@@ -385,7 +385,8 @@ def refuse_sharded(module: nn.Module, deterministic: bool) -> nn.Module:
     """The model whose parameters ``MetaDDP(module, shard=True)`` shards, or an error that
     says why it cannot: not an algorithm that declares the sharded layout
     (:class:`metaddp.algorithms.Supports`), configured with what reads whole weights
-    (``sharded_refusal``), deterministic mode, or a model already sharded by FSDP2."""
+    (``sharded_refusal``), or deterministic mode. A model sharded by FSDP2 (adopted) is held
+    to the same rules."""
     from .._types import Supports
 
     name = type(module).__name__

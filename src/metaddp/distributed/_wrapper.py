@@ -90,7 +90,10 @@ class MetaDDP(nn.Module):
             meta-gradient; each rank holds ``1/samples`` of the weights, gradients and
             optimizer state. MAML (SGD, Adam... inner steps) and :class:`metaddp.Bilevel`
             (``Unrolled``) run sharded; ``with learner.gathered():`` (on every rank) puts the
-            full weights in the model, for evaluation or a checkpoint.
+            full weights in the model, for evaluation or a checkpoint. A model sharded by
+            FSDP2's ``fully_shard`` is sharded this way whatever ``shard`` says: its
+            DTensors' rows are the shards and their ``.grad`` the meta-gradient's
+            (sample layout only; docs/design.md).
         unit_bytes: with ``shard``, a layer whose weights come to fewer bytes is gathered
             with the other small ones at the start of every forward and kept whole in the
             autograd graph; larger layers are gathered as they run, and again for the
@@ -130,11 +133,17 @@ class MetaDDP(nn.Module):
         # A model sharded by FSDP2's fully_shard is adopted: sharded as shard=True shards,
         # its DTensors' rows the shards (distributed/_sharded.py).
         adopt = has_dtensors(module)
+        try:
+            model = refuse_sharded(module, deterministic) if shard or adopt else None
+        except (TypeError, ValueError) as e:
+            if adopt and not shard:  # said as what it is: the FSDP2 model is sharded
+                raise type(e)(f"a model sharded by FSDP2 runs as with shard=True, and {e}") from e
+            raise
         if adopt:
-            why = fsdp_refusal(module, self.mesh.tasks, self.mesh.sample_group)
+            assert model is not None
+            why = fsdp_refusal(model, self.mesh.tasks, self.mesh.sample_group)
             if why is not None:
                 raise TypeError(f"a model sharded by FSDP2: {why}")
-        model = refuse_sharded(module, deterministic) if shard or adopt else None
         self.module = module
         self.bucket_bytes = bucket_bytes
         self.checking = from_env() if check is None else bool(check)
