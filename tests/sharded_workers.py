@@ -315,12 +315,24 @@ def fsdp2() -> dict:
     out["gathered"] = error(lambda: learner.gathered().__enter__())
     learner.release()
     out["released"] = float(net(torch.zeros(3, 1, dtype=torch.float64)).sum())  # FSDP's own
+    # Each layer gathered on its own, graphs keeping rows (unit_bytes=0), and the norms.
+    net = _fully_sharded(device_mesh)
+    learner = md.MetaDDP(md.MAML(net, inner_lr=FSDP.inner_lr, steps=FSDP.steps),
+                         md.Mesh.create(), unit_bytes=0)
+    learner.meta_loss(learner.shard(FSDP.n_tasks, FSDP.task), FSDP.loss_fn).backward()
+    learner.sync_grads()
+    assert learner.sharding is not None and learner.sharding.regather is not None
+    out["per_layer"] = {k: q.grad.full_tensor() for k, q in net.named_parameters()}
+    out["packed"] = learner.sharding.regather.packed
+    out["norms"] = (float(learner.clip_grad_norm_(1e9)),
+                    float(torch.nn.utils.clip_grad_norm_(list(net.parameters()), 1e9)))
+    learner.release()
     if md.world_size() != 2:  # the refusals once (Shard(1) needs columns that 2 ranks divide)
         return out
 
-    def refused(make_net, mesh=None) -> str:
+    def refused(make_net, mesh=None, algorithm=md.MAML) -> str:
         try:
-            md.MetaDDP(md.MAML(make_net(), inner_lr=0.1), mesh or md.Mesh.create())
+            md.MetaDDP(algorithm(make_net(), inner_lr=0.1), mesh or md.Mesh.create())
         except (TypeError, ValueError) as e:
             return str(e)
         return "ran"
@@ -334,5 +346,6 @@ def fsdp2() -> dict:
         "Shard(1)": refused(lambda: _fully_sharded(
             device_mesh, shard_placement_fn=lambda q: Shard(1) if q.shape[1:] == (16,) else None)),
         "hybrid": refused(lambda: _fully_sharded(device_mesh), S.mesh_for("hybrid")),
+        "Meta-SGD": refused(lambda: _fully_sharded(device_mesh), algorithm=md.MetaSGD),
     }
     return out

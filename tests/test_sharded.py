@@ -282,6 +282,12 @@ def test_a_fully_shard_model_meta_trains_under_metaddp(fsdp2, world):
         stepped = {k.removeprefix("model."): w for k, w in got["stepped"].items()}
         for k, w in model.named_parameters():
             torch.testing.assert_close(stepped[k], w.detach(), rtol=0, atol=1e-12)
+        # Each layer gathered as it runs, graphs keeping rows: the same sums, the same bound.
+        per_layer = {k.removeprefix("model."): g for k, g in got["per_layer"].items()}
+        assert relative(per_layer, want) < 1e-12 and got["packed"] > 0
+        norm = math.sqrt(sum(float((g**2).sum()) for g in want.values()))
+        # The learner's norm sums the rows' squares; torch's, on DTensors, reduces them too.
+        assert got["norms"] == pytest.approx((norm, norm), rel=1e-12)
 
 
 def test_fsdp2_settings_metaddp_cannot_adopt_are_refused_with_what_to_do(fsdp2):
@@ -295,6 +301,10 @@ def test_fsdp2_settings_metaddp_cannot_adopt_are_refused_with_what_to_do(fsdp2):
     assert "CPUOffloadPolicy" in refused["offload"]
     assert "(Shard(dim=1),)" in refused["Shard(1)"] and "Shard(0)" in refused["Shard(1)"]
     assert "sample layout only" in refused["hybrid"] and "md.Mesh.create()" in refused["hybrid"]
+    # An algorithm without the sharded layout: its own refusal, said of the FSDP2 model.
+    meta_sgd = refused.pop("Meta-SGD")
+    assert meta_sgd.startswith("a model sharded by FSDP2 runs as with shard=True, and ")
+    assert "MetaSGD" in meta_sgd
     for message in refused.values():
         assert message.startswith("a model sharded by FSDP2: ")
 
