@@ -66,8 +66,6 @@ def run_all(root: str | None = None) -> dict:
     if world in (2, 4):
         out["regather"] = regather()
         out["checked"] = checked()
-    if world == 2:
-        out["fsdp"] = fsdp_refused()
     return out
 
 
@@ -259,21 +257,95 @@ def _batched(learner: md.MetaDDP, p: S.Problem) -> None:
         algorithm.batched = None
 
 
-def fsdp_refused() -> dict:
-    """A model wrapped by FSDP2's ``fully_shard`` (its parameters DTensors), under MetaDDP
-    sharded and replicated: the error each gives."""
+# FSDP2's fully_shard, adopted (tests/test_sharded.py, its own process groups at 2 and 3).
+FSDP = S.Problem("mlp", steps=2, n_tasks=2)
+FSDP_LR = 0.01  # the outer AdamW's
+
+
+def _fully_sharded(device_mesh, **options) -> nn.Module:
+    """The problem's MLP, each Linear and the root cut by FSDP2's fully_shard."""
     from torch.distributed.fsdp import fully_shard
 
-    mesh = S.mesh_for("sample")
-    if mesh.device_mesh is None:
-        return {}
-    out = {}
-    for shard in (True, False):
-        net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
-        fully_shard(net, mesh=mesh.device_mesh["sample"])
+    net = FSDP.build_model()
+    for layer in net:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=device_mesh, **options)
+    fully_shard(net, mesh=device_mesh, **options)
+    return net
+
+
+def fsdp2() -> dict:
+    """One second-order MAML step of a fully_shard model under MetaDDP (sample layout), the
+    outer AdamW built on its DTensor parameters before MetaDDP; then, at 2 processes, the
+    error of each setting that is refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+    from torch.distributed.tensor import DTensor, Shard
+
+    device_mesh = init_device_mesh("cpu", (md.world_size(),))
+    net = _fully_sharded(device_mesh)
+    opt = torch.optim.AdamW(net.parameters(), lr=FSDP_LR)
+    learner = md.MetaDDP(md.MAML(net, inner_lr=FSDP.inner_lr, steps=FSDP.steps),
+                         md.Mesh.create())
+    loss = learner.meta_loss(learner.shard(FSDP.n_tasks, FSDP.task), FSDP.loss_fn)
+    loss.backward()
+    learner.sync_grads()
+    params = dict(net.named_parameters())
+    out: dict = {
+        "loss": float(learner.global_value(loss)),
+        "kinds": {k: (type(q).__name__, type(q.grad).__name__, tuple(q.grad.placements))
+                  for k, q in params.items()},
+        "local": {k: tuple(q.grad.to_local().shape) for k, q in params.items()},
+        "grads": {k: q.grad.full_tensor() for k, q in params.items()},
+    }
+    opt.step()
+    out["stepped"] = {k: q.detach().full_tensor() for k, q in net.named_parameters()}
+    out["still"] = all(isinstance(q, DTensor) and q.placements == (Shard(0),)
+                       for q in net.parameters())
+    out["state"] = sum(isinstance(v, DTensor) for v in learner.sharded_state_dict().values())
+
+    def error(fn) -> str:
         try:
-            md.MetaDDP(md.MAML(net), mesh, shard=shard)
-            out[shard] = "ran"
-        except TypeError as e:
-            out[shard] = str(e)
+            fn()
+        except RuntimeError as e:
+            return str(e)
+        return "ran"
+
+    out["model(x)"] = error(lambda: net(torch.zeros(3, 1, dtype=torch.float64)))
+    out["gathered"] = error(lambda: learner.gathered().__enter__())
+    learner.release()
+    out["released"] = float(net(torch.zeros(3, 1, dtype=torch.float64)).sum())  # FSDP's own
+    # Each layer gathered on its own, graphs keeping rows (unit_bytes=0), and the norms.
+    net = _fully_sharded(device_mesh)
+    learner = md.MetaDDP(md.MAML(net, inner_lr=FSDP.inner_lr, steps=FSDP.steps),
+                         md.Mesh.create(), unit_bytes=0)
+    learner.meta_loss(learner.shard(FSDP.n_tasks, FSDP.task), FSDP.loss_fn).backward()
+    learner.sync_grads()
+    assert learner.sharding is not None and learner.sharding.regather is not None
+    out["per_layer"] = {k: q.grad.full_tensor() for k, q in net.named_parameters()}
+    out["packed"] = learner.sharding.regather.packed
+    out["norms"] = (float(learner.clip_grad_norm_(1e9)),
+                    float(torch.nn.utils.clip_grad_norm_(list(net.parameters()), 1e9)))
+    learner.release()
+    if md.world_size() != 2:  # the refusals once (Shard(1) needs columns that 2 ranks divide)
+        return out
+
+    def refused(make_net, mesh=None, algorithm=md.MAML) -> str:
+        try:
+            md.MetaDDP(algorithm(make_net(), inner_lr=0.1), mesh or md.Mesh.create())
+        except (TypeError, ValueError) as e:
+            return str(e)
+        return "ran"
+
+    f64 = torch.float64
+    out["refused"] = {
+        "mixed precision": refused(lambda: _fully_sharded(
+            device_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=f64, reduce_dtype=f64))),
+        "offload": refused(lambda: _fully_sharded(
+            device_mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))),
+        "Shard(1)": refused(lambda: _fully_sharded(
+            device_mesh, shard_placement_fn=lambda q: Shard(1) if q.shape[1:] == (16,) else None)),
+        "hybrid": refused(lambda: _fully_sharded(device_mesh), S.mesh_for("hybrid")),
+        "Meta-SGD": refused(lambda: _fully_sharded(device_mesh), algorithm=md.MetaSGD),
+    }
     return out

@@ -23,7 +23,11 @@ def params_of(module: nn.Module) -> Params:
     """The module's trained parameters by qualified name (the leaves the outer optimizer
     trains). Frozen ones (``requires_grad=False``) are left out: :func:`call` reads them from
     the module, so inner loops hold them fixed too."""
-    return {k: p for k, p in module.named_parameters() if p.requires_grad}
+    params: Params = {k: p for k, p in module.named_parameters() if p.requires_grad}
+    sharded = getattr(module, SHARDED, None)
+    if sharded is not None and sharded.adopted:  # FSDP2's DTensors: their rows, differentiably
+        return sharded.rows_of(params)
+    return params
 
 
 def buffers_of(module: nn.Module) -> Params:

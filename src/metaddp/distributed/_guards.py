@@ -56,6 +56,7 @@ from ._collectives import (
     max_abs_difference,
 )
 from ._mesh import Mesh
+from ._sharded import local
 from ._unkeyed import UnkeyedDraws
 
 # Relative agreement of two fingerprints: see [Note: fingerprints].
@@ -675,7 +676,8 @@ class StepGuards:
         self._loss = None
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         if grads:  # the rider is taken once every gradient is final (module docstring)
-            plain = [g.as_subclass(Tensor) for g in grads]  # sharded rows refuse a norm
+            # Sharded rows refuse a norm; an FSDP2 model's DTensor gradients: their rows.
+            plain = [local(g).as_subclass(Tensor) for g in grads]
             self.note("gradient", ~finite_flags(plain).all())
         flags = [self._verdicts.get(k) for k in VERDICTS]
         self._verdicts = {}

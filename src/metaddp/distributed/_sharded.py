@@ -6,6 +6,12 @@ keep rows (:mod:`._regather`).
 
 Inner optimizers are elementwise, so they run on the shards as they are; the meta-gradient
 ends as shards; the outer optimizer's state is allocated like its parameters: 1/S each.
+
+A model sharded by FSDP2's ``fully_shard`` is *adopted* (:func:`fsdp_refusal` says what
+cannot be): its parameters stay its DTensors (``Shard(0)``, cut as :class:`._rows.Cut` cuts),
+their local rows are the shards the gather reads (``to_local()``, whose adjoint re-wraps the
+rows' gradient as a DTensor without communication), FSDP's own forward hooks are set aside
+while MetaDDP wraps the model, and the meta-gradient lands in the DTensors' ``.grad``.
 """
 
 from __future__ import annotations
@@ -40,6 +46,40 @@ def _attr(module: nn.Module, name: str) -> Tensor:
     return getattr(module.get_submodule(owner), leaf)
 
 
+@functools.cache
+def _dtensor() -> type:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def is_dtensor(t: Tensor) -> bool:
+    return isinstance(t, _dtensor())
+
+
+def local(t: Tensor) -> Tensor:
+    """A DTensor's local rows (differentiable: the adjoint wraps the rows' gradient back as a
+    DTensor of the same placements); any other tensor as it is."""
+    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
+
+
+def as_like(rows: Tensor, like: Tensor) -> Tensor:
+    """``rows`` as a DTensor placed as ``like`` (a DTensor parameter), or as they are."""
+    if not is_dtensor(like):
+        return rows
+    from torch.distributed.tensor import DTensor
+
+    assert isinstance(like, DTensor)
+    return DTensor.from_local(
+        rows,
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
+
+
 def _agree(flag: bool, group: Group) -> bool:
     """Whether ``flag`` holds on every rank of ``group`` (one tiny MIN all-reduce)."""
     t = torch.tensor([float(flag)], device=comm_device(group))  # NCCL: on the GPU
@@ -58,10 +98,17 @@ class Sharding:
     """
 
     def __init__(
-        self, model: nn.Module, group: Group, *, unit_bytes: int = DEFAULT_UNIT_BYTES
+        self,
+        model: nn.Module,
+        group: Group,
+        *,
+        unit_bytes: int = DEFAULT_UNIT_BYTES,
+        adopt: bool = False,
     ) -> None:
-        # Built where the group has more than one rank (MetaDDP: a sample axis to cut over).
+        # Built where the group has more than one rank (MetaDDP: a sample axis to cut over),
+        # or to adopt a model that FSDP2 cut already (``adopt``: its DTensors' rows).
         self.group = group
+        self.adopted = adopt
         # Layers smaller than this are gathered together at the forward's start and kept
         # whole in graphs: for them a collective costs more than the memory it saves.
         self.unit_bytes = unit_bytes
@@ -72,6 +119,15 @@ class Sharding:
             for name, p in model.named_parameters()
             if p.requires_grad and p.dim() > 0
         }
+        if adopt:
+            for name, cut in self.cuts.items():
+                held = local(model.get_parameter(name)).shape
+                if held != cut.local_shape:  # not torch.chunk's rows of this rank
+                    raise ValueError(
+                        f"FSDP2 model: {name!r} holds {tuple(held)} here, not rank "
+                        f"{cut.index}'s rows {tuple(cut.local_shape)} of {tuple(cut.shape)} "
+                        "cut as Shard(0) over MetaDDP's sample group"
+                    )
         self._shard_shapes = {c.local_shape for c in self.cuts.values()}
         self._model = weakref.ref(model)
         self._full = False  # inside gathered(): the module holds its full weights
@@ -90,13 +146,19 @@ class Sharding:
         )
         self._armed = False  # metaddp.functional.call is about to run the model
         self.loading_rows = False  # MetaDDP.load_sharded_state_dict loads this rank's rows
+        # FSDP2's forward hooks gather into its own buffers and free them after the forward:
+        # set aside while metaddp gathers (put back by remove()).
+        self._set_aside = _set_aside_fsdp_hooks(model) if adopt else []
         self._hooks = [
             model.register_forward_pre_hook(self._enter, prepend=True),
             model.register_forward_hook(self._leave, always_call=True),
-            # (torch marks these hooks with an attribute, which a bound method cannot take)
-            model.register_state_dict_post_hook(functools.partial(self._saved)),
-            model.register_load_state_dict_pre_hook(functools.partial(self._loading)),
         ]
+        if not adopt:  # an FSDP2 model's state is its DTensors: whole, whatever the rank
+            self._hooks += [
+                # (torch marks these hooks with an attribute, which a bound method cannot take)
+                model.register_state_dict_post_hook(functools.partial(self._saved)),
+                model.register_load_state_dict_pre_hook(functools.partial(self._loading)),
+            ]
 
     # --- the module's own parameters ----------------------------------------------------
 
@@ -105,6 +167,8 @@ class Sharding:
         parameter objects, and an optimizer built on them, stay the same)."""
         model = self._model()
         assert model is not None
+        if self.adopted:  # FSDP2 cut them already
+            return
         with torch.no_grad():
             for name, cut in self.cuts.items():
                 p = model.get_parameter(name)
@@ -115,9 +179,18 @@ class Sharding:
         assert model is not None
         return {name: model.get_parameter(name) for name in self.cuts}
 
+    def rows(self) -> dict[str, Tensor]:
+        """This rank's rows of every sharded parameter: the parameters, or an adopted
+        model's DTensors' local rows (differentiable to the DTensors)."""
+        return {name: local(p) for name, p in self.parameters().items()}
+
+    def rows_of(self, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """``params`` with every sharded one as this rank's rows (:func:`local`)."""
+        return {k: local(p) if k in self.cuts else p for k, p in params.items()}
+
     def full(self) -> dict[str, Tensor]:
         """Every sharded parameter's full value (one all-gather; detached)."""
-        params = self.parameters()
+        params = self.rows()
         with torch.no_grad():
             got = gather(
                 [params[n].detach() for n in self.cuts], list(self.cuts.values()), self.group
@@ -132,6 +205,12 @@ class Sharding:
         if self._full:
             yield
             return
+        if self.adopted:
+            raise RuntimeError(
+                "learner.gathered() on a model sharded by FSDP2's fully_shard: its parameters "
+                "are DTensors, which stay sharded. Read whole weights with p.full_tensor(), or "
+                "save them with torch.distributed.checkpoint (get_model_state_dict)"
+            )
         if self.regather is not None:  # nothing may hold the parameters at their rows' shape
             self.regather.sweep()
         params, full = self.parameters(), self.full()
@@ -163,7 +242,13 @@ class Sharding:
         for h in self._hooks:
             h.remove()
         self.layers.remove()
+        _put_back(self._set_aside)
+        self._set_aside = []
         if model is None:
+            return
+        if self.adopted:  # the DTensors were never replaced
+            if getattr(model, SHARDED, None) is self:
+                delattr(model, SHARDED)
             return
         full = self.full()
         with torch.no_grad():
@@ -185,14 +270,11 @@ class Sharding:
             # Each layer gathers its own as it runs; the model's own shards go through
             # functional_call too, which puts them back whatever the forward does.
             for name in self.cuts:
-                if name not in out:
-                    out[name] = module.get_parameter(name)
+                out[name] = local(out[name] if name in out else module.get_parameter(name))
             return out
         names, shards = [], []
         for name, cut in self.cuts.items():
-            t = out.get(name)
-            if t is None:
-                t = module.get_parameter(name)
+            t = local(out[name] if name in out else module.get_parameter(name))
             if t.shape != cut.local_shape:  # full already (a gathered or given tensor)
                 out[name] = t
                 continue
@@ -245,7 +327,15 @@ class Sharding:
             self.layers.start(record=self.layers.readers is None)
             return
         for name, cut in self.cuts.items():
-            if _attr(module, name).shape != cut.shape:
+            held = _attr(module, name)
+            if is_dtensor(held):
+                raise RuntimeError(
+                    f"the model was sharded by FSDP2's fully_shard and MetaDDP wraps it ({name!r} "
+                    "is a DTensor of rows): run it through the algorithm (learner.meta_loss, "
+                    "learner.adapt, metaddp.functional.call), which gathers the rows; "
+                    "learner.release() gives the model its FSDP2 forward back"
+                )
+            if held.shape != cut.shape:
                 raise RuntimeError(
                     f"the model's parameters are shards of the sample group's ({name!r} holds "
                     f"{cut.length} of its {cut.rows} rows here): run it through the algorithm "
@@ -306,7 +396,8 @@ def refuse_sharded(module: nn.Module, deterministic: bool) -> nn.Module:
     """The model whose parameters ``MetaDDP(module, shard=True)`` shards, or an error that
     says why it cannot: not an algorithm that declares the sharded layout
     (:class:`metaddp.algorithms.Supports`), configured with what reads whole weights
-    (``sharded_refusal``), deterministic mode, or a model already sharded by FSDP2."""
+    (``sharded_refusal``), or deterministic mode. A model sharded by FSDP2 (adopted) is held
+    to the same rules."""
     from .._types import Supports
 
     name = type(module).__name__
@@ -331,18 +422,112 @@ def refuse_sharded(module: nn.Module, deterministic: bool) -> nn.Module:
     return model
 
 
-def refuse_dtensors(model: nn.Module) -> None:
-    """Refuse parameters that are DTensors already (FSDP2's ``fully_shard``, or placements
-    of the user's): neither their gathers nor their gradients are exact here."""
-    from torch.distributed.tensor import DTensor
+def has_dtensors(model: nn.Module) -> bool:
+    """Whether any parameter of ``model`` is a DTensor (FSDP2's ``fully_shard``)."""
+    return any(is_dtensor(p) or is_dtensor(p.data) for p in model.parameters())
 
-    for pname, p in model.named_parameters():
-        if isinstance(p, DTensor) or isinstance(p.data, DTensor):
-            raise TypeError(
-                f"the model's parameter {pname!r} is a DTensor (the model was sharded by FSDP2's "
-                "fully_shard or by DTensor placements): FSDP2 frees its gathered weights after "
-                "each forward and gives no gradient through autograd.grad(create_graph=True), "
-                "and DTensor's full_tensor() keeps each rank's own inner gradient. Pass the "
-                "unsharded model and build MetaDDP(algorithm, mesh, shard=True): it shards the "
-                "meta-parameters itself, with a gather whose adjoint sums over the ranks"
+
+def _ranks(group: Group) -> list[int]:
+    if not dist.is_initialized():
+        return [0]
+    return list(dist.get_process_group_ranks(group or dist.group.WORLD))
+
+
+def fsdp_refusal(model: nn.Module, tasks: int, sample_group: Group) -> str | None:
+    """Why MetaDDP cannot adopt a model whose parameters are DTensors, or ``None``: it adopts
+    FSDP2's ``fully_shard`` in the sample layout, every trained parameter a DTensor cut
+    ``Shard(0)`` over a 1-D mesh whose group is MetaDDP's sample group, with neither a mixed
+    precision policy nor CPU offload."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+    from torch.distributed.tensor import Shard
+
+    fix = (
+        "; or pass the unsharded model and build MetaDDP(algorithm, mesh, shard=True), "
+        "which shards the meta-parameters itself"
+    )
+    if tasks > 1:
+        return (
+            f"a mesh with {tasks} task groups: a model sharded by FSDP2's fully_shard runs in "
+            "the sample layout only (md.Mesh.create(), every rank splitting every task's "
+            "samples)" + fix
+        )
+    ours = _ranks(sample_group)
+    for name, p in model.named_parameters():
+        if not is_dtensor(p):
+            if p.requires_grad and p.dim() > 0:
+                return (
+                    f"{name!r} is a plain tensor beside the DTensors of FSDP2's fully_shard: "
+                    "apply fully_shard to the root module too, so that every trained "
+                    "parameter is sharded" + fix
+                )
+            continue
+        if not p.requires_grad:
+            return (
+                f"{name!r} is a frozen DTensor (requires_grad=False): MetaDDP gathers trained "
+                "parameters only. Freeze it before fully_shard, or leave it trained" + fix
             )
+        mesh = p.device_mesh  # type: ignore[attr-defined]
+        placements = tuple(p.placements)  # type: ignore[attr-defined]
+        if mesh.ndim != 1 or placements != (Shard(0),):
+            return (
+                f"{name!r} is placed {placements} on a {mesh.ndim}-D mesh: MetaDDP adopts "
+                "DTensors placed (Shard(0),) on a 1-D mesh (fully_shard's default), whose rows "
+                "it gathers" + fix
+            )
+        theirs = list(mesh.mesh.flatten().tolist())
+        if theirs != ours:
+            return (
+                f"{name!r} is sharded over ranks {theirs}, but MetaDDP's sample group is ranks "
+                f"{ours}: build fully_shard's mesh over the same ranks "
+                "(init_device_mesh over every process, or mesh.device_mesh['sample'])" + fix
+            )
+    for m in model.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        state = m._get_fsdp_state()
+        policy = state._mp_policy
+        if any(
+            d is not None for d in (policy.param_dtype, policy.reduce_dtype, policy.output_dtype)
+        ):
+            return (
+                f"fully_shard with a mixed precision policy ({policy}): MetaDDP's gathers run "
+                "in the parameters' own dtype and would bypass it; build fully_shard without "
+                "mp_policy, or use metaddp's own autocast"
+            )
+        group = state._fsdp_param_group
+        if group is not None and isinstance(group.offload_policy, CPUOffloadPolicy):
+            return (
+                "fully_shard with CPUOffloadPolicy: MetaDDP gathers the rows where they are "
+                "held and keeps graphs through them; build fully_shard without offload_policy"
+            )
+    return None
+
+
+_Aside = list[tuple[Any, int, Any, bool]]
+
+
+def _set_aside_fsdp_hooks(model: nn.Module) -> _Aside:
+    """Take FSDP2's forward hooks off every module of ``model`` (FSDP's forward would gather
+    into its own buffers, which ``functional_call`` does not see, and free them before a
+    second backward); what :func:`_put_back` restores."""
+    from torch.distributed.fsdp import FSDPModule
+
+    aside: _Aside = []
+    for m in model.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        state = m._get_fsdp_state()
+        for handle in (state._pre_forward_hook_handle, state._post_forward_hook_handle):
+            for h in getattr(handle, "handles", (handle,)):  # a group's _MultiHandle
+                hooks = h.hooks_dict_ref()
+                if hooks is not None and h.id in hooks:
+                    first = next(iter(hooks)) == h.id  # a prepended hook goes back first
+                    aside.append((hooks, h.id, hooks.pop(h.id), first))
+    return aside
+
+
+def _put_back(aside: _Aside) -> None:
+    for hooks, key, hook, first in reversed(aside):
+        hooks[key] = hook
+        if first:
+            hooks.move_to_end(key, last=False)

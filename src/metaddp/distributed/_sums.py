@@ -26,6 +26,7 @@ from .._reach import listing
 from ._collectives import Group, Phase, launch_sum
 from ._exact import ExactSums
 from ._overlap import GradReducer
+from ._sharded import as_like, is_dtensor, local
 
 Rider = Callable[[Tensor], Tensor]
 """Given a tensor of the gradients' dtype and device, a 1-d tensor to sum with them (of the
@@ -77,7 +78,11 @@ class BucketedSum:
         how = self.how
         named = _trained(how.module)
         params = [p for _, p in named]
-        grads = [p.grad if p.grad is not None else p.detach().new_zeros(p.shape) for p in params]
+        # An FSDP2 model's DTensors (distributed/_sharded.py): their rows, summed as shards.
+        grads = [
+            local(p.grad) if p.grad is not None else local(p.detach()).new_zeros(local(p).shape)
+            for p in params
+        ]
         # One has-gradient flag per parameter rides in the same buckets as the gradients.
         has_grad = [float(p.grad is not None) for p in params]
         flags = _host.upload(has_grad, params[0]) if params else torch.zeros(0)
@@ -170,7 +175,9 @@ class ShardedSum(BucketedSum):
         return out
 
     def _store(self, p: nn.Parameter, summed: Tensor) -> None:
-        if id(p) in self.shards:  # a new tensor each step: a Rows, whatever .grad was
+        if is_dtensor(p):  # a DTensor placed as its parameter (whose norms are global)
+            p.grad = as_like(summed, p)
+        elif id(p) in self.shards:  # a new tensor each step: a Rows, whatever .grad was
             p.grad = summed.as_subclass(Rows)
         else:
             super()._store(p, summed)

@@ -36,7 +36,16 @@ from ._collectives import (
 from ._exact import DEFAULT_CHUNKS, ExactSums, deterministic_kernels
 from ._guards import StepGuards, refuse_at_construction
 from ._mesh import Mesh
-from ._sharded import DEFAULT_UNIT_BYTES, ROWS, Sharding, refuse_dtensors, refuse_sharded
+from ._sharded import (
+    DEFAULT_UNIT_BYTES,
+    ROWS,
+    Sharding,
+    fsdp_refusal,
+    has_dtensors,
+    is_dtensor,
+    local,
+    refuse_sharded,
+)
 from ._sums import BucketedSum, ExactSum, OverlappedSum, ShardedSum, Summing
 
 
@@ -81,7 +90,10 @@ class MetaDDP(nn.Module):
             meta-gradient; each rank holds ``1/samples`` of the weights, gradients and
             optimizer state. MAML (SGD, Adam... inner steps) and :class:`metaddp.Bilevel`
             (``Unrolled``) run sharded; ``with learner.gathered():`` (on every rank) puts the
-            full weights in the model, for evaluation or a checkpoint.
+            full weights in the model, for evaluation or a checkpoint. A model sharded by
+            FSDP2's ``fully_shard`` is sharded this way whatever ``shard`` says: its
+            DTensors' rows are the shards and their ``.grad`` the meta-gradient's
+            (sample layout only; docs/design.md).
         unit_bytes: with ``shard``, a layer whose weights come to fewer bytes is gathered
             with the other small ones at the start of every forward and kept whole in the
             autograd graph; larger layers are gathered as they run, and again for the
@@ -117,22 +129,37 @@ class MetaDDP(nn.Module):
         if isinstance(module, MetaDDP):
             raise TypeError("this module is already wrapped in MetaDDP")
         refuse_at_construction(module, deterministic)
-        refuse_dtensors(module)
-        model = refuse_sharded(module, deterministic) if shard else None
-        self.module = module
         self.mesh = mesh if mesh is not None else Mesh.create()
+        # A model sharded by FSDP2's fully_shard is adopted: sharded as shard=True shards,
+        # its DTensors' rows the shards (distributed/_sharded.py).
+        adopt = has_dtensors(module)
+        try:
+            model = refuse_sharded(module, deterministic) if shard or adopt else None
+        except (TypeError, ValueError) as e:
+            if adopt and not shard:  # said as what it is: the FSDP2 model is sharded
+                raise type(e)(f"a model sharded by FSDP2 runs as with shard=True, and {e}") from e
+            raise
+        if adopt:
+            assert model is not None
+            why = fsdp_refusal(model, self.mesh.tasks, self.mesh.sample_group)
+            if why is not None:
+                raise TypeError(f"a model sharded by FSDP2: {why}")
+        self.module = module
         self.bucket_bytes = bucket_bytes
         self.checking = from_env() if check is None else bool(check)
         self.guards = StepGuards(module, self.mesh, every_step=self.checking)
-        state = list(module.parameters()) + list(module.buffers())
+        # An FSDP2 model's DTensors hold each rank's own rows: not broadcast, not compared.
+        state = [t for t in [*module.parameters(), *module.buffers()] if not is_dtensor(t)]
         if broadcast:
             broadcast_(state, src=0, group=self.mesh.group)
         else:
             self.check_in_sync()
         # Cut after the weights agree: every rank keeps its rows of the same tensors.
         self.sharding: Sharding | None = None
-        if model is not None and self.mesh.samples > 1:
-            self.sharding = Sharding(model, self.mesh.sample_group, unit_bytes=unit_bytes)
+        if model is not None and (self.mesh.samples > 1 or adopt):
+            self.sharding = Sharding(
+                model, self.mesh.sample_group, unit_bytes=unit_bytes, adopt=adopt
+            )
             self.sharding.cut()
             setattr(model, SHARDED, self.sharding)
             shards = set(map(id, self.sharding.parameters().values()))
@@ -425,8 +452,8 @@ class MetaDDP(nn.Module):
         learner, take its ``sharded_state_dict()``, ``torch.distributed.checkpoint.load``
         into it and :meth:`load_sharded_state_dict` it. Without sharding: the plain one."""
         state = self.module.state_dict()
-        if self.sharding is None or self.mesh.device_mesh is None:
-            return state
+        if self.sharding is None or self.mesh.device_mesh is None or self.sharding.adopted:
+            return state  # an FSDP2 model's state holds its DTensors already
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
         cuts = {id(p): self.sharding.cuts[n] for n, p in self.sharding.parameters().items()}
@@ -450,6 +477,9 @@ class MetaDDP(nn.Module):
         ``torch.distributed.checkpoint.load``): this rank's rows of each DTensor."""
         from torch.distributed.tensor import DTensor
 
+        if self.sharding is not None and self.sharding.adopted:  # DTensors into DTensors
+            self.module.load_state_dict(state)
+            return
         rows = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in state.items()}
         if self.sharding is None:
             self.module.load_state_dict(rows)
@@ -474,14 +504,13 @@ class MetaDDP(nn.Module):
             if self.sharding is None
             else {id(p.grad) for p in self.sharding.parameters().values()}
         )
+        held = [id(g) in rows for g in grads]
+        with torch.no_grad():  # an FSDP2 model's DTensor gradients: their rows, in place
+            grads = [local(g) for g in grads]
         squares = [g.detach().as_subclass(Tensor).double().square().sum() for g in grads]
-        part = sum(
-            (q for g, q in zip(grads, squares, strict=True) if id(g) in rows), squares[0] * 0
-        )
-        whole = sum(
-            (q for g, q in zip(grads, squares, strict=True) if id(g) not in rows), squares[0] * 0
-        )
-        if rows:
+        part = sum((q for q, r in zip(squares, held, strict=True) if r), squares[0] * 0)
+        whole = sum((q for q, r in zip(squares, held, strict=True) if not r), squares[0] * 0)
+        if any(held):
             part = global_value(part, self.mesh.sample_group)
         norm = (part + whole).sqrt()
         coef = torch.clamp(max_norm / (norm + eps), max=1.0)
