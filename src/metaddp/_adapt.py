@@ -81,7 +81,11 @@ def grad(loss, params, *, reduce=None, create_graph=True, retain_graph=None):
             allow_unused=True,
             materialize_grads=True,
         )
-    reduced = reduce(list(grads))
+    by_name = getattr(reduce, "by_name", None)  # sharded weights: the others summed by name
+    if named and by_name is not None:
+        reduced = by_name(list(params), list(grads))
+    else:
+        reduced = reduce(list(grads))
     return dict(zip(params, reduced, strict=True)) if named else reduced
 
 

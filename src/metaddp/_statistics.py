@@ -39,7 +39,8 @@ def global_sums(tensors: Sequence[Tensor], *, reduce: Reduce | None = None) -> l
     """
     if reduce is None:
         reduce = _local_only("metaddp.data.global_sums")
-    return reduce(list(tensors))
+    # Sums of statistics, never a shard's gradient: where the weights are sharded too.
+    return getattr(reduce, "values", reduce)(list(tensors))
 
 
 def class_means(

@@ -56,9 +56,7 @@ class CAVIA(MAML):
 
     model: WithContext
     # The order-free sums of deterministic mode reach the fast weights only.
-    supports: ClassVar[Supports] = dataclasses.replace(
-        MAML.supports, deterministic=False, sharded=False
-    )
+    supports: ClassVar[Supports] = dataclasses.replace(MAML.supports, deterministic=False)
 
     def __init__(
         self,

@@ -62,7 +62,7 @@ class ProtoNet(Algorithm):
     the logits against them, so a prototypical network evaluates like any algorithm.
     """
 
-    supports: ClassVar[Supports] = Supports(autocast=True, inner_optimizer=False)
+    supports: ClassVar[Supports] = Supports(autocast=True, inner_optimizer=False, sharded=True)
 
     def __init__(self, model: nn.Module, *, ways: int, autocast: torch.dtype | None = None) -> None:
         super().__init__(model, autocast=autocast)
@@ -134,7 +134,9 @@ class WithHead(nn.Module):
         self.register_buffer("weight", torch.zeros(0), persistent=False)
         self.register_buffer("bias", torch.zeros(0), persistent=False)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, *, embed: bool = False) -> Tensor:
+        if embed:  # the body's embedding, where the prototypes are made
+            return self.body(x)
         if self.weight.numel() == 0:
             raise TypeError(
                 "ProtoMAML's head starts at each task's prototypes: pass fast weights from "
@@ -160,7 +162,7 @@ class ProtoMAML(Algorithm):
     """
 
     model: WithHead
-    supports: ClassVar[Supports] = Supports(autocast=True)
+    supports: ClassVar[Supports] = Supports(autocast=True, sharded=True)
 
     def __init__(
         self,
@@ -188,7 +190,8 @@ class ProtoMAML(Algorithm):
 
     def start(self, support: Batch, *, reduce: Reduce) -> Params:
         """The body's meta-parameters and the head at the support set's prototypes."""
-        means, _ = class_means(self.model.body(support.x), support.y, self.ways, reduce=reduce)
+        features = call(self.model, params_of(self.model), support.x, embed=True)
+        means, _ = class_means(features, support.y, self.ways, reduce=reduce)
         c = means.flatten(1)
         return {**params_of(self.model), "weight": 2 * c, "bias": -(c * c).sum(1)}
 

@@ -391,6 +391,43 @@ class Sharding:
                 )
         return list(tensors)
 
+    def reduced(self, names: Sequence[str], tensors: Sequence[Tensor], total: Any) -> list[Tensor]:
+        """The gradients of fast weights by name: a sharded weight's rows as they are (the
+        gather has summed them), any other (a context vector, a head made per task) summed
+        over the sample group by ``total``, as it would be unsharded."""
+        out: list[Tensor | None] = list(tensors)
+        others = [i for i, n in enumerate(names) if n not in self.cuts]
+        for i, n in enumerate(names):
+            if n in self.cuts and tensors[i].shape != self.cuts[n].local_shape:
+                raise TypeError(
+                    f"the inner gradient of the sharded weight {n!r} has the whole weight's "
+                    f"shape {tuple(tensors[i].shape)}: with shard=True, inner loops "
+                    "differentiate by this rank's rows (the algorithm's fast weights)"
+                )
+        if others:
+            for i, t in zip(others, total([tensors[i] for i in others]), strict=True):
+                out[i] = t
+        return [t for t in out if t is not None]
+
+
+class ShardedReduce:
+    """The reductions an algorithm gets where the meta-parameters are sharded: called with
+    tensors alone, the gradients of shards as they are (:meth:`Sharding.passed`); by name
+    (:meth:`by_name`, inner gradients), the others summed too; :meth:`values`, a SUM of
+    statistics (class sums, feature sums), which no gather has made."""
+
+    def __init__(self, sharding: Sharding, total: Any) -> None:
+        self.sharding, self.total = sharding, total
+
+    def __call__(self, tensors: list[Tensor]) -> list[Tensor]:
+        return self.sharding.passed(tensors)
+
+    def by_name(self, names: Sequence[str], tensors: Sequence[Tensor]) -> list[Tensor]:
+        return self.sharding.reduced(names, tensors, self.total)
+
+    def values(self, tensors: list[Tensor]) -> list[Tensor]:
+        return list(self.total(tensors))
+
 
 def refuse_sharded(module: nn.Module, deterministic: bool) -> nn.Module:
     """The model whose parameters ``MetaDDP(module, shard=True)`` shards, or an error that

@@ -39,6 +39,7 @@ from ._mesh import Mesh
 from ._sharded import (
     DEFAULT_UNIT_BYTES,
     ROWS,
+    ShardedReduce,
     Sharding,
     fsdp_refusal,
     has_dtensors,
@@ -188,7 +189,9 @@ class MetaDDP(nn.Module):
         else:
             self.sums = BucketedSum(how)
         self._collectives = Collectives(
-            self.reduce,
+            self.reduce
+            if self.sharding is None
+            else ShardedReduce(self.sharding, self._sample_sum),
             self._count_tasks,
             repr(self.mesh),
             step_ends_in_sync=True,
