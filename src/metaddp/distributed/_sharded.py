@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import sys
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -46,15 +47,12 @@ def _attr(module: nn.Module, name: str) -> Tensor:
     return getattr(module.get_submodule(owner), leaf)
 
 
-@functools.cache
-def _dtensor() -> type:
-    from torch.distributed.tensor import DTensor
-
-    return DTensor
-
-
 def is_dtensor(t: Tensor) -> bool:
-    return isinstance(t, _dtensor())
+    """Whether ``t`` is a DTensor. None exists until ``torch.distributed.tensor`` has been
+    imported (by FSDP2, or the user), and importing it costs about a second per process:
+    where nothing did, the answer is no without it."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def local(t: Tensor) -> Tensor:
