@@ -201,6 +201,9 @@ def refusals() -> dict:
     sample = S.mesh_for("sample")
     out = {
         "metasgd": outcome(lambda: md.MetaDDP(md.MetaSGD(p.build_model()), sample, shard=True)),
+        "per_step_bn": outcome(lambda: md.MetaDDP(
+            md.MAMLPlusPlus(nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3), nn.Linear(3, 1)),
+                            steps=2), sample, shard=True)),
         "clip": outcome(lambda: md.MetaDDP(
             md.MAML(p.build_model(), optimizer=md.chain(md.clip_by_global_norm(1.0),
                                                         md.sgd(0.1))), sample, shard=True)),

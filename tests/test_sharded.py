@@ -225,6 +225,7 @@ def test_graphs_keep_shards_and_gather_again_for_the_backward(results, world):
 def test_sharded_mistakes_are_errors(results, world):
     out = results[world][0]["refusals"]
     assert "MetaSGD has no sharded layout" in out["metasgd"]
+    assert "build it with per_step_bn=False" in out["per_step_bn"]
     assert "not entry by entry" in out["clip"]
     assert "learn_lr" in out["learn_lr"]
     assert "deterministic=True and shard=True do not combine" in out["deterministic"]

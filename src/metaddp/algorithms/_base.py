@@ -376,11 +376,12 @@ class Algorithm(nn.Module):
         name = type(self).__name__
         if self.lr is not None:
             return f"{name}(learn_lr=...) learns rates that must see every row of a weight"
-        if not self.inner_optimizer().rowwise:
+        if not self.inner_optimizer().entrywise:
             return (
                 f"{name}'s inner optimizer is not entry by entry (a chain, a gradient clip, "
-                "learned or tensor rates), so on shards it would see one rank's rows: use "
-                "metaddp.inner.sgd, adam, adamw, rmsprop or adagrad with number rates"
+                "rates per entry), so on shards it would see one rank's rows: use "
+                "metaddp.inner.sgd, adam, adamw, rmsprop or adagrad with number rates, or one "
+                "rate per tensor"
             )
         if self.loss_scale is not None:
             return "float16 loss scaling skips steps by a verdict over every row: use bfloat16"

@@ -76,10 +76,16 @@ class NotPositiveDefinite(FloatingPointError):
         self.curvature = curvature
 
 
-def _dot(a: Vectors, b: Vectors) -> Tensor:
+def _whole_dot(a: Vectors, b: Vectors) -> Tensor:
     # A tensor for the non-empty vectors the solver works on (an empty right-hand side sums
     # to 0, which conjugate_gradient only passes to float() before returning).
     return cast(Tensor, sum((x * y).sum() for x, y in zip(a, b, strict=True)))
+
+
+def dot_of(reduce: Reduce) -> Callable[[Vectors, Vectors], Tensor]:
+    """The inner product of vectors that ``reduce``'s gradients live in: the reduce's own
+    ``dot`` (each rank's rows of sharded weights, summed over the ranks), else whole."""
+    return cast(Callable[[Vectors, Vectors], Tensor], getattr(reduce, "dot", _whole_dot))
 
 
 def conjugate_gradient(
@@ -91,6 +97,7 @@ def conjugate_gradient(
     what: str = "conjugate gradient",
     advice: str = "increase the proximal strength lam or lower the inner learning rate so "
     "that the inner solution is near a minimum",
+    dot: Callable[[Vectors, Vectors], Tensor] | None = None,
 ) -> tuple[Vectors, float, int]:
     """Solve ``A x = b`` for symmetric positive definite ``A`` given by ``matvec``.
 
@@ -101,11 +108,15 @@ def conjugate_gradient(
         tol: stop when ``||r|| <= tol * ||b||`` (0: always ``max_iter`` products).
         what: named in the warning.
         advice: what the error of a non-positive curvature suggests.
+        dot: the inner product of two lists of tensors (default: of whole tensors; where they
+            are each rank's rows of sharded weights, the reduce's ``dot``, summed over the
+            ranks: :func:`dot_of`).
 
     Returns:
         ``(x, relative residual ||b - A x|| / ||b||, iterations used)``. Warns with
         :class:`ConvergenceWarning` when the budget ends above a positive tolerance.
     """
+    _dot = _whole_dot if dot is None else dot
     x = [torch.zeros_like(t) for t in b]
     b_norm = float(_dot(b, b)) ** 0.5
     if b_norm == 0.0:
@@ -382,7 +393,7 @@ class _Implicit(Method):
         g_in, hvp = hessian_products(share, list(phi.values()), problem.reduce)
         with torch.no_grad():
             v = self.solve(hvp, [t.detach() for t in b])
-        return _with_gradient_of(q, -_dot(g_in, v))
+        return _with_gradient_of(q, -_whole_dot(g_in, v))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -490,7 +501,7 @@ class _FiniteDifference(Method):
             )  # fmt: skip
         point = fast if self.at_end else last.point
         with torch.no_grad():
-            norm = torch.sqrt(_dot(list(vjp), list(vjp)))
+            norm = torch.sqrt(_whole_dot(list(vjp), list(vjp)))
             # p = 0 gives equal points and a zero difference: the term is 0, not 0/0.
             e = self.r / norm.clamp_min(torch.finfo(norm.dtype).tiny)
             plus = {k: point[k].detach() + e * d for k, d in zip(names, vjp, strict=True)}

@@ -27,10 +27,11 @@ from torch import Tensor, nn
 
 from .._adapt import batch_share
 from .._data import Task, positive
+from .._functional import whole
 from .._types import LossFn, Params, Reduce, Supports
 from ..inner import InnerOptimizer
 from ._base import Algorithm, OptimizerFactory, local_fraction
-from ._hypergrad import Vectors, conjugate_gradient, hessian_products
+from ._hypergrad import Vectors, conjugate_gradient, dot_of, hessian_products
 
 
 class IMAML(Algorithm):
@@ -50,7 +51,7 @@ class IMAML(Algorithm):
     """
 
     # The conjugate gradient reads its residual on the host at every iteration.
-    supports: ClassVar[Supports] = Supports(capture=False)
+    supports: ClassVar[Supports] = Supports(capture=False, sharded=True)
 
     def __init__(
         self,
@@ -115,6 +116,7 @@ class IMAML(Algorithm):
             max_iter=self.cg_steps,
             tol=self.cg_tol,
             what="iMAML conjugate gradient",
+            dot=dot_of(reduce),
         )
         self.last_cg = (residual, iters)
         return dict(zip(names, v, strict=True)), q.detach()
@@ -122,6 +124,9 @@ class IMAML(Algorithm):
     def task_loss(self, task: Task, loss_fn: LossFn, *, reduce: Reduce) -> Tensor:
         grad, q = self.solve(task, loss_fn, reduce=reduce)
         w = local_fraction(task.query)
-        theta = self.fast_weights()
+        # Whole weights where they are sharded: every rank's share reaches every row (the
+        # gather's adjoint sums the shares), as it would in a forward.
+        theta = dict(whole(self.model, self.fast_weights()))
+        grad = dict(whole(self.model, grad))
         # Value: the query share; gradient: w * (implicit meta-gradient).
         return q + w * sum(((theta[k] - theta[k].detach()) * grad[k]).sum() for k in theta)

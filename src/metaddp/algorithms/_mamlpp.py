@@ -77,7 +77,9 @@ class MAMLPlusPlus(MAML):
     ``metaddp train`` calls it.
     """
 
-    supports: ClassVar[Supports] = Supports(autocast=True, inner_optimizer=False, capture=False)
+    supports: ClassVar[Supports] = Supports(
+        autocast=True, inner_optimizer=False, capture=False, sharded=True
+    )
 
     def __init__(
         self,
@@ -180,6 +182,14 @@ class MAMLPlusPlus(MAML):
             first_order_steps=self.first_order_steps,
             meta_step=self.meta_step,
         )
+
+    def sharded_refusal(self) -> str | None:
+        if self.bn_keys or self.stat_layers:
+            return (
+                "MAML++'s per-step BatchNorm weights and statistics (per_step_bn) stand in "
+                "for whole BatchNorm tensors: build it with per_step_bn=False to shard it"
+            )
+        return super().sharded_refusal()
 
     def inner_optimizer(self) -> InnerOptimizer:
         return per_step_sgd(dict(zip(self.names, self.lslr, strict=True)))

@@ -412,7 +412,8 @@ class ShardedReduce:
     """The reductions an algorithm gets where the meta-parameters are sharded: called with
     tensors alone, the gradients of shards as they are (:meth:`Sharding.passed`); by name
     (:meth:`by_name`, inner gradients), the others summed too; :meth:`values`, a SUM of
-    statistics (class sums, feature sums), which no gather has made."""
+    statistics (class sums, feature sums), which no gather has made; :meth:`dot`, an inner
+    product of rows over the whole weights (conjugate gradient)."""
 
     def __init__(self, sharding: Sharding, total: Any) -> None:
         self.sharding, self.total = sharding, total
@@ -425,6 +426,11 @@ class ShardedReduce:
 
     def values(self, tensors: list[Tensor]) -> list[Tensor]:
         return list(self.total(tensors))
+
+    def dot(self, a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:
+        """The inner product of two lists of this rank's rows, over the whole weights."""
+        mine = sum((x * y).sum() for x, y in zip(a, b, strict=True))
+        return self.total([torch.as_tensor(mine).reshape(1)])[0][0]
 
 
 def refuse_sharded(module: nn.Module, deterministic: bool) -> nn.Module:

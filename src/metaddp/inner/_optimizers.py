@@ -43,6 +43,16 @@ class InnerOptimizer(NamedTuple):
             return False
 
     @property
+    def entrywise(self) -> bool:
+        """Whether ``update`` treats every entry on its own, with rates that are numbers or
+        one number per tensor (learned or not): on each rank's rows of sharded weights it
+        gives the rows of the whole update. True only of this module's own updates."""
+        try:
+            return self.update in _ENTRYWISE or self.update in _ROWWISE
+        except TypeError:
+            return False
+
+    @property
     def rowwise(self) -> bool:
         """Whether ``update`` treats every entry on its own and reads no tensor but its
         arguments, so that on weights stacked along a leading task dimension it gives every
@@ -57,6 +67,12 @@ class InnerOptimizer(NamedTuple):
 
 # The update functions known to be entry by entry (weakly held: they die with their optimizer).
 _ROWWISE: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
+
+# The update functions known to treat every entry on its own whatever the tensor's extent:
+# the rowwise ones, and those whose rates are one number per tensor (a 0-d tensor, learned or
+# not; per_step_sgd's [steps] rates). On each rank's rows of sharded weights they give the
+# rows of the whole update.
+_ENTRYWISE: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
 
 # The update functions that return new gradients, not steps (clip_by_global_norm).
 _TRANSFORMS: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
@@ -77,6 +93,8 @@ def _optimizer(
     numbers = list(lr.values()) if isinstance(lr, Mapping) else [lr]
     if all(isinstance(v, int | float) for v in numbers):
         _ROWWISE.add(update)
+    if all(isinstance(v, int | float) or (isinstance(v, Tensor) and v.dim() == 0) for v in numbers):
+        _ENTRYWISE.add(update)
     learned = {id(v): v for v in numbers if isinstance(v, Tensor) and v.requires_grad}
     if learned:
         _LEARNED[update] = tuple(learned.values())
@@ -406,4 +424,6 @@ def per_step_sgd(rates: Mapping[str, Tensor]) -> InnerOptimizer:
     learned = tuple(r for r in rates.values() if r.requires_grad)
     if learned:
         _LEARNED[update] = learned
+    if all(r.dim() == 1 for r in rates.values()):  # one rate per tensor at each step
+        _ENTRYWISE.add(update)
     return InnerOptimizer(init, update)
