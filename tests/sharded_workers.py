@@ -330,6 +330,14 @@ def fsdp2() -> dict:
     out["norms"] = (float(learner.clip_grad_norm_(1e9)),
                     float(torch.nn.utils.clip_grad_norm_(list(net.parameters()), 1e9)))
     learner.release()
+    # The same problem as a Bilevel from the model's weights (Unrolled): MAML's meta-gradient.
+    net = _fully_sharded(device_mesh)
+    learner = md.MetaDDP(md.Bilevel(net, start="outer", steps=FSDP.steps, inner_lr=FSDP.inner_lr),
+                         md.Mesh.create())
+    learner.meta_loss(learner.shard(FSDP.n_tasks, FSDP.task), FSDP.loss_fn).backward()
+    learner.sync_grads()
+    out["bilevel"] = {k: q.grad.full_tensor() for k, q in net.named_parameters()}
+    learner.release()
     if md.world_size() != 2:  # the refusals once (Shard(1) needs columns that 2 ranks divide)
         return out
 
