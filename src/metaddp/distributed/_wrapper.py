@@ -89,8 +89,9 @@ class MetaDDP(nn.Module):
             inner steps and the meta-gradient stay shards, and an optimizer built on
             ``learner.parameters()`` keeps state for the rows this rank holds. The same
             meta-gradient; each rank holds ``1/samples`` of the weights, gradients and
-            optimizer state. MAML (SGD, Adam... inner steps) and :class:`metaddp.Bilevel`
-            (``Unrolled``) run sharded; ``with learner.gathered():`` (on every rank) puts the
+            optimizer state. The algorithms that declare it run sharded (every built-in one
+            but Meta-SGD and ANIL; :class:`metaddp.Bilevel` with ``Unrolled``; docs/
+            algorithms.md); ``with learner.gathered():`` (on every rank) puts the
             full weights in the model, for evaluation or a checkpoint. A model sharded by
             FSDP2's ``fully_shard`` is sharded this way whatever ``shard`` says: its
             DTensors' rows are the shards and their ``.grad`` the meta-gradient's

@@ -38,11 +38,11 @@ class TaskFamily(abc.ABC):
     test_tasks: ClassVar[int | None] = None
     """How many held-out tasks the family has (``None``: as many as asked)."""
     metric: ClassVar[str] = "loss"
+    """What :meth:`loss` measures, as the run's metrics and plots name it ("MSE", "loss")."""
     run: ClassVar[bool] = False
     """Whether the family's inner problem is a whole training run on minibatches of ``shots``
     (noisy-run): the run's network is never stepped, and evaluation compares the run with and
     without what was learned."""
-    """What :meth:`loss` measures, as the run's metrics and plots name it ("MSE", "loss")."""
 
     @classmethod
     def refuse_unread_data(cls, data: str | None) -> None:

@@ -106,11 +106,11 @@ class TrainConfig:
             of Adam's state, cut over the processes that split each task
             (``MetaDDP(shard=True)``: every algorithm but metasgd and anil). It needs more
             than one process per task: ``layout`` "sample", or "hybrid" on 4 or more
-            processes. On one
-            process there is nothing to cut, and it changes only the checkpoint's form. The
-            same numbers (to rounding), so not part of the identity: a resume may switch it,
-            and a run resumes at any number of processes either way. Checkpoints of a sharded
-            run are sharded too (``torch.distributed.checkpoint``, :mod:`._sharded_state`).
+            processes. On one process there is nothing to cut, and it changes only the
+            checkpoint's form. The same numbers (to rounding), so not part of the identity: a
+            resume may switch it, and a run resumes at any number of processes either way.
+            Checkpoints of a sharded run are sharded too (``torch.distributed.checkpoint``,
+            :mod:`._sharded_state`).
     """
 
     task: str = "sinusoid"
