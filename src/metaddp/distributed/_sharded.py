@@ -488,9 +488,8 @@ def fsdp_refusal(model: nn.Module, tasks: int, sample_group: Group) -> str | Non
     )
     if tasks > 1:
         return (
-            f"a mesh with {tasks} task groups: a model sharded by FSDP2's fully_shard runs in "
-            "the sample layout only (md.Mesh.create(), every rank splitting every task's "
-            "samples)" + fix
+            f"a mesh with {tasks} task groups: it runs in the sample layout only "
+            "(md.Mesh.create(), every rank splitting every task's samples)" + fix
         )
     ours = _ranks(sample_group)
     for name, p in model.named_parameters():
