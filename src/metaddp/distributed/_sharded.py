@@ -393,19 +393,19 @@ class Sharding:
         """The gradients of fast weights by name: a sharded weight's rows as they are (the
         gather has summed them), any other (a context vector, a head made per task) summed
         over the sample group by ``total``, as it would be unsharded."""
-        out: list[Tensor | None] = list(tensors)
-        others = [i for i, n in enumerate(names) if n not in self.cuts]
-        for i, n in enumerate(names):
-            if n in self.cuts and tensors[i].shape != self.cuts[n].local_shape:
+        for n, t in zip(names, tensors, strict=True):
+            if n in self.cuts and t.shape != self.cuts[n].local_shape:
                 raise TypeError(
                     f"the inner gradient of the sharded weight {n!r} has the whole weight's "
-                    f"shape {tuple(tensors[i].shape)}: with shard=True, inner loops "
+                    f"shape {tuple(t.shape)}: with shard=True, inner loops "
                     "differentiate by this rank's rows (the algorithm's fast weights)"
                 )
+        out = list(tensors)
+        others = [i for i, n in enumerate(names) if n not in self.cuts]
         if others:
             for i, t in zip(others, total([tensors[i] for i in others]), strict=True):
                 out[i] = t
-        return [t for t in out if t is not None]
+        return out
 
 
 class ShardedReduce:

@@ -227,8 +227,10 @@ class TrainConfig:
                 filled[k] = v
         if filled["algorithm"] == "reweight" and filled["method"] is None:
             filled["method"] = "unrolled"
-        if self.memory is None and (filled["method"] != "unrolled" or self.deterministic):
-            # A run's tree of states is for the unrolled method, in the default mode.
+        if self.memory is None and (
+            filled["method"] not in (None, "unrolled") or self.deterministic
+        ):
+            # A family's tree of states is for the unrolled method, in the default mode.
             filled["memory"] = "default"
         if filled["eval_tasks"] is None:
             filled["eval_tasks"] = cls.defaults.get("eval_tasks", 100)
