@@ -321,12 +321,6 @@ def test_meta_gradient_matches_single_process(results, index):
             assert err < RTOL, f"{name(p)} world {world} rank {rank}: rel err {err:.3g}"
 
 
-def test_boil_refuses_deterministic_mode():
-    # Its order-free sums reach the fast weights only: the head's gradient would be a rank's.
-    with pytest.raises(ValueError, match="BOIL has no deterministic=True"):
-        md.MetaDDP(md.BOIL(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1)), deterministic=True)
-
-
 def test_prototypes_by_hand_match_one_process(results):
     want = reference(USER_PROBLEM)
     keys = sorted(want)

@@ -10,15 +10,12 @@ forward as the meta-parameter it is.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import ClassVar
-
 import torch
 from torch import nn
 
 from .._functional import params_of
 from .._remat import Replay
-from .._types import Params, Supports
+from .._types import Params
 from ..inner import InnerOptimizer
 from ._anil import BodyHead
 from ._base import OptimizerFactory
@@ -38,9 +35,6 @@ class BOIL(MAML):
     """
 
     model: BodyHead
-    # Deterministic mode sums the gradients of the fast weights only; the head's would stay
-    # each rank's own.
-    supports: ClassVar[Supports] = dataclasses.replace(MAML.supports, deterministic=False)
 
     def __init__(
         self,

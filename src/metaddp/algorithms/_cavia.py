@@ -11,15 +11,12 @@ they are, so they get their second-order meta-gradient through the context's ste
 
 from __future__ import annotations
 
-import dataclasses
-from typing import ClassVar
-
 import torch
 from torch import Tensor, nn
 
 from .._functional import params_of
 from .._remat import Replay
-from .._types import Params, Supports
+from .._types import Params
 from ..inner import InnerOptimizer
 from ._base import OptimizerFactory
 from ._hypergrad import held
@@ -55,8 +52,6 @@ class CAVIA(MAML):
     """
 
     model: WithContext
-    # The order-free sums of deterministic mode reach the fast weights only.
-    supports: ClassVar[Supports] = dataclasses.replace(MAML.supports, deterministic=False)
 
     def __init__(
         self,

@@ -122,43 +122,52 @@ def exact_meta_loss(
     build: Callable[[Params | None], InnerOptimizer],
     rates: Params | None,
     sums: Sums,
+    held: Params | None = None,
 ) -> Tensor:
     """This rank's share of the meta-batch's mean query loss, every sum order-free.
 
     Args:
         model: the network, evaluated functionally on chunk copies of the fast weights.
-        params: the meta-parameters.
+        params: the fast weights' starts (the meta-parameters the inner loop adapts).
         tasks: this rank's tasks, every batch cut into whole chunks (``sums.cut``).
         n_tasks: tasks in the global meta-batch.
         steps, first_order: the inner loop.
         build: the inner optimizer, from a task's learned rates (``None`` without them).
         rates: the learned rates by parameter name (``None`` without them).
         sums: the processes' copies and sums.
+        held: trained parameters the inner loop reads but does not adapt (BOIL's head,
+            CAVIA's network): spread to every chunk like the fast weights, so their
+            meta-gradient is summed order-free too.
 
     Returns:
         A scalar whose sum over ranks is the meta-loss; its backward leaves the complete
         meta-gradient on every rank.
     """
-    if any(True for _ in model.buffers()):
+    held = dict(held or {})
+    if any(name not in params for name, _ in model.named_buffers()):
         raise ValueError(
             "deterministic mode cannot run models with buffers (BatchNorm's running "
             "statistics are updated in place per task): build BatchNorm layers with "
             "track_running_stats=False, as MAML does"
         )
-    names = list(params)
+    names, kept = list(params), list(held)
     # The rates' distinct tensors (one scalar may serve every parameter), each spread once.
     rate_leaves = list({id(r): r for r in (rates or {}).values()}.values())
     n_local = len(tasks)
-    copies = sums.spread_tasks([params[k] for k in names] + rate_leaves, n_local)
+    copies = sums.spread_tasks(
+        [params[k] for k in names] + [held[k] for k in kept] + rate_leaves, n_local
+    )
     if not n_local:
         # No task here: a zero that still reaches the copies, so that the meta-gradient's
         # sum in their backward runs on this rank too.
         zero = sum((c.sum() for c in copies), params[names[0]].new_zeros(())) * 0
         return sums.total(zero.expand(0))
     fast: Params = dict(zip(names, copies[: len(names)], strict=True))
+    fixed: Params = dict(zip(kept, copies[len(names) : len(names) + len(kept)], strict=True))
     task_rates = None
     if rates is not None:
-        spread_of = {id(r): c for r, c in zip(rate_leaves, copies[len(names) :], strict=True)}
+        leaves = copies[len(names) + len(kept) :]
+        spread_of = {id(r): c for r, c in zip(rate_leaves, leaves, strict=True)}
         task_rates = {k: spread_of[id(r)] for k, r in rates.items()}
     optimizer = per_task(build, n_local, task_rates)
     support, query = sums.cut(tasks[0].support.n), sums.cut(tasks[0].query.n)
@@ -169,15 +178,16 @@ def exact_meta_loss(
         fast: Params, width: int, x, y, mask, divisor: int, cut: Chunks
     ) -> tuple[list, Tensor]:
         # A copy of each task's weights per chunk; every chunk's loss, chunks vmapped.
-        copies = sums.spread_units([fast[k] for k in names], width)
+        both = {**fast, **fixed}
+        copies = sums.spread_units(list(both.values()), width)
         flat = [c.reshape(n_local * width, *c.shape[2:]) for c in copies]
         starts = [(cut.mine.start + c) * cut.size for _ in range(n_local) for c in range(width)]
         with sums.units(n_local, width):
             values = _chunk_values(
-                model, dict(zip(names, flat, strict=True)), x, y, mask, loss_fn, divisor,
+                model, dict(zip(both, flat, strict=True)), x, y, mask, loss_fn, divisor,
                 starts, width,
             )  # fmt: skip
-        return flat, values
+        return flat[: len(names)], values
 
     state = optimizer.init(fast)
     with torch.enable_grad():

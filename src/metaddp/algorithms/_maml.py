@@ -142,14 +142,6 @@ class MAML(Algorithm):
                 f"deterministic mode runs MAML's own task loss, which {name} overrides: build "
                 "MetaDDP without deterministic=True to train it (exact to rounding)"
             )
-        if set(self.fast_weights()) != set(params_of(self.model)):
-            # Its order-free sums reach the fast weights only: any other parameter's gradient
-            # would stay each rank's own.
-            return (
-                f"deterministic mode sums the meta-gradient of the weights the inner loop "
-                f"adapts; {name} adapts only some of its trained parameters, whose other "
-                "gradients would stay each rank's own: build MetaDDP without deterministic=True"
-            )
         if self.memory != "default" or self.autocast is not None:
             return (
                 "deterministic mode keeps every inner step's graph, in the parameters' dtype: "
@@ -178,9 +170,10 @@ class MAML(Algorithm):
             assert factory is not None
             return factory(rates)
 
+        fast = self.fast_weights()
         return exact_meta_loss(
             self.model,
-            self.fast_weights(),
+            fast,
             tasks,
             loss_fn,
             n_tasks=n_tasks,
@@ -189,6 +182,7 @@ class MAML(Algorithm):
             build=build,
             rates=None if self.lr is None else self.lr.as_dict(),
             sums=sums,
+            held={k: p for k, p in params_of(self.model).items() if k not in fast},
         )
 
     def task_losses(self, tasks: Sequence[Task], loss_fn: LossFn, reduce: Reduce) -> Tensor:
