@@ -66,6 +66,10 @@ def run_all(root: str | None = None) -> dict:
     if world in (2, 4):
         out["regather"] = regather()
         out["checked"] = checked()
+        out["fsdp2"] = fsdp2() if world == 2 else None  # 4.2 s more at 4 on two cores
+        out["fsdp2-layouts"] = fsdp2_layouts()
+    if root is not None and world in (2, 3):
+        out["fsdp2-resume"] = fsdp2_resume(root)
     return out
 
 
@@ -260,9 +264,11 @@ def _batched(learner: md.MetaDDP, p: S.Problem) -> None:
         algorithm.batched = None
 
 
-# FSDP2's fully_shard, adopted (tests/test_sharded.py, its own process groups at 2 and 3).
+# FSDP2's fully_shard, adopted (tests/test_sharded.py; the shared groups at 2, 3 and 4).
 FSDP = S.Problem("mlp", steps=2, n_tasks=2)
 FSDP_LR = 0.01  # the outer AdamW's
+# tests/test_transformer.py's problem (dropout 0.1 on), whose reference it writes out.
+FSDP_TRANSFORMER = S.Problem(model="transformer", steps=2, n_tasks=3, n_support=7, n_query=6)
 
 
 def _fully_sharded(device_mesh, **options) -> nn.Module:
@@ -356,7 +362,88 @@ def fsdp2() -> dict:
             device_mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))),
         "Shard(1)": refused(lambda: _fully_sharded(
             device_mesh, shard_placement_fn=lambda q: Shard(1) if q.shape[1:] == (16,) else None)),
-        "hybrid": refused(lambda: _fully_sharded(device_mesh), S.mesh_for("hybrid")),
+        # A 1-D mesh over both ranks, but each task group of the hybrid layout is one rank.
+        "mesh": refused(lambda: _fully_sharded(device_mesh), S.mesh_for("hybrid")),
         "Meta-SGD": refused(lambda: _fully_sharded(device_mesh), algorithm=md.MetaSGD),
     }
+    return out
+
+
+def _fsdp_step(learner, p: S.Problem, step: int = 0) -> float:
+    tasks = learner.shard(p.n_tasks, lambda i: p.task(step * p.n_tasks + i))
+    loss = learner.meta_loss(tasks, p.loss_fn)
+    loss.backward()
+    learner.sync_grads()
+    return float(learner.global_value(loss))
+
+
+def _full_grads(net: nn.Module) -> dict:
+    return {k.removeprefix("model."): q.grad.full_tensor() for k, q in net.named_parameters()}
+
+
+def fsdp2_layouts() -> dict:
+    """The transformer with dropout on, cut by fully_shard: one second-order MAML step in the
+    sample layout (a 1-D mesh over every rank) and in the hybrid layout as HSDP (the 2-D
+    task x sample mesh, Replicate() over the task groups and Shard(0) within each); then
+    Bilevel(Unrolled) on the HSDP MLP."""
+    from torch.distributed.fsdp import fully_shard
+
+    p, out = FSDP_TRANSFORMER, {}
+    for layout in ("sample", "hybrid"):
+        mesh = S.mesh_for(layout)
+        device_mesh = mesh.device_mesh if layout == "hybrid" else mesh.device_mesh["sample"]
+        net = p.build_model()
+        for part in (net.encoder, net.attention, net):
+            fully_shard(part, mesh=device_mesh)
+        algorithm = md.MAML(net, inner_lr=p.inner_lr, steps=p.steps)
+        algorithm.at_step(0)  # the reference's masks: meta-step 0
+        learner = md.MetaDDP(algorithm, mesh)
+        loss = _fsdp_step(learner, p)
+        out[layout] = {"loss": loss, "grads": _full_grads(net),
+                       "placements": {tuple(q.grad.placements) for q in net.parameters()}}
+        learner.release()
+    mesh = S.mesh_for("hybrid")
+    net = _fully_sharded(mesh.device_mesh)
+    learner = md.MetaDDP(md.Bilevel(net, start="outer", steps=FSDP.steps, inner_lr=FSDP.inner_lr),
+                         mesh)
+    _fsdp_step(learner, dataclasses.replace(FSDP, n_tasks=3))
+    out["bilevel-hybrid"] = _full_grads(net)
+    learner.release()
+    return out
+
+
+def fsdp2_resume(root: str) -> dict | None:
+    """An FSDP2 model and its AdamW saved as FSDP2 users save them (``get_state_dict`` and
+    torch.distributed.checkpoint) after one meta-step at 2 processes, into a folder beside
+    ``root``; loaded at 3 with ``set_state_dict``. Both take the same second meta-step."""
+    from pathlib import Path
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    folder, world = str(Path(root).parent / "fsdp2-dcp"), md.world_size()
+    mesh = md.Mesh.create()
+    net = _fully_sharded(mesh.device_mesh["sample"])
+    opt = torch.optim.AdamW(net.parameters(), lr=FSDP_LR)
+    learner = md.MetaDDP(md.MAML(net, inner_lr=FSDP.inner_lr, steps=FSDP.steps), mesh)
+    out: dict = {}
+    if world == 2:
+        _fsdp_step(learner, FSDP, 0)
+        opt.step()
+        opt.zero_grad()
+        model_state, optim_state = get_state_dict(net, opt)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=folder)
+    elif Path(folder).exists():
+        model_state, optim_state = get_state_dict(net, opt)  # the shapes to load into
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=folder)
+        set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    else:
+        learner.release()
+        return None
+    out["weights"] = {k: q.detach().full_tensor() for k, q in net.named_parameters()}
+    _fsdp_step(learner, FSDP, 1)
+    opt.step()
+    out["next"] = {k: q.detach().full_tensor() for k, q in net.named_parameters()}
+    learner.release()
     return out

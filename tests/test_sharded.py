@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 import reference_bilevel as R
 import sharded_workers as W
@@ -242,18 +242,8 @@ def test_sharded_mistakes_are_errors(results, world):
     assert out["released-shape"] == [(16, 1), (16,), (16, 16), (16,), (1, 16), (1,)]
 
 
-@pytest.fixture(scope="module")
-def fsdp2() -> dict[int, list[dict]]:
-    """tests/sharded_workers.py's FSDP2 step in one process group of 2 (its own, not the
-    shared groups of conftest.py, so that these tests run alone in seconds; 3 processes, 6,
-    6 and 4 rows, measured 4e-16 too, and cost 5 s more on two cores)."""
-    from metaddp.distributed.launch import run_local
-
-    return {2: run_local(W.fsdp2, 2, threads=1)}
-
-
-@pytest.mark.parametrize("world", [2])
-def test_a_fully_shard_model_meta_trains_under_metaddp(fsdp2, world):
+@pytest.mark.parametrize("world", [2])  # at 4: the transformer's test below
+def test_a_fully_shard_model_meta_trains_under_metaddp(results, world):
     """A model cut by FSDP2's fully_shard (rank 1's rows of the 1-row head empty), adopted by
     MetaDDP in the sample layout: the second-order MAML meta-gradient lands in its DTensor
     parameters' .grad, placed Shard(0) as they are, and is the float64 one-process reference
@@ -265,7 +255,7 @@ def test_a_fully_shard_model_meta_trains_under_metaddp(fsdp2, world):
     for name, q in model.named_parameters():
         q.grad = want[name].clone()
     torch.optim.AdamW(model.parameters(), lr=W.FSDP_LR).step()
-    for rank, got in enumerate(fsdp2[world]):
+    for rank, got in enumerate(r["fsdp2"] for r in results[world]):
         grads = {k.removeprefix("model."): g for k, g in got["grads"].items()}
         # Float64; the adopted rows and the reference differ only in the order of sums (the
         # reduce-scatter adds the ranks' rows): below 1e-15 relative, where a rank's own
@@ -293,8 +283,8 @@ def test_a_fully_shard_model_meta_trains_under_metaddp(fsdp2, world):
         assert got["norms"] == pytest.approx((norm, norm), rel=1e-12)
 
 
-def test_fsdp2_settings_metaddp_cannot_adopt_are_refused_with_what_to_do(fsdp2):
-    got = fsdp2[2][0]
+def test_fsdp2_settings_metaddp_cannot_adopt_are_refused_with_what_to_do(results):
+    got = results[2][0]["fsdp2"]
     assert got["state"] == 6  # sharded_state_dict(): the model's six DTensors, for DCP
     assert "fully_shard" in got["model(x)"] and "learner.meta_loss" in got["model(x)"]
     assert "full_tensor()" in got["gathered"]
@@ -303,13 +293,53 @@ def test_fsdp2_settings_metaddp_cannot_adopt_are_refused_with_what_to_do(fsdp2):
     assert "mixed precision policy" in refused["mixed precision"]
     assert "CPUOffloadPolicy" in refused["offload"]
     assert "(Shard(dim=1),)" in refused["Shard(1)"] and "Shard(0)" in refused["Shard(1)"]
-    assert "sample layout only" in refused["hybrid"] and "md.Mesh.create()" in refused["hybrid"]
+    assert "MetaDDP's sample group here is ranks [0]" in refused["mesh"]
+    assert "mesh.device_mesh['sample']" in refused["mesh"]
     # An algorithm without the sharded layout: its own refusal, said of the FSDP2 model.
     meta_sgd = refused.pop("Meta-SGD")
     assert meta_sgd.startswith("a model sharded by FSDP2 runs as with shard=True, and ")
     assert "MetaSGD" in meta_sgd
     for message in refused.values():
         assert message.startswith("a model sharded by FSDP2: ")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_fully_shard_transformer_with_dropout_in_the_sample_and_hybrid_layouts(results, world):
+    """tests/test_transformer.py's problem (dropout 0.1 on, keyed masks) with its model cut by
+    fully_shard: over every rank (sample layout) and as HSDP over the task x sample mesh
+    (hybrid layout: 2 task groups of 1 rank at 2 processes, of 2 ranks at 4). The second-order
+    meta-gradient is test_transformer.py's float64 reference, written out from the weights
+    with its masks drawn again by hand; Bilevel(Unrolled) on the HSDP MLP is MAML's."""
+    from test_transformer import reference as transformer_reference
+
+    loss, want = transformer_reference(W.FSDP_TRANSFORMER)
+    _, mlp = reference(dataclasses.replace(W.FSDP, n_tasks=3))
+    for rank in results[world]:
+        got = rank["fsdp2-layouts"]
+        for layout, placed in (("sample", {(Shard(0),)}), ("hybrid", {(Replicate(), Shard(0))})):
+            # Float64 against a reference that groups its sums differently: observed 7.4e-16
+            # (test_transformer.py's bound, for the same reasons); a mask drawn by a rank's
+            # own generator, or a rank's own rows, is off by more than 1e-2.
+            assert relative(got[layout]["grads"], want) < 1e-12, (world, layout)
+            assert got[layout]["loss"] == pytest.approx(loss, rel=1e-12)
+            assert got[layout]["placements"] == placed
+        assert relative(got["bilevel-hybrid"], mlp) < 1e-12  # the same sums and bound
+
+
+def test_a_dcp_checkpoint_of_a_fully_shard_model_saved_at_2_resumes_at_3(results):
+    """get_state_dict(net, opt) saved with torch.distributed.checkpoint at 2 processes and
+    loaded with set_state_dict into a fully_shard model over 3: the weights are the saved
+    ones, bit for bit, and the next meta-step and AdamW step are the ones taken at 2."""
+    saved = results[2][0]["fsdp2-resume"]
+    for rank in results[3]:
+        got = rank["fsdp2-resume"]
+        for k, w in saved["weights"].items():
+            assert torch.equal(got["weights"][k], w), k
+            # AdamW's moments and step count came back too (a fresh state would take a first
+            # step, lr * g / |g|, instead of a second: off by up to lr = 1e-2); the
+            # meta-gradients at 2 and 3 differ by the order of sums, which AdamW's
+            # normalised step moves by at most lr * 1e-8 where |g| is near eps.
+            torch.testing.assert_close(got["next"][k], saved["next"][k], rtol=0, atol=1e-12)
 
 
 def test_one_process_shard_is_a_no_op():

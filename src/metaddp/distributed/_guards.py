@@ -136,7 +136,7 @@ def _tiled(n: int) -> tuple[int, int]:
 
 def tensor_print(t: Tensor) -> Tensor:
     """A float64 summary of one tensor (see [Note: fingerprints]), on its device."""
-    f = t.detach().reshape(-1).to(torch.float64)
+    f = local(t).detach().reshape(-1).to(torch.float64)  # a DTensor: this rank's rows
     w = torch.cos(torch.arange(f.numel(), dtype=torch.float64, device=f.device))
     return torch.stack([f.sum(), (f * w).sum()])
 

@@ -474,23 +474,19 @@ def _ranks(group: Group) -> list[int]:
     return list(dist.get_process_group_ranks(group or dist.group.WORLD))
 
 
-def fsdp_refusal(model: nn.Module, tasks: int, sample_group: Group) -> str | None:
+def fsdp_refusal(model: nn.Module, task_group: Group, sample_group: Group) -> str | None:
     """Why MetaDDP cannot adopt a model whose parameters are DTensors, or ``None``: it adopts
-    FSDP2's ``fully_shard`` in the sample layout, every trained parameter a DTensor cut
-    ``Shard(0)`` over a 1-D mesh whose group is MetaDDP's sample group, with neither a mixed
-    precision policy nor CPU offload."""
+    FSDP2's ``fully_shard``, every trained parameter a DTensor cut ``Shard(0)`` over a 1-D
+    mesh whose group is MetaDDP's sample group, or placed ``(Replicate(), Shard(0))`` on a
+    2-D mesh whose axes are its task and sample groups (HSDP), with neither a mixed precision
+    policy nor CPU offload."""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import Replicate, Shard
 
     fix = (
         "; or pass the unsharded model and build MetaDDP(algorithm, mesh, shard=True), "
         "which shards the meta-parameters itself"
     )
-    if tasks > 1:
-        return (
-            f"a mesh with {tasks} task groups: it runs in the sample layout only "
-            "(md.Mesh.create(), every rank splitting every task's samples)" + fix
-        )
     ours = _ranks(sample_group)
     for name, p in model.named_parameters():
         if not is_dtensor(p):
@@ -508,19 +504,28 @@ def fsdp_refusal(model: nn.Module, tasks: int, sample_group: Group) -> str | Non
             )
         mesh = p.device_mesh  # type: ignore[attr-defined]
         placements = tuple(p.placements)  # type: ignore[attr-defined]
-        if mesh.ndim != 1 or placements != (Shard(0),):
+        # fully_shard's placements on a 1-D mesh, or HSDP's on a 2-D one (replicated over
+        # the task groups, sharded within each).
+        hsdp = mesh.ndim == 2 and placements == (Replicate(), Shard(0))
+        if placements[-1:] != (Shard(0),) or not (mesh.ndim == 1 or hsdp):
             return (
                 f"{name!r} is placed {placements} on a {mesh.ndim}-D mesh: MetaDDP adopts "
-                "DTensors placed (Shard(0),) on a 1-D mesh (fully_shard's default), whose rows "
-                "it gathers" + fix
+                "DTensors placed (Shard(0),) on a 1-D mesh (fully_shard's default) or "
+                "(Replicate(), Shard(0)) on a 2-D one (HSDP), whose rows it gathers" + fix
             )
-        theirs = list(mesh.mesh.flatten().tolist())
-        if theirs != ours:
-            return (
-                f"{name!r} is sharded over ranks {theirs}, but MetaDDP's sample group is ranks "
-                f"{ours}: build fully_shard's mesh over the same ranks "
-                "(init_device_mesh over every process, or mesh.device_mesh['sample'])" + fix
+        sharded_over = _ranks(mesh.get_group(mesh.ndim - 1))
+        groups = [(sharded_over, ours, "sample group", "mesh.device_mesh['sample']")]
+        if hsdp:
+            groups.append(
+                (_ranks(mesh.get_group(0)), _ranks(task_group), "task axis", "mesh.device_mesh")
             )
+        for theirs, want, axis, which in groups:
+            if theirs != want:
+                return (
+                    f"{name!r} is sharded over ranks {theirs}, but MetaDDP's {axis} here is "
+                    f"ranks {want}: build fully_shard's mesh over the same ranks ({which}, "
+                    "where mesh is MetaDDP's md.Mesh)" + fix
+                )
     for m in model.modules():
         if not isinstance(m, FSDPModule):
             continue

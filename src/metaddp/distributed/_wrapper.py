@@ -143,7 +143,7 @@ class MetaDDP(nn.Module):
             raise
         if adopt:
             assert model is not None
-            why = fsdp_refusal(model, self.mesh.tasks, self.mesh.sample_group)
+            why = fsdp_refusal(model, self.mesh.task_group, self.mesh.sample_group)
             if why is not None:
                 raise TypeError(f"a model sharded by FSDP2: {why}")
         self.module = module
