@@ -37,12 +37,14 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check src
 	$(VENV)/bin/mypy
 
-# The CPU benchmark set (BENCHMARKS.md): peers side by side, scaling, sharded, cost growth, plots.
+# The CPU benchmark set (BENCHMARKS.md): peers side by side, scaling, sharded, TTT-E2E at scale
+# (predicted from CPU counts), cost growth, plots.
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) benchmarks/peers.py --json benchmarks/results/peers.json
 	$(PY) benchmarks/scaling.py --json benchmarks/results/scaling.json
 	$(PY) benchmarks/sharded.py --json benchmarks/results/sharded.json
+	$(PY) benchmarks/ttt_scale.py --json benchmarks/results/ttt_scale.json
 	$(PY) benchmarks/growth.py --json benchmarks/results/growth.json
 	$(PY) benchmarks/check_cost.py --json benchmarks/results/check_cost.json
 	$(PY) benchmarks/plots.py benchmarks/results
