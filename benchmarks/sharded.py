@@ -334,6 +334,19 @@ def measure(cfg: Config, worlds: list[int]) -> list[dict]:
 # --- tables ----------------------------------------------------------------------------------
 
 
+def zero3_minimum(cfg: Config, tasks: int) -> dict[str, float]:
+    """The fewest bytes a sharded second-order step can gather and reduce-scatter (buffer
+    bytes, as counted), tasks one by one, full weights kept through the backward
+    (docs/design.md, "What a sharded step must move"): per task, K + 1 forwards gather
+    (the weights, then each step's fast weights) and K inner gradients are reduce-scattered;
+    the backward takes each one's adjoint, a reduce-scatter per gather and a gather per
+    reduce-scatter. So (2K + 1) M of each per task, where the replicated step all-reduces
+    2K M per task and M once."""
+    m = 4 * sum(p.numel() for p in cfg.model().parameters())
+    each = (2 * cfg.steps + 1) * m * tasks
+    return {"all_gather": each, "reduce_scatter": each, "model_bytes": m}
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.2f}"
 
@@ -363,6 +376,10 @@ def print_world(row: dict, cfg: Config) -> None:
               f"| {sl[k] / rl[k]:.3f} |")
     for k in KINDS:
         print(f"| {k} bytes | {r['bytes'][k]:,} | {lp['bytes'][k]:,} | {s['bytes'][k]:,} | |")
+    least = zero3_minimum(cfg, t)
+    for k in ("all_gather", "reduce_scatter"):
+        print(f"| {k} bytes, the least a sharded step moves (measured / least) | - | - "
+              f"| {least[k]:,.0f} | {s['bytes'][k] / least[k]:.2f} |")
     print("| collective calls (gather, scatter, all-reduce) | "
           + " | ".join(f"{x['calls']} ({', '.join(str(x['calls_by_kind'][k]) for k in KINDS)})"
                        for x in (r, lp, s)) + " | |")
