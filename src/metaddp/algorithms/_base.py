@@ -600,9 +600,9 @@ class Algorithm(nn.Module):
         """The meta-loss in deterministic mode (``MetaDDP(..., deterministic=True)``): this
         rank's share, every sum order-free (:mod:`metaddp.algorithms._exact`)."""
         raise TypeError(
-            f"deterministic mode runs MAML, first-order MAML and Meta-SGD; "
-            f"{type(self).__name__} has no deterministic form: build MetaDDP without "
-            "deterministic=True to train it (exact to rounding)"
+            f"{type(self).__name__} has no deterministic form (docs/algorithms.md lists the "
+            "algorithms that have one): build MetaDDP without deterministic=True to train it "
+            "(exact to rounding)"
         )
 
     def clone(self, *, reduce: Reduce | None = None) -> Learner:

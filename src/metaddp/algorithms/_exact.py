@@ -21,7 +21,7 @@ knows about ranks: it asks ``sums`` for copies and sums.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor, nn
@@ -45,6 +45,7 @@ class Sums(Protocol):
     def spread_units(self, tensors: Sequence[Tensor], width: int) -> list[Tensor]: ...
     def gather_units(self, tensors: Sequence[Tensor]) -> list[Tensor]: ...
     def total(self, values: Tensor) -> Tensor: ...
+    def total_tasks(self, values: Tensor) -> Tensor: ...
     def units(self, tasks: int, width: int) -> Any: ...
 
 
@@ -110,6 +111,126 @@ def _chunk_values(
         )
 
 
+class Adapted:
+    """Every local task's fast weights after the inner loop, in deterministic mode: a copy
+    per task (``fast[k]: [T, ...]``), the same bits on every rank that holds the task."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        params: Params,
+        tasks: Sequence[Task],
+        loss_fn: LossFn,
+        *,
+        steps: int,
+        first_order: bool,
+        build: Callable[[Params | None], InnerOptimizer],
+        rates: Params | None,
+        sums: Sums,
+        held: Params | None = None,
+    ) -> None:
+        if any(name not in params for name, _ in model.named_buffers()):
+            raise ValueError(
+                "deterministic mode cannot run models with buffers (BatchNorm's running "
+                "statistics are updated in place per task): build BatchNorm layers with "
+                "track_running_stats=False, as MAML does"
+            )
+        held = dict(held or {})
+        self.model, self.loss_fn, self.sums = model, loss_fn, sums
+        self.names, self.kept = list(params), list(held)
+        # The rates' distinct tensors (one scalar may serve every parameter), each spread once.
+        rate_leaves = list({id(r): r for r in (rates or {}).values()}.values())
+        self.n_local = n_local = len(tasks)
+        names, kept = self.names, self.kept
+        copies = sums.spread_tasks(
+            [params[k] for k in names] + [held[k] for k in kept] + rate_leaves, n_local
+        )
+        self.copies = copies
+        if not n_local:
+            self.start = self.fast = self.fixed = {}
+            return
+        self.start = fast = dict(zip(names, copies[: len(names)], strict=True))
+        self.fixed = dict(zip(kept, copies[len(names) : len(names) + len(kept)], strict=True))
+        task_rates = None
+        if rates is not None:
+            leaves = copies[len(names) + len(kept) :]
+            spread_of = {id(r): c for r, c in zip(rate_leaves, leaves, strict=True)}
+            task_rates = {k: spread_of[id(r)] for k, r in rates.items()}
+        optimizer = per_task(build, n_local, task_rates)
+        self.tasks = tasks
+        support = sums.cut(tasks[0].support.n)
+        sx, sy, sm, sw = _chunked([t.support for t in tasks], support)
+        state = optimizer.init(fast)
+        with torch.enable_grad():
+            for step in range(steps):
+                flat, values = self.values(fast, sw, sx, sy, sm, support.n, support)
+                grads = torch.autograd.grad(
+                    values.sum(),
+                    flat,
+                    create_graph=not first_order,
+                    allow_unused=True,
+                    materialize_grads=True,
+                )
+                summed = sums.gather_units([g.reshape(n_local, sw, *g.shape[1:]) for g in grads])
+                g_fast = dict(zip(names, summed, strict=True))
+                check_finite(g_fast, step)
+                updates, state = optimizer.update(g_fast, state, fast)
+                fast = apply_updates(fast, updates)
+        self.fast = fast
+
+    def values(
+        self,
+        fast: Params,
+        width: int,
+        x: Tensor,
+        y: Tensor,
+        mask: Tensor,
+        divisor: int,
+        cut: Chunks,
+    ) -> tuple[list[Tensor], Tensor]:
+        """A copy of each task's weights per chunk (the fast weights' copies, returned) and
+        every chunk's loss, chunks vmapped."""
+        both = {**fast, **self.fixed}
+        copies = self.sums.spread_units(list(both.values()), width)
+        flat = [c.reshape(self.n_local * width, *c.shape[2:]) for c in copies]
+        starts = [
+            (cut.mine.start + c) * cut.size for _ in range(self.n_local) for c in range(width)
+        ]
+        with self.sums.units(self.n_local, width):
+            values = _chunk_values(
+                self.model, dict(zip(both, flat, strict=True)), x, y, mask, self.loss_fn,
+                divisor, starts, width,
+            )  # fmt: skip
+        return flat[: len(self.names)], values
+
+    def nothing(self) -> Tensor:
+        """On a rank without tasks: no values, but ones that still reach the copies, so that
+        the meta-gradient's sum in their backward runs on this rank too."""
+        zero = sum((c.sum() for c in self.copies), self.copies[0].new_zeros(())) * 0
+        return zero.expand(0)
+
+    def query_loss(self, n_tasks: int) -> Tensor:
+        """This rank's share of the meta-batch's mean query loss at the adapted weights."""
+        if not self.n_local:
+            return self.sums.total(self.nothing())
+        query = self.sums.cut(self.tasks[0].query.n)
+        qx, qy, qm, qw = _chunked([t.query for t in self.tasks], query)
+        with torch.enable_grad():
+            _, values = self.values(self.fast, qw, qx, qy, qm, query.n * n_tasks, query)
+        return self.sums.total(values)
+
+    def displacement_loss(self, n_tasks: int) -> Tensor:
+        """This rank's share of the mean over the meta-batch of ``0.5 * ||theta -
+        stop_grad(phi)||^2`` (Reptile's): its gradient is the mean displacement, each task's
+        summed order-free over the task axis by the start's copies."""
+        if not self.n_local:
+            return self.sums.total_tasks(self.nothing())
+        per = sum(
+            ((self.start[k] - self.fast[k].detach()) ** 2).flatten(1).sum(1) for k in self.names
+        )
+        return self.sums.total_tasks(0.5 * cast(Tensor, per) / n_tasks)
+
+
 def exact_meta_loss(
     model: nn.Module,
     params: Params,
@@ -143,67 +264,8 @@ def exact_meta_loss(
         A scalar whose sum over ranks is the meta-loss; its backward leaves the complete
         meta-gradient on every rank.
     """
-    held = dict(held or {})
-    if any(name not in params for name, _ in model.named_buffers()):
-        raise ValueError(
-            "deterministic mode cannot run models with buffers (BatchNorm's running "
-            "statistics are updated in place per task): build BatchNorm layers with "
-            "track_running_stats=False, as MAML does"
-        )
-    names, kept = list(params), list(held)
-    # The rates' distinct tensors (one scalar may serve every parameter), each spread once.
-    rate_leaves = list({id(r): r for r in (rates or {}).values()}.values())
-    n_local = len(tasks)
-    copies = sums.spread_tasks(
-        [params[k] for k in names] + [held[k] for k in kept] + rate_leaves, n_local
-    )
-    if not n_local:
-        # No task here: a zero that still reaches the copies, so that the meta-gradient's
-        # sum in their backward runs on this rank too.
-        zero = sum((c.sum() for c in copies), params[names[0]].new_zeros(())) * 0
-        return sums.total(zero.expand(0))
-    fast: Params = dict(zip(names, copies[: len(names)], strict=True))
-    fixed: Params = dict(zip(kept, copies[len(names) : len(names) + len(kept)], strict=True))
-    task_rates = None
-    if rates is not None:
-        leaves = copies[len(names) + len(kept) :]
-        spread_of = {id(r): c for r, c in zip(rate_leaves, leaves, strict=True)}
-        task_rates = {k: spread_of[id(r)] for k, r in rates.items()}
-    optimizer = per_task(build, n_local, task_rates)
-    support, query = sums.cut(tasks[0].support.n), sums.cut(tasks[0].query.n)
-    sx, sy, sm, sw = _chunked([t.support for t in tasks], support)
-    qx, qy, qm, qw = _chunked([t.query for t in tasks], query)
-
-    def chunk_values(
-        fast: Params, width: int, x, y, mask, divisor: int, cut: Chunks
-    ) -> tuple[list, Tensor]:
-        # A copy of each task's weights per chunk; every chunk's loss, chunks vmapped.
-        both = {**fast, **fixed}
-        copies = sums.spread_units(list(both.values()), width)
-        flat = [c.reshape(n_local * width, *c.shape[2:]) for c in copies]
-        starts = [(cut.mine.start + c) * cut.size for _ in range(n_local) for c in range(width)]
-        with sums.units(n_local, width):
-            values = _chunk_values(
-                model, dict(zip(both, flat, strict=True)), x, y, mask, loss_fn, divisor,
-                starts, width,
-            )  # fmt: skip
-        return flat[: len(names)], values
-
-    state = optimizer.init(fast)
-    with torch.enable_grad():
-        for step in range(steps):
-            flat, values = chunk_values(fast, sw, sx, sy, sm, support.n, support)
-            grads = torch.autograd.grad(
-                values.sum(),
-                flat,
-                create_graph=not first_order,
-                allow_unused=True,
-                materialize_grads=True,
-            )
-            summed = sums.gather_units([g.reshape(n_local, sw, *g.shape[1:]) for g in grads])
-            g_fast = dict(zip(names, summed, strict=True))
-            check_finite(g_fast, step)
-            updates, state = optimizer.update(g_fast, state, fast)
-            fast = apply_updates(fast, updates)
-        _, values = chunk_values(fast, qw, qx, qy, qm, query.n * n_tasks, query)
-    return sums.total(values)
+    adapted = Adapted(
+        model, params, tasks, loss_fn, steps=steps, first_order=first_order, build=build,
+        rates=rates, sums=sums, held=held,
+    )  # fmt: skip
+    return adapted.query_loss(n_tasks)

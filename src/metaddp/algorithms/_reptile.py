@@ -9,7 +9,8 @@ inner loop (no second-order terms, no query loss). It arrives in ``.grad`` throu
 
 from __future__ import annotations
 
-from typing import ClassVar, cast
+from collections.abc import Sequence
+from typing import Any, ClassVar, cast
 
 from torch import Tensor, nn
 
@@ -18,6 +19,7 @@ from .._functional import whole
 from .._types import LossFn, Reduce, Supports
 from ..inner import InnerOptimizer
 from ._base import Algorithm, OptimizerFactory, local_fraction
+from ._exact import Adapted
 
 
 class Reptile(Algorithm):
@@ -40,7 +42,7 @@ class Reptile(Algorithm):
     gradients over ranks counts every task once.
     """
 
-    supports: ClassVar[Supports] = Supports(sharded=True)
+    supports: ClassVar[Supports] = Supports(sharded=True, deterministic=True)
 
     def __init__(
         self,
@@ -71,3 +73,22 @@ class Reptile(Algorithm):
         # theta holds the adapted parameters (never empty), so the sum is a tensor.
         dist2 = cast(Tensor, sum(((theta[k] - phi[k]) ** 2).sum() for k in theta))
         return 0.5 * local_fraction(task.support) * dist2
+
+    def exact_meta_loss(
+        self, tasks: Sequence[Task], loss_fn: LossFn, n_tasks: int, sums: Any
+    ) -> Tensor:
+        """Deterministic mode: the inner loop's sums order-free (the chunks of
+        :mod:`metaddp.algorithms._exact`), and the displacement's sum over tasks too."""
+        optimizer = self.inner_optimizer()
+        adapted = Adapted(
+            self.model,
+            self.fast_weights(),
+            tasks,
+            loss_fn,
+            steps=self.steps,
+            first_order=True,
+            build=lambda rates: optimizer,
+            rates=None,
+            sums=sums,
+        )
+        return adapted.displacement_loss(n_tasks)

@@ -85,6 +85,13 @@ class ExactSums:
         whole = gather([values.reshape(1, -1)], self.mesh.group)[0].reshape(())
         return _FirstRankShare.apply(whole, self.mesh.group)
 
+    def total_tasks(self, values: Tensor) -> Tensor:
+        """The sum over the meta-batch of per-task ``values`` (1-d, one per local task) that
+        every rank of a sample group holds alike, as this rank's share (:meth:`total`): summed
+        over the task axis only, so each task counts once."""
+        whole = gather([values.reshape(1, -1)], self.mesh.task_group)[0].reshape(())
+        return _FirstRankShare.apply(whole, self.mesh.group)
+
     @contextlib.contextmanager
     def units(self, tasks: int, width: int) -> Iterator[None]:
         """Inside, :meth:`pool` sums over a vmapped axis of ``tasks * width`` chunks."""
