@@ -211,9 +211,9 @@ def learner_for(problem: S.Problem):
 
 def test_algorithms_without_a_deterministic_form_say_so(switches):
     # Declared on the class (metaddp.Supports): refused when MetaDDP is built.
-    p = dataclasses.replace(CASES["mlp-sample"], algorithm="anil")
-    with pytest.raises(ValueError, match="ANIL has no deterministic=True"):
-        learner_for(dataclasses.replace(p, model="conv"))
+    p = dataclasses.replace(CASES["mlp-sample"], algorithm="imaml")
+    with pytest.raises(ValueError, match="IMAML has no deterministic=True"):
+        learner_for(p)
 
 
 def test_hand_written_loops_and_a_missing_meta_loss_are_refused(switches):

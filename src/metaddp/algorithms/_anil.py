@@ -9,18 +9,19 @@ features (to second order unless ``first_order``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import ClassVar
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from .._data import Batch, Task
-from .._functional import call
+from .._functional import call, params_of
 from .._remat import Replay
 from .._types import LossFn, Params, Reduce, Supports
 from ..inner import DEFAULT_LOSS_SCALE, InnerOptimizer, LossScale
 from ._base import Algorithm, OptimizerFactory
+from ._exact import Adapted
 
 
 class BodyHead(nn.Module):
@@ -47,7 +48,9 @@ class ANIL(Algorithm):
     """
 
     model: BodyHead  # what __init__ builds: ``self.model.body`` / ``.head`` are modules
-    supports: ClassVar[Supports] = Supports(low_memory=True, autocast=True, learn_lr=True)
+    supports: ClassVar[Supports] = Supports(
+        deterministic=True, low_memory=True, autocast=True, learn_lr=True
+    )
 
     def __init__(
         self,
@@ -112,3 +115,46 @@ class ANIL(Algorithm):
         support = Batch(body(task.support.x), task.support.y, task.support.n)
         query = Batch(body(task.query.x), task.query.y, task.query.n)
         return self.adapted_loss(support, query, loss_fn, reduce=reduce)
+
+    def deterministic_refusal(self) -> str | None:
+        """Why this ANIL, as configured, has no deterministic form, or ``None`` (read when
+        the wrapper is built)."""
+        if self.memory != "default" or self.autocast is not None:
+            return (
+                "deterministic mode keeps every inner step's graph, in the parameters' dtype: "
+                "use memory='default' and no autocast"
+            )
+        return None
+
+    def exact_meta_loss(
+        self, tasks: Sequence[Task], loss_fn: LossFn, n_tasks: int, sums: Any
+    ) -> Tensor:
+        """Deterministic mode: the whole model runs on every chunk (the body too, whose
+        features the default mode computes once per task), the head adapted, the body held
+        and summed order-free as the head is (:mod:`metaddp.algorithms._exact`)."""
+        why = self.deterministic_refusal()
+        if why is not None:
+            raise ValueError(why)
+        factory, named = self._factory, {k: f"head.{k}" for k in self.fast_weights()}
+
+        def build(rates: Params | None) -> InnerOptimizer:  # rates by the model's names
+            if rates is None:
+                assert self.optimizer is not None
+                return self.optimizer
+            assert factory is not None
+            return factory(rates)
+
+        rates = None if self.lr is None else {named[k]: r for k, r in self.lr.as_dict().items()}
+        adapted = Adapted(
+            self.model,
+            {named[k]: p for k, p in self.fast_weights().items()},
+            tasks,
+            loss_fn,
+            steps=self.steps,
+            first_order=self.first_order,
+            build=build,
+            rates=rates,
+            sums=sums,
+            held={f"body.{k}": p for k, p in params_of(self.model.body).items()},
+        )
+        return adapted.query_loss(n_tasks)
