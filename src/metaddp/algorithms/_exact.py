@@ -32,7 +32,7 @@ from .._data import Batch, Chunks, Task
 from .._functional import call
 from .._share import check_per_sample, one_per_sample
 from .._types import LossFn, Params
-from ..inner import InnerOptimizer, apply_updates
+from ..inner import InnerOptimizer, apply_updates, sgd
 from ._layers import stacked_layers
 from ._stacked import per_task
 
@@ -269,3 +269,78 @@ def exact_meta_loss(
         rates=rates, sums=sums, held=held,
     )  # fmt: skip
     return adapted.query_loss(n_tasks)
+
+
+def exact_prototype_loss(
+    model: nn.Module,
+    params: Params,
+    tasks: Sequence[Task],
+    loss_fn: LossFn,
+    *,
+    ways: int,
+    n_tasks: int,
+    sums: Sums,
+) -> Tensor:
+    """A prototypical network's share of the meta-batch's mean query loss, every sum
+    order-free: each support chunk's class sums and counts of its embeddings, summed over
+    the chunks by the mesh's exact gather (the prototypes, the same bits wherever they are
+    made), then every query chunk's loss against them, as MAML's query loss."""
+    adapted = Adapted(
+        model, params, tasks, loss_fn, steps=0, first_order=True, build=lambda rates: sgd(1.0),
+        rates=None, sums=sums,
+    )  # fmt: skip
+    if not adapted.n_local:
+        return sums.total(adapted.nothing())
+    names, n_local = adapted.names, adapted.n_local
+    support, query = sums.cut(tasks[0].support.n), sums.cut(tasks[0].query.n)
+    sx, sy, sm, sw = _chunked([t.support for t in tasks], support)
+    qx, qy, qm, qw = _chunked([t.query for t in tasks], query)
+    classes = torch.arange(ways, device=sy.device)
+
+    def embed(
+        w: Params, x: Tensor, mask: Tensor, slots: Tensor | None, starts: list[int], width: int
+    ):
+        def one(wc: Params, xc: Tensor, mc: Tensor, slot: Any) -> Tensor:
+            with _mask.sample_mask(mc), forward.stacked_forward(slot, starts, xc.shape[0], width):
+                return call(model, wc, xc).flatten(1)
+
+        in_dims = (0, 0, 0, None if slots is None else 0)
+        with stacked_layers(model):
+            return torch.vmap(one, in_dims=in_dims)(w, x, mask, slots)
+
+    def losses(logits: Tensor, y: Tensor) -> Tensor:
+        raw = loss_fn(logits, y)
+        check_per_sample(raw, logits.shape[0])
+        return one_per_sample(raw)
+
+    def copies(width: int) -> tuple[Params, Tensor | None]:
+        spread = sums.spread_units([adapted.fast[k] for k in names], width)
+        flat = [c.reshape(n_local * width, *c.shape[2:]) for c in spread]
+        units = n_local * width
+        slots = torch.arange(units, device=sx.device) if forward.needs_routes(model) else None
+        return dict(zip(names, flat, strict=True)), slots
+
+    def starts(cut: Chunks, width: int) -> list[int]:
+        return [(cut.mine.start + c) * cut.size for _ in range(n_local) for c in range(width)]
+
+    with torch.enable_grad():
+        w, slots = copies(sw)
+        with sums.units(n_local, sw):
+            feats = embed(w, sx, sm, slots, starts(support, sw), sw)  # [U, size, D]
+        hot = (sy.unsqueeze(-1) == classes).to(feats.dtype) * sm.to(feats.dtype).unsqueeze(-1)
+        class_sums = hot.transpose(1, 2) @ feats  # [U, ways, D]
+        counts = hot.sum(1)  # [U, ways]
+        total_sums, total_counts = sums.gather_units(
+            [class_sums.reshape(n_local, sw, *class_sums.shape[1:]),
+             counts.reshape(n_local, sw, ways)]
+        )  # fmt: skip
+        prototypes = total_sums / total_counts.clamp(min=1).unsqueeze(-1)  # [T, ways, D]
+        (protos,) = sums.spread_units([prototypes], qw)
+        protos = protos.reshape(n_local * qw, ways, -1)
+        w, slots = copies(qw)
+        with sums.units(n_local, qw):
+            q = embed(w, qx, qm, slots, starts(query, qw), qw)  # [U, size, D]
+        logits = -((q.unsqueeze(2) - protos.unsqueeze(1)) ** 2).sum(-1)  # [U, size, ways]
+        per = torch.vmap(losses)(logits, qy)
+        values = (per * qm.to(per.dtype)).sum(1) / (query.n * n_tasks)
+    return sums.total(values)

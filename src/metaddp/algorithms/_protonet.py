@@ -14,7 +14,7 @@ so every process scores against the one-process prototypes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -29,6 +29,7 @@ from .._statistics import class_means
 from .._types import LossFn, Params, Reduce, Supports
 from ..inner import InnerOptimizer
 from ._base import Algorithm, OptimizerFactory, need_loss
+from ._exact import exact_prototype_loss
 
 PROTOTYPES = "prototypes"
 """The one "fast weight" of a prototypical network: ``adapt`` returns its prototypes."""
@@ -62,7 +63,9 @@ class ProtoNet(Algorithm):
     the logits against them, so a prototypical network evaluates like any algorithm.
     """
 
-    supports: ClassVar[Supports] = Supports(autocast=True, inner_optimizer=False, sharded=True)
+    supports: ClassVar[Supports] = Supports(
+        deterministic=True, autocast=True, inner_optimizer=False, sharded=True
+    )
 
     def __init__(self, model: nn.Module, *, ways: int, autocast: torch.dtype | None = None) -> None:
         super().__init__(model, autocast=autocast)
@@ -90,6 +93,18 @@ class ProtoNet(Algorithm):
             task.query.x, {PROTOTYPES: self.prototypes(task.support, reduce=reduce)}
         )
         return share(loss_fn(logits, task.query.y), task.query)
+
+    def exact_meta_loss(
+        self, tasks: Sequence[Task], loss_fn: LossFn, n_tasks: int, sums: Any
+    ) -> Tensor:
+        """Deterministic mode: class sums of every support chunk summed order-free into the
+        prototypes, every query chunk scored against them (:mod:`metaddp.algorithms._exact`)."""
+        if self.autocast is not None:
+            raise ValueError("deterministic mode runs in the parameters' dtype: use no autocast")
+        return exact_prototype_loss(
+            self.model, params_of(self.model), tasks, loss_fn, ways=self.ways, n_tasks=n_tasks,
+            sums=sums,
+        )  # fmt: skip
 
     def adapt(
         self,
