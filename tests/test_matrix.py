@@ -45,7 +45,7 @@ def test_every_offered_cell_is_exact_or_refused_when_built(worlds):
                         # and the same problem's meta-gradient: its tasks one by one, at 1
                         # process (BOIL's head, CAVIA's network and ANIL's body are read, not adapted;
                         # Reptile's displacement is summed over the task axis, ProtoNet's
-                        # class sums over the chunks)
+                        # and ProtoMAML's class sums over the chunks)
                         loop = one[(key[0], "loop", key[2])]["grads"][k]
                         top = float(loop.abs().max())
                         assert float((g - loop).abs().max()) <= RTOL * max(top, 1.0), where
@@ -57,5 +57,5 @@ def test_every_offered_cell_is_exact_or_refused_when_built(worlds):
 def test_the_refused_cells_are_the_declared_ones(worlds):
     # The refusals, as docs/algorithms.md's capability table lists them.
     refused = sorted({(a, m) for (a, m, _), got in worlds[1][0].items() if "refused" in got})
-    assert len(refused) == 6, refused
+    assert len(refused) == 5, refused
     assert {m for _, m in refused} == {"deterministic", "sharded", "stacked"}

@@ -150,11 +150,9 @@ class ANIL(Algorithm):
             {named[k]: p for k, p in self.fast_weights().items()},
             tasks,
             loss_fn,
-            steps=self.steps,
-            first_order=self.first_order,
-            build=build,
-            rates=rates,
             sums=sums,
+            rates=rates,
             held={f"body.{k}": p for k, p in params_of(self.model.body).items()},
         )
+        adapted.run(self.steps, self.first_order, build)
         return adapted.query_loss(n_tasks)

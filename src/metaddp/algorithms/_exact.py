@@ -32,7 +32,7 @@ from .._data import Batch, Chunks, Task
 from .._functional import call
 from .._share import check_per_sample, one_per_sample
 from .._types import LossFn, Params
-from ..inner import InnerOptimizer, apply_updates, sgd
+from ..inner import InnerOptimizer, apply_updates
 from ._layers import stacked_layers
 from ._stacked import per_task
 
@@ -112,8 +112,22 @@ def _chunk_values(
 
 
 class Adapted:
-    """Every local task's fast weights after the inner loop, in deterministic mode: a copy
-    per task (``fast[k]: [T, ...]``), the same bits on every rank that holds the task."""
+    """Every local task's fast weights in deterministic mode: a copy per task
+    (``fast[k]: [T, ...]``) of the meta-parameters, then of the weights after the inner loop
+    (:meth:`run`), the same bits on every rank that holds the task.
+
+    Args:
+        model: the network, evaluated functionally on chunk copies of the weights.
+        params: the fast weights' starts (the meta-parameters the inner loop adapts).
+        tasks: this rank's tasks, every batch cut into whole chunks (``sums.cut``).
+        sums: the processes' copies and sums.
+        rates: the learned rates by parameter name (``None`` without them).
+        held: trained parameters the inner loop reads but does not adapt (BOIL's head,
+            CAVIA's network, ANIL's body): copied to every chunk like the fast weights, so
+            their meta-gradient is summed order-free too.
+        extra: names of fast weights each task starts from a value of its own, given to
+            :meth:`run` (ProtoMAML's head, made from the task's prototypes).
+    """
 
     def __init__(
         self,
@@ -122,21 +136,19 @@ class Adapted:
         tasks: Sequence[Task],
         loss_fn: LossFn,
         *,
-        steps: int,
-        first_order: bool,
-        build: Callable[[Params | None], InnerOptimizer],
-        rates: Params | None,
         sums: Sums,
+        rates: Params | None = None,
         held: Params | None = None,
+        extra: Sequence[str] = (),
     ) -> None:
-        if any(name not in params for name, _ in model.named_buffers()):
+        if any(n not in params and n not in extra for n, _ in model.named_buffers()):
             raise ValueError(
                 "deterministic mode cannot run models with buffers (BatchNorm's running "
                 "statistics are updated in place per task): build BatchNorm layers with "
                 "track_running_stats=False, as MAML does"
             )
         held = dict(held or {})
-        self.model, self.loss_fn, self.sums = model, loss_fn, sums
+        self.model, self.loss_fn, self.sums, self.tasks = model, loss_fn, sums, tasks
         self.names, self.kept = list(params), list(held)
         # The rates' distinct tensors (one scalar may serve every parameter), each spread once.
         rate_leaves = list({id(r): r for r in (rates or {}).values()}.values())
@@ -146,37 +158,63 @@ class Adapted:
             [params[k] for k in names] + [held[k] for k in kept] + rate_leaves, n_local
         )
         self.copies = copies
-        if not n_local:
-            self.start = self.fast = self.fixed = {}
-            return
-        self.start = fast = dict(zip(names, copies[: len(names)], strict=True))
+        self.start: Params = dict(zip(names, copies[: len(names)], strict=True))
+        self.fast = self.start
         self.fixed = dict(zip(kept, copies[len(names) : len(names) + len(kept)], strict=True))
-        task_rates = None
+        self.rates = None
         if rates is not None:
             leaves = copies[len(names) + len(kept) :]
             spread_of = {id(r): c for r, c in zip(rate_leaves, leaves, strict=True)}
-            task_rates = {k: spread_of[id(r)] for k, r in rates.items()}
-        optimizer = per_task(build, n_local, task_rates)
-        self.tasks = tasks
-        support = sums.cut(tasks[0].support.n)
-        sx, sy, sm, sw = _chunked([t.support for t in tasks], support)
+            self.rates = {k: spread_of[id(r)] for k, r in rates.items()}
+
+    def run(
+        self,
+        steps: int,
+        first_order: bool,
+        build: Callable[[Params | None], InnerOptimizer],
+        extra: Params | None = None,
+    ) -> Params:
+        """``steps`` inner steps from the start (and ``extra``'s per-task starts), every
+        inner gradient summed over the chunks order-free; the weights after them."""
+        if not self.n_local:
+            return self.fast
+        n_local, sums = self.n_local, self.sums
+        fast = {**self.start, **(extra or {})}
+        names = list(fast)
+        optimizer = per_task(build, n_local, self.rates)
+        support = sums.cut(self.tasks[0].support.n)
+        sx, sy, sm, sw = _chunked([t.support for t in self.tasks], support)
         state = optimizer.init(fast)
         with torch.enable_grad():
             for step in range(steps):
-                flat, values = self.values(fast, sw, sx, sy, sm, support.n, support)
+                _, values = self.values(fast, sw, sx, sy, sm, support.n, support)
+                # By each task's weights: the chunk copies' backward sums their gradients
+                # order-free, and a start made from another (ProtoMAML's head, from the body's
+                # prototypes) passes its part on, as in the tasks-one-by-one loop.
                 grads = torch.autograd.grad(
                     values.sum(),
-                    flat,
+                    [fast[k] for k in names],
                     create_graph=not first_order,
                     allow_unused=True,
                     materialize_grads=True,
                 )
-                summed = sums.gather_units([g.reshape(n_local, sw, *g.shape[1:]) for g in grads])
-                g_fast = dict(zip(names, summed, strict=True))
+                g_fast = dict(zip(names, grads, strict=True))
                 check_finite(g_fast, step)
                 updates, state = optimizer.update(g_fast, state, fast)
                 fast = apply_updates(fast, updates)
         self.fast = fast
+        return fast
+
+    def copies_for(self, fast: Params, width: int) -> dict[str, Tensor]:
+        """Each task's ``fast`` and held weights, a copy per chunk, ``[T * width, ...]``."""
+        both = {**fast, **self.fixed}
+        copies = self.sums.spread_units(list(both.values()), width)
+        flat = [c.reshape(self.n_local * width, *c.shape[2:]) for c in copies]
+        return dict(zip(both, flat, strict=True))
+
+    def starts(self, cut: Chunks, width: int) -> list[int]:
+        """Each chunk's first global sample (its dropout masks are those samples')."""
+        return [(cut.mine.start + c) * cut.size for _ in range(self.n_local) for c in range(width)]
 
     def values(
         self,
@@ -190,18 +228,45 @@ class Adapted:
     ) -> tuple[list[Tensor], Tensor]:
         """A copy of each task's weights per chunk (the fast weights' copies, returned) and
         every chunk's loss, chunks vmapped."""
-        both = {**fast, **self.fixed}
-        copies = self.sums.spread_units(list(both.values()), width)
-        flat = [c.reshape(self.n_local * width, *c.shape[2:]) for c in copies]
-        starts = [
-            (cut.mine.start + c) * cut.size for _ in range(self.n_local) for c in range(width)
-        ]
+        weights = self.copies_for(fast, width)
         with self.sums.units(self.n_local, width):
             values = _chunk_values(
-                self.model, dict(zip(both, flat, strict=True)), x, y, mask, self.loss_fn,
-                divisor, starts, width,
+                self.model, weights, x, y, mask, self.loss_fn, divisor, self.starts(cut, width),
+                width,
             )  # fmt: skip
-        return flat[: len(self.names)], values
+        return [weights[k] for k in fast], values
+
+    def embeddings(self, batch: str, **kwargs: Any) -> tuple[Tensor, Tensor, Tensor, int, Chunks]:
+        """Every chunk's outputs of the model at the start's weights on the ``batch``
+        ("support" or "query") of every task, ``[T * width, size, D]`` (``kwargs`` to the
+        forward), with the chunks' labels, mask, width and cut."""
+        cut = self.sums.cut(getattr(self.tasks[0], batch).n)
+        x, y, mask, width = _chunked([getattr(t, batch) for t in self.tasks], cut)
+        weights, starts = self.copies_for(self.start, width), self.starts(cut, width)
+
+        def one(w: Params, xc: Tensor, mc: Tensor, slot: Any) -> Tensor:
+            with _mask.sample_mask(mc), forward.stacked_forward(slot, starts, xc.shape[0], width):
+                return call(self.model, w, xc, **kwargs).flatten(1)
+
+        slots = (
+            torch.arange(x.shape[0], device=x.device) if forward.needs_routes(self.model) else None
+        )
+        in_dims = (0, 0, 0, None if slots is None else 0)
+        with torch.enable_grad(), self.sums.units(self.n_local, width), stacked_layers(self.model):
+            out = torch.vmap(one, in_dims=in_dims)(weights, x, mask, slots)
+        return out, y, mask, width, cut
+
+    def prototypes(self, ways: int, **kwargs: Any) -> Tensor:
+        """Each task's class means of its support set's embeddings (``[T, ways, D]``): every
+        chunk's class sums and counts, summed over the chunks order-free."""
+        feats, y, mask, width, _ = self.embeddings("support", **kwargs)
+        classes = torch.arange(ways, device=y.device)
+        hot = (y.unsqueeze(-1) == classes).to(feats.dtype) * mask.to(feats.dtype).unsqueeze(-1)
+        sums, counts = self.sums.gather_units(
+            [(hot.transpose(1, 2) @ feats).reshape(self.n_local, width, ways, -1),
+             hot.sum(1).reshape(self.n_local, width, ways)]
+        )  # fmt: skip
+        return sums / counts.clamp(min=1).unsqueeze(-1)
 
     def nothing(self) -> Tensor:
         """On a rank without tasks: no values, but ones that still reach the copies, so that
@@ -217,6 +282,27 @@ class Adapted:
         qx, qy, qm, qw = _chunked([t.query for t in self.tasks], query)
         with torch.enable_grad():
             _, values = self.values(self.fast, qw, qx, qy, qm, query.n * n_tasks, query)
+        return self.sums.total(values)
+
+    def prototype_loss(self, ways: int, n_tasks: int) -> Tensor:
+        """A prototypical network's share of the mean query loss: every query chunk scored
+        against its task's prototypes (:meth:`prototypes`)."""
+        if not self.n_local:
+            return self.sums.total(self.nothing())
+        prototypes = self.prototypes(ways)
+        q, y, mask, width, query = self.embeddings("query")
+        (protos,) = self.sums.spread_units([prototypes], width)
+        protos = protos.reshape(self.n_local * width, ways, -1)
+
+        def losses(logits: Tensor, yc: Tensor) -> Tensor:
+            raw = self.loss_fn(logits, yc)
+            check_per_sample(raw, logits.shape[0])
+            return one_per_sample(raw)
+
+        with torch.enable_grad():
+            logits = -((q.unsqueeze(2) - protos.unsqueeze(1)) ** 2).sum(-1)  # [U, size, ways]
+            per = torch.vmap(losses)(logits, y)
+            values = (per * mask.to(per.dtype)).sum(1) / (query.n * n_tasks)
         return self.sums.total(values)
 
     def displacement_loss(self, n_tasks: int) -> Tensor:
@@ -264,83 +350,6 @@ def exact_meta_loss(
         A scalar whose sum over ranks is the meta-loss; its backward leaves the complete
         meta-gradient on every rank.
     """
-    adapted = Adapted(
-        model, params, tasks, loss_fn, steps=steps, first_order=first_order, build=build,
-        rates=rates, sums=sums, held=held,
-    )  # fmt: skip
+    adapted = Adapted(model, params, tasks, loss_fn, sums=sums, rates=rates, held=held)
+    adapted.run(steps, first_order, build)
     return adapted.query_loss(n_tasks)
-
-
-def exact_prototype_loss(
-    model: nn.Module,
-    params: Params,
-    tasks: Sequence[Task],
-    loss_fn: LossFn,
-    *,
-    ways: int,
-    n_tasks: int,
-    sums: Sums,
-) -> Tensor:
-    """A prototypical network's share of the meta-batch's mean query loss, every sum
-    order-free: each support chunk's class sums and counts of its embeddings, summed over
-    the chunks by the mesh's exact gather (the prototypes, the same bits wherever they are
-    made), then every query chunk's loss against them, as MAML's query loss."""
-    adapted = Adapted(
-        model, params, tasks, loss_fn, steps=0, first_order=True, build=lambda rates: sgd(1.0),
-        rates=None, sums=sums,
-    )  # fmt: skip
-    if not adapted.n_local:
-        return sums.total(adapted.nothing())
-    names, n_local = adapted.names, adapted.n_local
-    support, query = sums.cut(tasks[0].support.n), sums.cut(tasks[0].query.n)
-    sx, sy, sm, sw = _chunked([t.support for t in tasks], support)
-    qx, qy, qm, qw = _chunked([t.query for t in tasks], query)
-    classes = torch.arange(ways, device=sy.device)
-
-    def embed(
-        w: Params, x: Tensor, mask: Tensor, slots: Tensor | None, starts: list[int], width: int
-    ):
-        def one(wc: Params, xc: Tensor, mc: Tensor, slot: Any) -> Tensor:
-            with _mask.sample_mask(mc), forward.stacked_forward(slot, starts, xc.shape[0], width):
-                return call(model, wc, xc).flatten(1)
-
-        in_dims = (0, 0, 0, None if slots is None else 0)
-        with stacked_layers(model):
-            return torch.vmap(one, in_dims=in_dims)(w, x, mask, slots)
-
-    def losses(logits: Tensor, y: Tensor) -> Tensor:
-        raw = loss_fn(logits, y)
-        check_per_sample(raw, logits.shape[0])
-        return one_per_sample(raw)
-
-    def copies(width: int) -> tuple[Params, Tensor | None]:
-        spread = sums.spread_units([adapted.fast[k] for k in names], width)
-        flat = [c.reshape(n_local * width, *c.shape[2:]) for c in spread]
-        units = n_local * width
-        slots = torch.arange(units, device=sx.device) if forward.needs_routes(model) else None
-        return dict(zip(names, flat, strict=True)), slots
-
-    def starts(cut: Chunks, width: int) -> list[int]:
-        return [(cut.mine.start + c) * cut.size for _ in range(n_local) for c in range(width)]
-
-    with torch.enable_grad():
-        w, slots = copies(sw)
-        with sums.units(n_local, sw):
-            feats = embed(w, sx, sm, slots, starts(support, sw), sw)  # [U, size, D]
-        hot = (sy.unsqueeze(-1) == classes).to(feats.dtype) * sm.to(feats.dtype).unsqueeze(-1)
-        class_sums = hot.transpose(1, 2) @ feats  # [U, ways, D]
-        counts = hot.sum(1)  # [U, ways]
-        total_sums, total_counts = sums.gather_units(
-            [class_sums.reshape(n_local, sw, *class_sums.shape[1:]),
-             counts.reshape(n_local, sw, ways)]
-        )  # fmt: skip
-        prototypes = total_sums / total_counts.clamp(min=1).unsqueeze(-1)  # [T, ways, D]
-        (protos,) = sums.spread_units([prototypes], qw)
-        protos = protos.reshape(n_local * qw, ways, -1)
-        w, slots = copies(qw)
-        with sums.units(n_local, qw):
-            q = embed(w, qx, qm, slots, starts(query, qw), qw)  # [U, size, D]
-        logits = -((q.unsqueeze(2) - protos.unsqueeze(1)) ** 2).sum(-1)  # [U, size, ways]
-        per = torch.vmap(losses)(logits, qy)
-        values = (per * qm.to(per.dtype)).sum(1) / (query.n * n_tasks)
-    return sums.total(values)

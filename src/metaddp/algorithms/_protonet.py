@@ -29,7 +29,7 @@ from .._statistics import class_means
 from .._types import LossFn, Params, Reduce, Supports
 from ..inner import InnerOptimizer
 from ._base import Algorithm, OptimizerFactory, need_loss
-from ._exact import exact_prototype_loss
+from ._exact import Adapted
 
 PROTOTYPES = "prototypes"
 """The one "fast weight" of a prototypical network: ``adapt`` returns its prototypes."""
@@ -101,10 +101,8 @@ class ProtoNet(Algorithm):
         prototypes, every query chunk scored against them (:mod:`metaddp.algorithms._exact`)."""
         if self.autocast is not None:
             raise ValueError("deterministic mode runs in the parameters' dtype: use no autocast")
-        return exact_prototype_loss(
-            self.model, params_of(self.model), tasks, loss_fn, ways=self.ways, n_tasks=n_tasks,
-            sums=sums,
-        )  # fmt: skip
+        adapted = Adapted(self.model, params_of(self.model), tasks, loss_fn, sums=sums)
+        return adapted.prototype_loss(self.ways, n_tasks)
 
     def adapt(
         self,
@@ -177,7 +175,7 @@ class ProtoMAML(Algorithm):
     """
 
     model: WithHead
-    supports: ClassVar[Supports] = Supports(autocast=True, sharded=True)
+    supports: ClassVar[Supports] = Supports(deterministic=True, autocast=True, sharded=True)
 
     def __init__(
         self,
@@ -222,6 +220,24 @@ class ProtoMAML(Algorithm):
             reduce=reduce,
             loss_scale=self.loss_scale,
         )
+
+    def exact_meta_loss(
+        self, tasks: Sequence[Task], loss_fn: LossFn, n_tasks: int, sums: Any
+    ) -> Tensor:
+        """Deterministic mode: the head's start from prototypes summed order-free over the
+        support's chunks, then MAML's chunked inner loop (:mod:`metaddp.algorithms._exact`)."""
+        if self.autocast is not None:
+            raise ValueError("deterministic mode runs in the parameters' dtype: use no autocast")
+        adapted = Adapted(
+            self.model, params_of(self.model), tasks, loss_fn, sums=sums, extra=("weight", "bias")
+        )
+        head = None
+        if adapted.n_local:
+            c = adapted.prototypes(self.ways, embed=True)  # [T, ways, D]
+            head = {"weight": 2 * c, "bias": -(c * c).sum(-1)}
+        optimizer = self.inner_optimizer()
+        adapted.run(self.steps, self.first_order, lambda rates: optimizer, head)
+        return adapted.query_loss(n_tasks)
 
     def task_loss(self, task: Task, loss_fn: LossFn, *, reduce: Reduce) -> Tensor:
         fast = self._adapted(task.support, loss_fn, reduce, self.steps)

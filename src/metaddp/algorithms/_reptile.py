@@ -80,15 +80,6 @@ class Reptile(Algorithm):
         """Deterministic mode: the inner loop's sums order-free (the chunks of
         :mod:`metaddp.algorithms._exact`), and the displacement's sum over tasks too."""
         optimizer = self.inner_optimizer()
-        adapted = Adapted(
-            self.model,
-            self.fast_weights(),
-            tasks,
-            loss_fn,
-            steps=self.steps,
-            first_order=True,
-            build=lambda rates: optimizer,
-            rates=None,
-            sums=sums,
-        )
+        adapted = Adapted(self.model, self.fast_weights(), tasks, loss_fn, sums=sums)
+        adapted.run(self.steps, True, lambda rates: optimizer)
         return adapted.displacement_loss(n_tasks)
