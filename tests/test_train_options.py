@@ -60,7 +60,7 @@ def test_a_run_from_before_these_settings_resumes_as_it_ran(tmp_path):
 
 
 @pytest.mark.parametrize("option, message", [
-    (dict(algorithm="imaml"), "deterministic runs train maml, fomaml, metasgd, anil, reptile, protonet, protomaml, boil, not imaml"),
+    (dict(algorithm="imaml"), "deterministic runs train maml, fomaml, metasgd, anil, reptile, mamlpp, protonet, protomaml, boil, not imaml"),
     (dict(memory="low"), "drop memory/autocast"),
     (dict(chunks=0), "chunks must be a positive integer"),
 ])

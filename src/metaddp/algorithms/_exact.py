@@ -20,7 +20,7 @@ knows about ranks: it asks ``sums`` for copies and sums.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, cast
 
 import torch
@@ -176,8 +176,23 @@ class Adapted:
     ) -> Params:
         """``steps`` inner steps from the start (and ``extra``'s per-task starts), every
         inner gradient summed over the chunks order-free; the weights after them."""
+        for _ in self.stepping(steps, first_order, build, extra):
+            pass
+        return self.fast
+
+    def stepping(
+        self,
+        steps: int,
+        first_order: bool,
+        build: Callable[[Params | None], InnerOptimizer],
+        extra: Params | None = None,
+    ) -> Iterator[Params]:
+        """:meth:`run`, yielding the weights after each step (MAML++'s multi-step loss); a
+        rank without tasks yields as often, so that every rank scores as many query losses."""
         if not self.n_local:
-            return self.fast
+            for _ in range(steps):
+                yield self.fast
+            return
         n_local, sums = self.n_local, self.sums
         fast = {**self.start, **(extra or {})}
         names = list(fast)
@@ -202,8 +217,8 @@ class Adapted:
                 check_finite(g_fast, step)
                 updates, state = optimizer.update(g_fast, state, fast)
                 fast = apply_updates(fast, updates)
-        self.fast = fast
-        return fast
+                self.fast = fast
+                yield fast
 
     def copies_for(self, fast: Params, width: int) -> dict[str, Tensor]:
         """Each task's ``fast`` and held weights, a copy per chunk, ``[T * width, ...]``."""
@@ -274,14 +289,16 @@ class Adapted:
         zero = sum((c.sum() for c in self.copies), self.copies[0].new_zeros(())) * 0
         return zero.expand(0)
 
-    def query_loss(self, n_tasks: int) -> Tensor:
-        """This rank's share of the meta-batch's mean query loss at the adapted weights."""
+    def query_loss(self, n_tasks: int, fast: Params | None = None) -> Tensor:
+        """This rank's share of the meta-batch's mean query loss at the adapted weights (or
+        at ``fast``, weights :meth:`stepping` yielded)."""
         if not self.n_local:
             return self.sums.total(self.nothing())
         query = self.sums.cut(self.tasks[0].query.n)
         qx, qy, qm, qw = _chunked([t.query for t in self.tasks], query)
+        at = self.fast if fast is None else fast
         with torch.enable_grad():
-            _, values = self.values(self.fast, qw, qx, qy, qm, query.n * n_tasks, query)
+            _, values = self.values(at, qw, qx, qy, qm, query.n * n_tasks, query)
         return self.sums.total(values)
 
     def prototype_loss(self, ways: int, n_tasks: int) -> Tensor:

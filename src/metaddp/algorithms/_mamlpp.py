@@ -22,7 +22,8 @@ of the algorithm's settings, so processes that disagree on it fail at the gradie
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -33,6 +34,7 @@ from .._data import Batch, Task
 from .._types import LossFn, Params, Reduce, Supports
 from ..inner import InnerOptimizer, per_step_sgd
 from ._base import need_loss
+from ._exact import Adapted
 from ._learner import Learner
 from ._maml import MAML
 
@@ -78,7 +80,7 @@ class MAMLPlusPlus(MAML):
     """
 
     supports: ClassVar[Supports] = Supports(
-        autocast=True, inner_optimizer=False, capture=False, sharded=True
+        deterministic=True, autocast=True, inner_optimizer=False, capture=False, sharded=True
     )
 
     def __init__(
@@ -194,14 +196,48 @@ class MAMLPlusPlus(MAML):
     def inner_optimizer(self) -> InnerOptimizer:
         return per_step_sgd(dict(zip(self.names, self.lslr, strict=True)))
 
-    def task_loss(self, task: Task, loss_fn: LossFn, *, reduce: Reduce) -> Tensor:
-        """The weighted sum of the query shares after each inner step."""
+    def deterministic_refusal(self) -> str | None:
+        if self.bn_keys or self.stat_layers:
+            return (
+                "MAML++'s per-step BatchNorm weights and statistics (per_step_bn) have no "
+                "deterministic form: build it with per_step_bn=False for deterministic=True "
+                "(metaddp train: --norm none)"
+            )
+        if self.autocast is not None:
+            return "deterministic mode runs in the parameters' dtype: use no autocast"
+        return None
+
+    def _require_told(self) -> None:
         if (self.msl_steps or self.first_order_steps) and not self.told:
             raise RuntimeError(
                 "MAML++'s schedules (msl_steps, first_order_steps) follow the meta-step, which "
                 "it was never told: call learner.module.at_step(i) before meta-step i (metaddp "
                 "train does), or build it with msl_steps=0 and first_order_steps=0"
             )
+
+    def exact_meta_loss(
+        self, tasks: Sequence[Task], loss_fn: LossFn, n_tasks: int, sums: Any
+    ) -> Tensor:
+        """Deterministic mode: MAML's chunked inner loop (:mod:`metaddp.algorithms._exact`)
+        with the per-step rates, each step's query loss weighted as :meth:`task_loss`'s."""
+        why = self.deterministic_refusal()
+        if why is not None:
+            raise ValueError(why)
+        self._require_told()
+        rates = dict(zip(self.names, self.lslr, strict=True))
+        adapted = Adapted(self.model, self.fast_weights(), tasks, loss_fn, sums=sums, rates=rates)
+        steps = adapted.stepping(self.steps, not self.second_order_now(), _per_step)
+        total: Tensor | None = None
+        for fast, w in zip(steps, self.weights_now(), strict=True):
+            if w:
+                query = adapted.query_loss(n_tasks, fast)
+                total = w * query if total is None else total + w * query
+        assert total is not None  # the last weight is never 0
+        return total
+
+    def task_loss(self, task: Task, loss_fn: LossFn, *, reduce: Reduce) -> Tensor:
+        """The weighted sum of the query shares after each inner step."""
+        self._require_told()
         total: Tensor | None = None
         steps = inner_steps(
             self.model, self.fast_weights(), task.support, loss_fn, steps=self.steps,
@@ -247,3 +283,8 @@ class MAMLPlusPlus(MAML):
                 "and learner.adapt(support, loss_fn), or build it with per_step_bn=False"
             )
         return super().clone(reduce=reduce)
+
+
+def _per_step(rates: Params | None) -> InnerOptimizer:
+    assert rates is not None  # MAML++'s rates are always learned
+    return per_step_sgd(rates)
