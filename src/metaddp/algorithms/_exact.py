@@ -173,10 +173,12 @@ class Adapted:
         first_order: bool,
         build: Callable[[Params | None], InnerOptimizer],
         extra: Params | None = None,
+        extra_grad: Callable[[Params], Params] | None = None,
     ) -> Params:
         """``steps`` inner steps from the start (and ``extra``'s per-task starts), every
-        inner gradient summed over the chunks order-free; the weights after them."""
-        for _ in self.stepping(steps, first_order, build, extra):
+        inner gradient summed over the chunks order-free (``extra_grad(fast)`` added to it:
+        iMAML's proximal term); the weights after them."""
+        for _ in self.stepping(steps, first_order, build, extra, extra_grad):
             pass
         return self.fast
 
@@ -186,6 +188,7 @@ class Adapted:
         first_order: bool,
         build: Callable[[Params | None], InnerOptimizer],
         extra: Params | None = None,
+        extra_grad: Callable[[Params], Params] | None = None,
     ) -> Iterator[Params]:
         """:meth:`run`, yielding the weights after each step (MAML++'s multi-step loss); a
         rank without tasks yields as often, so that every rank scores as many query losses."""
@@ -214,6 +217,9 @@ class Adapted:
                     materialize_grads=True,
                 )
                 g_fast = dict(zip(names, grads, strict=True))
+                if extra_grad is not None:
+                    more = extra_grad(fast)
+                    g_fast = {k: g + more[k] for k, g in g_fast.items()}
                 check_finite(g_fast, step)
                 updates, state = optimizer.update(g_fast, state, fast)
                 fast = apply_updates(fast, updates)
@@ -282,6 +288,22 @@ class Adapted:
              hot.sum(1).reshape(self.n_local, width, ways)]
         )  # fmt: skip
         return sums / counts.clamp(min=1).unsqueeze(-1)
+
+    def gradient(
+        self, batch: str, at: Params, *, create_graph: bool = False
+    ) -> tuple[Tensor, list[Tensor]]:
+        """Every chunk's share of each task's mean loss on ``batch`` ("support" or "query")
+        at the per-task weights ``at`` (leaves), and its gradient by them, summed over the
+        chunks order-free (``[T, ...]`` per weight)."""
+        cut = self.sums.cut(getattr(self.tasks[0], batch).n)
+        x, y, mask, width = _chunked([getattr(t, batch) for t in self.tasks], cut)
+        with torch.enable_grad():
+            _, values = self.values(at, width, x, y, mask, cut.n, cut)
+            grads = torch.autograd.grad(
+                values.sum(), list(at.values()), create_graph=create_graph,
+                allow_unused=True, materialize_grads=True,
+            )  # fmt: skip
+        return values, list(grads)
 
     def nothing(self) -> Tensor:
         """On a rank without tasks: no values, but ones that still reach the copies, so that
@@ -370,3 +392,61 @@ def exact_meta_loss(
     adapted = Adapted(model, params, tasks, loss_fn, sums=sums, rates=rates, held=held)
     adapted.run(steps, first_order, build)
     return adapted.query_loss(n_tasks)
+
+
+def task_dot(a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:
+    """Each task's inner product of two lists of per-task tensors ``[T, ...]``: ``[T]``."""
+    return cast(Tensor, sum((x * y).flatten(1).sum(1) for x, y in zip(a, b, strict=True)))
+
+
+def batched_conjugate_gradient(
+    matvec: Callable[[list[Tensor]], list[Tensor]],
+    b: list[Tensor],
+    *,
+    max_iter: int,
+    tol: float,
+    what: str,
+    advice: str,
+) -> tuple[list[Tensor], float, int]:
+    """Every task's own conjugate gradient at once (``A_t x_t = b_t``, tensors ``[T, ...]``),
+    each stopping where :func:`metaddp.algorithms._hypergrad.conjugate_gradient` alone would:
+    a task whose residual is within ``tol`` takes no more steps. Returns ``x``, the largest
+    relative residual and the most iterations taken."""
+    from ._hypergrad import NotPositiveDefinite
+
+    x = [torch.zeros_like(t) for t in b]
+    b_norm = task_dot(b, b).sqrt()
+    r, p = [t.clone() for t in b], [t.clone() for t in b]
+    rr = task_dot(r, r)
+    it = 0
+
+    def each(v: Tensor, like: Tensor) -> Tensor:  # a per-task scalar against [T, ...]
+        return v.reshape(-1, *([1] * (like.dim() - 1)))
+
+    while it < max_iter:
+        active = (b_norm > 0) & (rr.sqrt() > tol * b_norm)
+        if not bool(active.any()):
+            break
+        ap = matvec(p)
+        pap = task_dot(p, ap)
+        bad = active & ~(torch.isfinite(pap) & (pap > 0))
+        if bool(bad.any()):
+            worst = float(pap[bad][0])
+            raise NotPositiveDefinite(
+                f"{what}: the system matrix is not positive definite along a search direction "
+                f"(p^T A p = {worst:.3g}); {advice}",
+                worst,
+            )
+        alpha = torch.where(active, rr / torch.where(active, pap, 1.0), 0.0)
+        x = [xi + each(alpha, xi) * pi for xi, pi in zip(x, p, strict=True)]
+        r = [ri - each(alpha, ri) * api for ri, api in zip(r, ap, strict=True)]
+        rr_new = task_dot(r, r)
+        beta = torch.where(active, rr_new / torch.where(active, rr, 1.0), 0.0)
+        p = [
+            torch.where(each(active, pi), ri + each(beta, pi) * pi, pi)
+            for ri, pi in zip(r, p, strict=True)
+        ]
+        rr = torch.where(active, rr_new, rr)
+        it += 1
+    ratio = torch.where(b_norm > 0, rr.sqrt() / torch.where(b_norm > 0, b_norm, 1.0), 0.0)
+    return x, float(ratio.max()) if ratio.numel() else 0.0, it

@@ -19,8 +19,9 @@ gradient equals the single-process one.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import ClassVar
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -31,7 +32,14 @@ from .._functional import whole
 from .._types import LossFn, Params, Reduce, Supports
 from ..inner import InnerOptimizer
 from ._base import Algorithm, OptimizerFactory, local_fraction
-from ._hypergrad import Vectors, conjugate_gradient, dot_of, hessian_products
+from ._exact import Adapted, batched_conjugate_gradient, task_dot
+from ._hypergrad import (
+    ConvergenceWarning,
+    Vectors,
+    conjugate_gradient,
+    dot_of,
+    hessian_products,
+)
 
 
 class IMAML(Algorithm):
@@ -51,7 +59,7 @@ class IMAML(Algorithm):
     """
 
     # The conjugate gradient reads its residual on the host at every iteration.
-    supports: ClassVar[Supports] = Supports(capture=False, sharded=True)
+    supports: ClassVar[Supports] = Supports(deterministic=True, capture=False, sharded=True)
 
     def __init__(
         self,
@@ -130,3 +138,57 @@ class IMAML(Algorithm):
         grad = dict(whole(self.model, grad))
         # Value: the query share; gradient: w * (implicit meta-gradient).
         return q + w * sum(((theta[k] - theta[k].detach()) * grad[k]).sum() for k in theta)
+
+    def exact_meta_loss(
+        self, tasks: Sequence[Task], loss_fn: LossFn, n_tasks: int, sums: Any
+    ) -> Tensor:
+        """Deterministic mode: the proximal inner loop, the query gradient and every
+        Hessian-vector product on the chunks of :mod:`metaddp.algorithms._exact` (each sum
+        order-free), every local task's conjugate gradient run at once, each stopping where
+        it would alone; the implicit meta-gradients summed over the task axis."""
+        optimizer, lam = self.inner_optimizer(), self.lam
+        adapted = Adapted(self.model, self.fast_weights(), tasks, loss_fn, sums=sums)
+        if not adapted.n_local:
+            loss = sums.total(adapted.nothing())
+            return loss + sums.total_tasks(adapted.nothing())
+        theta = {k: t.detach() for k, t in adapted.start.items()}
+        adapted.run(
+            self.steps,
+            True,
+            lambda rates: optimizer,
+            extra_grad=lambda fast: {k: lam * (fast[k].detach() - theta[k]) for k in theta},
+        )
+        phi = {k: t.detach().requires_grad_() for k, t in adapted.fast.items()}
+        values, g_q = adapted.gradient("query", phi)
+        _, g_s = adapted.gradient("support", phi, create_graph=True)
+
+        def matvec(v: list[Tensor]) -> list[Tensor]:
+            with torch.enable_grad():
+                hv = torch.autograd.grad(
+                    g_s, list(phi.values()), grad_outputs=v, retain_graph=True,
+                    allow_unused=True, materialize_grads=True,
+                )  # fmt: skip
+            return [vi + h / lam for vi, h in zip(v, hv, strict=True)]
+
+        v, residual, iters = batched_conjugate_gradient(
+            matvec,
+            [g.detach() for g in g_q],
+            max_iter=self.cg_steps,
+            tol=self.cg_tol,
+            what="iMAML conjugate gradient",
+            advice="increase the proximal strength lam or lower the inner learning rate so "
+            "that the inner solution is near a minimum",
+        )
+        if self.cg_tol > 0 and residual > self.cg_tol:
+            warnings.warn(
+                f"iMAML conjugate gradient did not converge in {self.cg_steps} iterations: "
+                f"relative residual {residual:.3g} > tolerance {self.cg_tol:.3g}; the implicit "
+                "gradient is approximate",
+                ConvergenceWarning,
+                stacklevel=2,
+            )
+        self.last_cg = (residual, iters)
+        # Value: the query loss; gradient: the implicit meta-gradient, summed over the tasks.
+        start = [adapted.start[k] for k in theta]
+        per = task_dot([s - s.detach() for s in start], v) / n_tasks
+        return sums.total(values.detach() / n_tasks) + sums.total_tasks(per)
