@@ -167,18 +167,9 @@ class Adapted:
             spread_of = {id(r): c for r, c in zip(rate_leaves, leaves, strict=True)}
             self.rates = {k: spread_of[id(r)] for k, r in rates.items()}
 
-    def run(
-        self,
-        steps: int,
-        first_order: bool,
-        build: Callable[[Params | None], InnerOptimizer],
-        extra: Params | None = None,
-        extra_grad: Callable[[Params], Params] | None = None,
-    ) -> Params:
-        """``steps`` inner steps from the start (and ``extra``'s per-task starts), every
-        inner gradient summed over the chunks order-free (``extra_grad(fast)`` added to it:
-        iMAML's proximal term); the weights after them."""
-        for _ in self.stepping(steps, first_order, build, extra, extra_grad):
+    def run(self, *args: Any, **kwargs: Any) -> Params:
+        """The weights after every step of :meth:`stepping` (its arguments)."""
+        for _ in self.stepping(*args, **kwargs):
             pass
         return self.fast
 
@@ -190,8 +181,10 @@ class Adapted:
         extra: Params | None = None,
         extra_grad: Callable[[Params], Params] | None = None,
     ) -> Iterator[Params]:
-        """:meth:`run`, yielding the weights after each step (MAML++'s multi-step loss); a
-        rank without tasks yields as often, so that every rank scores as many query losses."""
+        """``steps`` inner steps from the start (and ``extra``'s per-task starts), every
+        inner gradient summed over the chunks order-free (``extra_grad(fast)`` added to it:
+        iMAML's proximal term), yielding the weights after each (MAML++'s multi-step loss);
+        a rank without tasks yields as often, so that every rank scores as many losses."""
         if not self.n_local:
             for _ in range(steps):
                 yield self.fast
