@@ -54,7 +54,7 @@ class TrainConfig:
         task: task family ("sinusoid", "digits", "glyphs", "omniglot", "miniimagenet",
             "noisy-digits", "noisy-run", "sequences", "ttt").
         algorithm: the algorithm by name (metaddp.algorithms.ALGORITHMS); default "maml",
-            and on noisy-run its one algorithm, "reweight".
+            on noisy-run its one algorithm, "reweight", and on ttt "anil".
         steps: outer steps to train for (in total, counting resumed ones).
         meta_batch: tasks per outer step.
         inner_steps: adaptation steps per task during training.
