@@ -182,7 +182,7 @@ def test_digits_class_split():
 
 
 def test_unknown_task_is_named():
-    choices = "sinusoid, digits, glyphs, omniglot, miniimagenet, noisy-digits, noisy-run, sequences"
+    choices = "sinusoid, digits, glyphs, omniglot, miniimagenet, noisy-digits, noisy-run, sequences, ttt"
     with pytest.raises(ValueError, match=f"unknown task 'mnist'; choose from {choices}"):
         tasks.family_class("mnist")
 

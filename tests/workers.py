@@ -14,6 +14,7 @@ import metaddp as md
 import sharded_workers
 from metaddp import train as _train
 from metaddp.distributed._collectives import _next_sequence
+from metaddp.tasks.ttt import TTT
 from metaddp.testing import scenarios as S
 from metaddp.train import TrainConfig
 
@@ -32,6 +33,10 @@ CASES = {
     "conv-2step-2nd-hybrid": S.Problem("conv", steps=2, layout="hybrid"),
     "conv-1step-2nd-empty-shards": S.Problem("conv", n_support=2, n_query=1, steps=1, layout="sample"),
 }
+# The ttt task family's byte transformer, tiny, with dropout on: ANIL (its default), second
+# order; 5 support chunks and 3 query chunks leave ranks without a query chunk at 4 processes.
+TTT_PROBLEM = S.Problem("family", family=TTT(shots=5, query=3, hidden=16, chunk=8), algorithm="anil", n_tasks=2,
+                        n_support=5, n_query=3, steps=1, inner_lr=0.5)
 
 
 def third_order() -> list[float]:
@@ -163,6 +168,7 @@ def everything(root: str) -> dict:
         "compared": compared_workers.run_all(),
         "hf": hf_workers.run_all(),  # world sizes 1 and 2; None without transformers
         "sharded": sharded_workers.run_all(root),
+        "ttt": S.run(TTT_PROBLEM),
         # Several task groups (hybrid layout) at 2 and 4 processes only.
         "running": running_statistics_steps() if md.world_size() in (2, 4) else None,
     }

@@ -4,7 +4,8 @@ Raghu, Raghu, Bengio & Vinyals, "Rapid Learning or Feature Reuse? Towards Unders
 Effectiveness of MAML", ICLR 2020, arXiv:1909.09157. The body runs once on the support set and
 once on the query set per task; every inner step reuses the support features, so an inner
 step costs a pass through the head only. The meta-gradient reaches the body through those
-features (to second order unless ``first_order``).
+features (to second order unless ``first_order``). Each of the body's passes is a forward of the
+task's own, so dropout in the body draws masks keyed by the samples (:mod:`metaddp.forward`).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from .._data import Batch, Task
 from .._functional import call, params_of
 from .._remat import Replay
 from .._types import LossFn, Params, Reduce, Supports
+from ..forward import keyed_forward, routes
 from ..inner import DEFAULT_LOSS_SCALE, InnerOptimizer, LossScale
-from ._base import Algorithm, OptimizerFactory
+from ._base import Algorithm, OptimizerFactory, need_loss
 from ._exact import Adapted
 
 
@@ -81,6 +83,13 @@ class ANIL(Algorithm):
     def adapted_module(self) -> nn.Module:
         return self.model.head
 
+    def features(self, batch: Batch) -> Batch:
+        """``batch`` with the body's features in place of its inputs (where its samples start
+        stays known): one forward of the current task, its dropout keyed by the samples."""
+        body = self.model.body
+        with keyed_forward(batch), routes(body):
+            return batch._replace(x=body(batch.x))
+
     def adapt_features(
         self,
         features: Batch,
@@ -101,19 +110,27 @@ class ANIL(Algorithm):
         steps: int | None = None,
         reduce: Reduce | None = None,
     ) -> Params:
-        """Head weights (names relative to ``head``) after adapting on ``support``."""
-        feats = Batch(self.model.body(support.x), support.y, support.n)
-        return self.adapt_features(feats, loss_fn, steps=steps, reduce=reduce)
+        """Head weights (names relative to ``head``) after adapting on ``support``: the
+        body's pass on it is the adaptation's first forward."""
+        loss_fn = need_loss(loss_fn, type(self).__name__)
+        with self.adapting(support, reduce) as c:
+            return self.inner_loop(
+                self.features(support),
+                self.per_sample(loss_fn, c),
+                steps=steps,
+                reduce=c.reduce,
+                extra_grad=self.extra_grad(),
+            )
 
     def forward(self, x: Tensor, fast: Mapping[str, Tensor] | None = None) -> Tensor:
         """``head(body(x))`` with the head on ``fast`` (names relative to the head)."""
-        head = self.model.head
-        return call(head, fast if fast is not None else self.fast_weights(), self.model.body(x))
+        head, body = self.model.head, self.model.body
+        with routes(body):  # the body's dropout, keyed where a forward's key is open
+            features = body(x)
+        return call(head, fast if fast is not None else self.fast_weights(), features)
 
     def task_loss(self, task: Task, loss_fn: LossFn, *, reduce: Reduce) -> Tensor:
-        body = self.model.body
-        support = Batch(body(task.support.x), task.support.y, task.support.n)
-        query = Batch(body(task.query.x), task.query.y, task.query.n)
+        support, query = self.features(task.support), self.features(task.query)
         return self.adapted_loss(support, query, loss_fn, reduce=reduce)
 
     def deterministic_refusal(self) -> str | None:

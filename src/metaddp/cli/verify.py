@@ -95,6 +95,22 @@ def checks(scenario: str) -> list[Check]:
             for layout in S.LAYOUTS
             for order, stacked in (("2nd order", False), ("1st order", False), ("2nd order", True))
         ]  # fmt: skip
+    if scenario == "ttt":
+        # The ttt task family's byte transformer, tiny (chunks of 8 bytes, width 16; 5 support
+        # and 3 query chunks a task), dropout 0.1 on: ANIL adapting its last MLP block, final
+        # norm and unembedding (the family's default: test-time training's fast weights) and
+        # MAML adapting every weight, second order. The same float64 tolerance: the masks are
+        # the one-process masks, so only the order of sums changes.
+        from ..tasks.ttt import TTT
+
+        text = TTT(shots=5, query=3, hidden=16, chunk=8)
+        return [
+            Check(scenario, f"{layout}, {algorithm}",
+                  S.Problem(model="family", family=text, algorithm=algorithm, layout=layout,
+                            steps=2, n_tasks=3, n_support=5, n_query=3, inner_lr=0.5), 1e-10)
+            for layout in S.LAYOUTS
+            for algorithm in ("anil", "maml")
+        ]  # fmt: skip
     if scenario == "bn":
         # MAML on the conv model with BatchNorm synchronized over the sample axis.
         return [
@@ -208,7 +224,7 @@ SCENARIOS = (
     ("seed", "conv", "mlp")
     + ALGORITHM_SCENARIOS
     + COMPARED_SCENARIOS
-    + ("inner-optimizers", "bn", "transformer")
+    + ("inner-optimizers", "bn", "transformer", "ttt")
     + BILEVEL_SCENARIOS
     + ("sharded",)
 )

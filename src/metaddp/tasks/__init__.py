@@ -22,6 +22,7 @@ FAMILIES = (
     "noisy-digits",
     "noisy-run",
     "sequences",
+    "ttt",
 )
 
 
@@ -53,6 +54,10 @@ def family_class(name: str) -> type[TaskFamily]:
         from .sequences import Sequences
 
         return Sequences
+    if name == "ttt":
+        from .ttt import TTT
+
+        return TTT
     if name == "miniimagenet":
         from .miniimagenet import MiniImageNet
 

@@ -135,8 +135,8 @@ class TinyTransformer(nn.Module):
 class Problem:
     """A meta-step: algorithm, model, task family, inner loop, precision, and work layout."""
 
-    # "mlp" (sinusoid-like regression), "conv" (3-way classification) or "transformer"
-    # (sequence regression, dropout on: TinyTransformer)
+    # "mlp" (sinusoid-like regression), "conv" (3-way classification), "transformer"
+    # (sequence regression, dropout on: TinyTransformer) or "family" (``family``'s own)
     model: str = "mlp"
     n_tasks: int = 5
     n_support: int = 13
@@ -162,6 +162,10 @@ class Problem:
     batched: bool | None = None  # MAML: tasks stacked (True), one by one (False), or chosen
     shard: bool = False  # meta-parameters sharded over the sample axis (MetaDDP(shard=True))
     unit_bytes: int | None = None  # sharded: MetaDDP's unit_bytes (None: its default)
+    # model "family": a task family (metaddp.tasks.TaskFamily) whose network, tasks (its train
+    # split, task(seed, i)) and per-sample loss make the problem; n_support and n_query are
+    # then its own.
+    family: Any = None
 
     def build_model(self) -> nn.Module:
         torch.manual_seed(self.seed)
@@ -176,16 +180,22 @@ class Problem:
             net = SmallConv(batchnorm=self.batchnorm, running_stats=self.running_stats)
         elif self.model == "transformer":
             net = TinyTransformer()
+        elif self.model == "family":
+            net = self.family.model()
         else:
             raise ValueError(f"unknown model {self.model!r}")
         return net.to(self.dtype)
 
     @property
     def loss_fn(self) -> Callable[[Tensor, Tensor], Tensor]:
+        if self.model == "family":
+            return self.family.loss
         return ce_per_sample if self.model == "conv" else mse_per_sample
 
     def task(self, index: int) -> Task:
         """Global task ``index``: a function of the seed and the index only."""
+        if self.model == "family":  # the family's data, whatever the dtype
+            return self.family.task(self.seed, index)
         g = generator_for(self.seed, index)
         n = self.n_support + self.n_query
         if self.model == "mlp":

@@ -52,9 +52,9 @@ class TrainConfig:
 
     Args:
         task: task family ("sinusoid", "digits", "glyphs", "omniglot", "miniimagenet",
-            "noisy-digits", "noisy-run", "sequences").
+            "noisy-digits", "noisy-run", "sequences", "ttt").
         algorithm: the algorithm by name (metaddp.algorithms.ALGORITHMS); default "maml",
-            and on noisy-run its one algorithm, "reweight".
+            on noisy-run its one algorithm, "reweight", and on ttt "anil".
         steps: outer steps to train for (in total, counting resumed ones).
         meta_batch: tasks per outer step.
         inner_steps: adaptation steps per task during training.
@@ -516,9 +516,9 @@ class TrainConfig:
                 "implicit-cg's conjugate gradient reads its residual on the host, which a "
                 "CUDA graph cannot record: drop cuda_graphs or use another --method"
             )
-        if self.task == "sequences":
+        if self.task in ("sequences", "ttt"):
             return (
-                "the sequences task's transformer draws dropout masks keyed by the meta-step, "
+                f"the {self.task} task's transformer draws dropout masks keyed by the meta-step, "
                 "which a CUDA graph would replay unchanged: drop cuda_graphs"
             )
         return None
