@@ -314,7 +314,8 @@ def worker(cfg: Config) -> dict:
 
 def stacked_worker(cfg: Config) -> dict:
     """On each rank: the sharded step with the tasks stacked and one by one, warmed up, its
-    collective calls counted, then timed in turn (median seconds)."""
+    collective calls counted and the peak of the storages it allocates (:class:`Probe`),
+    then timed in turn (median seconds)."""
     mesh = metaddp.Mesh.create(tasks=1)
     made = {}
     for batched in (True, False):
@@ -323,19 +324,21 @@ def stacked_worker(cfg: Config) -> dict:
         made[batched] = (learner, torch.optim.Adam(learner.parameters(), lr=1e-4),
                          learner.shard(cfg.tasks(cfg.n_tasks)))
 
-    def step(batched: bool) -> None:
+    def step(batched: bool, mode=None) -> None:  # type: ignore[no-untyped-def]
         learner, opt, tasks = made[batched]
         opt.zero_grad(set_to_none=True)
-        learner.meta_loss(tasks, loss_fn).backward()
-        learner.sync_grads()
+        with mode or contextlib.nullcontext():
+            learner.meta_loss(tasks, loss_fn).backward()
+            learner.sync_grads()
         opt.step()
 
     out: dict = {}
     for batched in made:
         step(batched)  # warm-up
+        probe = Probe(COLLECT_EVERY)
         with metaddp.distributed.counting() as stats:
-            step(batched)
-        out[batched] = {"calls": stats.calls, "seconds": []}
+            step(batched, probe)
+        out[batched] = {"calls": stats.calls, "peak": probe.peak, "seconds": []}
     for _ in range(cfg.repeats):
         for batched in made:
             t0 = time.perf_counter()
@@ -345,14 +348,15 @@ def stacked_worker(cfg: Config) -> dict:
 
 
 def measure_stacked(cfg: Config, worlds: list[int]) -> None:
-    print("processes | sharded stacked (ms, calls) | sharded one by one (ms, calls) | "
-          "stacked / one by one")
+    print("processes | sharded stacked (ms, calls, step peak MiB) | sharded one by one (ms, "
+          "calls, step peak MiB) | stacked / one by one (time; peak)")
     for n in worlds:
         res = run_local(stacked_worker, n, cfg, threads=1)
-        ms = {b: 1e3 * max(r[b]["seconds"] for r in res) for b in (True, False)}
-        calls = {b: res[0][b]["calls"] for b in (True, False)}
-        print(f"{n} | {ms[True]:,.1f} ({calls[True]}) | {ms[False]:,.1f} ({calls[False]}) | "
-              f"{ms[True] / ms[False]:.2f}x")
+        row = {b: (1e3 * max(r[b]["seconds"] for r in res), res[0][b]["calls"],
+                   max(r[b]["peak"] for r in res)) for b in (True, False)}
+        (ms, calls, peak), (ms1, calls1, peak1) = row[True], row[False]
+        print(f"{n} | {ms:,.1f}, {calls}, {_mib(peak)} | {ms1:,.1f}, {calls1}, {_mib(peak1)} | "
+              f"{ms / ms1:.2f}x; {peak / peak1:.2f}x")
 
 
 def measure(cfg: Config, worlds: list[int]) -> list[dict]:

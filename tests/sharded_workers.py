@@ -74,15 +74,15 @@ def run_all(root: str | None = None) -> dict:
     return out
 
 
-# Stacked tasks (batched=True, tasks under torch.vmap) on sharded meta-parameters, each
-# layer gathered on its own, at the world sizes where each says the most in the fewest
-# seconds: second order on the MLP over every rank (2, 3) and memory="low" (2); on the task x
+# Stacked tasks (batched=True, tasks under torch.vmap) on sharded meta-parameters, at the
+# world sizes where each says the most in the fewest seconds: second order on the MLP over
+# every rank (2, 3; each layer gathered on its own) and memory="low" (2); on the task x
 # sample mesh (4: 2 x 2); the transformer with dropout on (keyed masks) at 4, where a rank
 # holds one query sample, in both layouts.
 STACKED = {
     "mlp-sample": (PROBLEMS["maml-2nd-sample"], (2, 3)),
     "mlp-low-memory": (PROBLEMS["maml-low-memory"], (2,)),
-    "mlp-hybrid": (dataclasses.replace(PROBLEMS["maml-2nd-hybrid"], unit_bytes=0), (4,)),
+    "mlp-hybrid": (PROBLEMS["maml-2nd-hybrid"], (4,)),  # the layers gathered together
     "transformer-sample": (PROBLEMS["transformer"], (4,)),
     "transformer-hybrid": (dataclasses.replace(PROBLEMS["transformer"], layout="hybrid"), (4,)),
 }
