@@ -11,7 +11,8 @@ one step each, then timed in turn:
 
 - ``replicated``: ``shard=False``, tasks stacked (the automatic choice for an MLP on CPU);
 - ``replicated-loop``: ``shard=False``, tasks one by one (``batched=False``), as the sharded
-  layout always runs them: the like-for-like reference;
+  layout runs them for this model (``batched=None``: its 1 MiB layers are kept as rows in
+  graphs, which stacked graphs keep whole): the like-for-like reference;
 - ``sharded``: ``shard=True``;
 - both layouts with ``memory="low"``, and with 2 tasks (what grows with the tasks).
 
@@ -41,6 +42,8 @@ prediction, not a measurement.
     .venv/bin/python benchmarks/sharded.py --json benchmarks/results/sharded.json
 
 ``--from-json FILE`` prints the tables and the model again from a saved run.
+``--stacked`` times instead the sharded step with the tasks stacked (``batched=True``)
+against one by one (``batched=False``), side by side, with their collective calls.
 """
 
 from __future__ import annotations
@@ -307,6 +310,53 @@ def worker(cfg: Config) -> dict:
     for key in timed:
         out[name(key)]["seconds"] = statistics.median(times[key])
     return out
+
+
+def stacked_worker(cfg: Config) -> dict:
+    """On each rank: the sharded step with the tasks stacked and one by one, warmed up, its
+    collective calls counted and the peak of the storages it allocates (:class:`Probe`),
+    then timed in turn (median seconds)."""
+    mesh = metaddp.Mesh.create(tasks=1)
+    made = {}
+    for batched in (True, False):
+        alg = metaddp.MAML(cfg.model(), inner_lr=cfg.inner_lr, steps=cfg.steps, batched=batched)
+        learner = metaddp.MetaDDP(alg, mesh, shard=True)
+        made[batched] = (learner, torch.optim.Adam(learner.parameters(), lr=1e-4),
+                         learner.shard(cfg.tasks(cfg.n_tasks)))
+
+    def step(batched: bool, mode=None) -> None:  # type: ignore[no-untyped-def]
+        learner, opt, tasks = made[batched]
+        opt.zero_grad(set_to_none=True)
+        with mode or contextlib.nullcontext():
+            learner.meta_loss(tasks, loss_fn).backward()
+            learner.sync_grads()
+        opt.step()
+
+    out: dict = {}
+    for batched in made:
+        step(batched)  # warm-up
+        probe = Probe(COLLECT_EVERY)
+        with metaddp.distributed.counting() as stats:
+            step(batched, probe)
+        out[batched] = {"calls": stats.calls, "peak": probe.peak, "seconds": []}
+    for _ in range(cfg.repeats):
+        for batched in made:
+            t0 = time.perf_counter()
+            step(batched)
+            out[batched]["seconds"].append(time.perf_counter() - t0)
+    return {k: dict(v, seconds=statistics.median(v["seconds"])) for k, v in out.items()}
+
+
+def measure_stacked(cfg: Config, worlds: list[int]) -> None:
+    print("processes | sharded stacked (ms, calls, step peak MiB) | sharded one by one (ms, "
+          "calls, step peak MiB) | stacked / one by one (time; peak)")
+    for n in worlds:
+        res = run_local(stacked_worker, n, cfg, threads=1)
+        row = {b: (1e3 * max(r[b]["seconds"] for r in res), res[0][b]["calls"],
+                   max(r[b]["peak"] for r in res)) for b in (True, False)}
+        (ms, calls, peak), (ms1, calls1, peak1) = row[True], row[False]
+        print(f"{n} | {ms:,.1f}, {calls}, {_mib(peak)} | {ms1:,.1f}, {calls1}, {_mib(peak1)} | "
+              f"{ms / ms1:.2f}x; {peak / peak1:.2f}x")
 
 
 def measure(cfg: Config, worlds: list[int]) -> list[dict]:
@@ -697,7 +747,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depth", type=int, default=Config.depth, help="hidden layers")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--from-json", type=Path, help="recompute the model from a saved run")
+    ap.add_argument("--stacked", action="store_true",
+                    help="time the sharded step stacked against one by one, and stop")
     args = ap.parse_args(argv)
+    if args.stacked:
+        measure_stacked(Config(hidden=args.hidden, depth=args.depth, repeats=args.repeats),
+                        [int(w) for w in args.worlds.split(",") if int(w) > 1])
+        return 0
     hw = Hardware()
     if args.from_json:
         saved = json.loads(args.from_json.read_text())

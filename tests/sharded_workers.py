@@ -63,6 +63,7 @@ def run_all(root: str | None = None) -> dict:
                        for name, p in PROBLEMS.items() if world != 3 or name in AT_THREE}
     out["bilevel"] = {name: S.run_bilevel(dataclasses.replace(p, shard=True))
                       for name, p in BILEVEL.items() if world != 3}
+    out["stacked"] = stacked()
     if world in (2, 4):
         out["regather"] = regather()
         out["checked"] = checked()
@@ -70,6 +71,49 @@ def run_all(root: str | None = None) -> dict:
         out["fsdp2-layouts"] = fsdp2_layouts()
     if root is not None and world in (2, 3):
         out["fsdp2-resume"] = fsdp2_resume(root)
+    return out
+
+
+# Stacked tasks (batched=True, tasks under torch.vmap) on sharded meta-parameters, at the
+# world sizes where each says the most in the fewest seconds: second order on the MLP over
+# every rank (2, 3; each layer gathered on its own) and memory="low" (2); on the task x
+# sample mesh (4: 2 x 2); the transformer with dropout on (keyed masks) at 4, where a rank
+# holds one query sample, in both layouts.
+STACKED = {
+    "mlp-sample": (PROBLEMS["maml-2nd-sample"], (2, 3)),
+    "mlp-low-memory": (PROBLEMS["maml-low-memory"], (2,)),
+    "mlp-hybrid": (PROBLEMS["maml-2nd-hybrid"], (4,)),  # the layers gathered together
+    "transformer-sample": (PROBLEMS["transformer"], (4,)),
+    "transformer-hybrid": (dataclasses.replace(PROBLEMS["transformer"], layout="hybrid"), (4,)),
+}
+STACKED = {k: (dataclasses.replace(p, batched=True), at) for k, (p, at) in STACKED.items()}
+
+
+def stacked() -> dict:
+    """The STACKED problems' sharded meta-steps at their world sizes; at 2, the collectives
+    of one sharded MLP step stacked with 2 and with 4 tasks and one by one with 2, and an
+    FSDP2 model's step with batched=True in the sample layout."""
+    world = md.world_size()
+    out: dict = {name: S.run(dataclasses.replace(p, shard=True))
+                 for name, (p, at) in STACKED.items() if world in at}
+    if world != 2:
+        return out
+    out["calls"] = {}
+    for n_tasks, batched in ((2, True), (4, True), (2, False)):
+        p = dataclasses.replace(STACKED["mlp-sample"][0], n_tasks=n_tasks, batched=batched)
+        learner = md.MetaDDP(p.build_algorithm(), S.mesh_for(p.layout), shard=True, unit_bytes=0)
+        with md.counting() as stats:
+            learner.meta_loss(learner.shard(p.n_tasks, p.task), p.loss_fn).backward()
+            learner.sync_grads()
+        out["calls"][n_tasks, batched] = stats.calls
+        learner.release()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    net = _fully_sharded(init_device_mesh("cpu", (world,)))
+    learner = md.MetaDDP(md.MAML(net, inner_lr=FSDP.inner_lr, steps=FSDP.steps, batched=True),
+                         md.Mesh.create())
+    out["fsdp2"] = {"loss": _fsdp_step(learner, FSDP), "grads": _full_grads(net)}
+    learner.release()
     return out
 
 
@@ -170,9 +214,10 @@ def regather() -> dict:
     """The same sharded step with every layer gathered on its own and the graphs keeping
     rows (``unit_bytes=0``), keeping the gathered weights (no re-gather), and with the
     default units (this tiny model's layers all gathered together, kept whole): the same
-    meta-gradient; saved weights packed as rows, all-gather bytes and collective calls."""
+    meta-gradient; saved weights packed as rows, all-gather bytes and collective calls. Tasks
+    one by one: stacked graphs keep the gathered weights whole (test_stacked_tasks_...)."""
     out = {}
-    p = S.Problem("mlp", steps=2, n_tasks=2)
+    p = S.Problem("mlp", steps=2, n_tasks=2, batched=False)
     for way in ("rows", "whole", "default"):
         learner = md.MetaDDP(p.build_algorithm(), S.mesh_for("sample"), shard=True,
                              **({} if way == "default" else {"unit_bytes": 0}))
@@ -258,8 +303,10 @@ def _batched(learner: md.MetaDDP, p: S.Problem) -> None:
     algorithm = learner.module
     assert isinstance(algorithm, md.MAML)
     algorithm.batched = True
-    try:
-        learner.meta_loss(learner.shard(p.n_tasks, p.task), p.loss_fn)
+    try:  # a whole step: stacked tasks on shards run
+        learner.meta_loss(learner.shard(p.n_tasks, p.task), p.loss_fn).backward()
+        learner.sync_grads()
+        learner.zero_grad()
     finally:
         algorithm.batched = None
 

@@ -197,6 +197,53 @@ def test_sharded_step_gathers_and_reduce_scatters_instead_of_all_reducing(result
     assert sharded["all_reduce"] < 321 * 8
 
 
+@pytest.mark.parametrize(("world", "name"), [(w, n) for n, (_, at) in W.STACKED.items() for w in at])
+def test_stacked_tasks_on_sharded_weights_are_the_one_process_values(results, world, name):
+    """batched=True on shards: every task's gathers under torch.vmap, as one collective. The
+    MLP's meta-gradient is the one-process replicated value with the tasks stacked and the
+    independent float64 reference (plain autograd, task by task); the transformer's, the
+    one-process value as batched=None runs it (one task at a time, its dropout masks keyed
+    per task as stacked; test_transformer.py checks its stacked and one-by-one values
+    against its own reference). The references are the ones the tests above compute
+    (cached)."""
+    problem, _ = W.STACKED[name]
+    got = results[world][0]["stacked"][name]
+    if problem.model == "mlp":
+        loss, grads = reference(dataclasses.replace(problem, batched=None, memory="default"))
+        wants = [replicated(problem), {"loss": loss, "grads": grads}]
+    else:
+        wants = [replicated(dataclasses.replace(problem, batched=None))]
+    for want in wants:
+        # Float64 sums in another order only (vmapped kernels, the reduce-scatter over moved
+        # dimensions): observed below 8e-16. Gathering a rank's rows of the stacked
+        # [T, rows, ...] tensor as if T were the rows, or a rank's own inner gradient, is
+        # off by 1e-2 or more.
+        assert relative(got["grads"], want["grads"]) < RTOL, (world, name)
+        # The loss: the same float64 sums in another order, one scalar (observed within
+        # 2e-16 relative); the bound is RTOL's, far below what a wrong share would move.
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-12)
+
+
+def test_stacked_sharded_collectives_do_not_grow_with_the_tasks(results):
+    """A stacked sharded step (MLP, every layer gathered on its own) makes the same
+    collectives for 4 tasks as for 2 (each gather and reduce-scatter carries every task);
+    one by one, each task makes its own."""
+    calls = results[2][0]["stacked"]["calls"]
+    assert calls[4, True] == calls[2, True]
+    assert 2 * calls[2, True] < calls[2, False]
+
+
+def test_a_fully_shard_model_stacks_its_tasks(results):
+    """An FSDP2 model (adopted) with batched=True in the sample layout: the float64
+    one-process reference, as with the tasks one by one."""
+    loss, want = reference(W.FSDP)
+    got = results[2][0]["stacked"]["fsdp2"]
+    # Float64, sums in another order only (test_a_fully_shard_model_meta_trains_under_
+    # metaddp's bound): observed below 1e-15; a rank's own rows are off by 1e-1.
+    assert relative(got["grads"], want) < RTOL
+    assert got["loss"] == pytest.approx(loss, rel=1e-12)  # the same sums, one scalar
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_check_mode_compares_the_gathered_weights(results, world):
     """Check mode's pre-hooks see each layer's full weights (gathered before them), which
@@ -234,7 +281,7 @@ def test_sharded_mistakes_are_errors(results, world):
     assert "penalty" in out["penalty"]
     assert "the model's parameters are shards" in out["model(x)"]
     assert "enter `with learner.gathered():`" in out["local"]
-    assert "batched=True" in out["batched"]
+    assert out["batched"] is None  # stacked tasks run on shards (test_stacked_tasks_...)
     assert out["gathered-local"] is None  # inside gathered(), one rank may run it alone
     assert out["adapt-alone"] is None  # ... and adapt, after a sharded step (a backward)
     if world > 1:  # on one rank nothing is cut, and torch's clipping is right

@@ -22,7 +22,7 @@ from ..inner import DEFAULT_LOSS_SCALE, InnerOptimizer, LossScale
 from ._base import Algorithm, OptimizerFactory
 from ._conv_ways import ConvChoice
 from ._exact import exact_meta_loss
-from ._stacked import stacked_task_losses, unchecked, use_batched
+from ._stacked import stacked_task_losses, use_batched
 
 
 class MAML(Algorithm):
@@ -188,7 +188,7 @@ class MAML(Algorithm):
     def task_losses(self, tasks: Sequence[Task], loss_fn: LossFn, reduce: Reduce) -> Tensor:
         # batched=True is checked when set (and the loss scale when it is set).
         scaled = self.loss_scale is not None and self.autocast == torch.float16
-        stack = self.stackable and not scaled and not unchecked(loss_fn, self.model)
+        stack = self.stackable and not scaled
         if stack and use_batched(self.batched, tasks, self.model):
             with _draws.stacked_tasks(len(tasks)):
                 return stacked_task_losses(

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import forward as _draws
@@ -98,7 +97,10 @@ def stacked_shares(
         mean over its ``n`` global samples).
     """
 
-    _probe(model, params, x, y, loss_fn, buffers)
+    # A loss function still to be checked per sample (``PerSampleCheck``, which cannot check
+    # under torch.vmap) is given the first task's predictions after it: those of this very
+    # forward, so the check costs no forward and no collective (ranks decide on it alone).
+    probe = getattr(loss_fn, "probe", None) if getattr(loss_fn, "pending", False) else None
 
     def one(p: Mapping[str, Tensor], xt: Tensor, yt: Tensor, b: Params | None, slot: Any):
         # Dropout keyed by each task's own keys (metaddp.forward), ``start`` the global index
@@ -108,13 +110,16 @@ def stacked_shares(
             prediction = call(model, p, xt, buffers=b)
         losses = loss_fn(prediction, yt)
         check_per_sample(losses, xt.shape[0])  # shapes are a task's own under vmap
-        return share(losses, n)
+        shared = share(losses, n)
+        if probe is None or not isinstance(prediction, Tensor):
+            return shared, shared
+        return shared, prediction.detach()
 
     with stacked_layers(model, conv):
         try:
             slots = torch.arange(x.shape[0], device=x.device) if needs_routes(model) else None
             dims = (0, 0, 0, None if buffers is None else 0, None if slots is None else 0)
-            return torch.vmap(one, in_dims=dims)(
+            shares, predictions = torch.vmap(one, in_dims=dims)(
                 dict(params), x, y, None if buffers is None else dict(buffers), slots
             )
         except RuntimeError as e:
@@ -126,6 +131,9 @@ def stacked_shares(
                 "adapt the tasks one by one; under MetaDDP on several processes, which would "
                 "each draw their own, set the dropout to 0 or call model.eval()"
             ) from e
+    if probe is not None and predictions.dim() > 1 and x.shape[1]:  # [T, n, ...], not shares
+        probe(predictions[0], y[0])
+    return shares
 
 
 _TENSOR = object()  # marks where a state's tensor leaves go back
@@ -292,45 +300,6 @@ def stacked_task_losses(
     return out
 
 
-def _probe(
-    model: nn.Module,
-    params: Mapping[str, Tensor],
-    x: Tensor,
-    y: Tensor,
-    loss_fn: LossFn,
-    buffers: Mapping[str, Tensor] | None,
-) -> None:
-    """Give a loss function still to be checked per sample (``PerSampleCheck``, which cannot
-    check under ``torch.vmap``) the first task's predictions, made outside it without a
-    graph, on copies of the buffers (a forward moves running statistics). The probe makes
-    no collective, since ranks decide on it alone: a model with BatchNorm (whose statistics
-    are summed over the ranks) is not probed, nor one that may draw (its masks are keyed
-    inside the stacked forward only)."""
-    probe = getattr(loss_fn, "probe", None)
-    if probe is None or not getattr(loss_fn, "pending", False) or not x.shape[1]:
-        return
-    if not probeable(model):
-        return
-    own = buffers if buffers is not None else dict(model.named_buffers())
-    with torch.no_grad():
-        copies = {k: b[0].clone() if buffers is not None else b.clone() for k, b in own.items()}
-        prediction = call(model, {k: v[0] for k, v in params.items()}, x[0], buffers=copies or None)
-    probe(prediction, y[0])
-
-
-def probeable(model: nn.Module) -> bool:
-    """Whether a stacked meta-batch can give a pending loss check the first task's
-    predictions (:func:`_probe`): not for a model with BatchNorm or one that may draw."""
-    return not needs_routes(model) and not any(isinstance(m, _BatchNorm) for m in model.modules())
-
-
-def unchecked(loss_fn: LossFn, model: nn.Module) -> bool:
-    """Whether ``loss_fn`` still waits for its per-sample check and stacked tasks could not
-    give it: the tasks then run one by one this time (the same meta-gradient), which checks
-    it."""
-    return bool(getattr(loss_fn, "pending", False)) and not probeable(model)
-
-
 def use_batched(batched: bool | None, tasks: Sequence[Task], model: nn.Module) -> bool:
     """Whether to run ``tasks`` stacked (:func:`stacked_task_losses`) or one by one.
 
@@ -347,17 +316,19 @@ def use_batched(batched: bool | None, tasks: Sequence[Task], model: nn.Module) -
             models whose forward may call attention or dropout (``needs_routes``: the loop
             keys each task's masks) and for tasks of different sizes. BatchNorm with batch
             statistics only (MAML's) is stacked like any layer, synchronized or not.
+            Sharded meta-parameters stack as replicated ones (their gathers run under
+            ``vmap`` for every task at once), except where graphs keep some gathered weight
+            as its rows (one of ``unit_bytes`` or more), which stacked graphs keep whole:
+            there the loop.
         tasks: this rank's tasks.
         model: the network.
     """
     if batched is False or not tasks:
         return False
-    if getattr(model, SHARDED, None) is not None:  # sharded weights gather in the loop's forwards
-        if batched:
-            raise ValueError(
-                "batched=True stacks the tasks under torch.vmap, where sharded meta-parameters "
-                "cannot be gathered; the sharded layout runs tasks one by one (batched=None)"
-            )
+    sharding = getattr(model, SHARDED, None)
+    if batched is None and sharding is not None and sharding.keeps_rows():
+        # Sharded weights large enough to be kept as rows in graphs: stacked tasks keep them
+        # whole (metaddp.distributed._sharded), T copies per forward; the loop keeps rows.
         return False
     if batched is None and needs_routes(model):
         # Attention or dropout inside the forward: the loop keys dropout by each task's

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -201,6 +202,30 @@ def _scatter_sum(fulls: Sequence[Tensor], cuts: Sequence[Cut], group: Group, pha
 _ADJOINT = {Phase.FORWARD: Phase.BACKWARD, Phase.BACKWARD: Phase.FORWARD}
 
 
+def _stacked(
+    function: type[torch.autograd.Function], info: Any, in_dims: tuple, args: tuple
+) -> tuple[tuple[Tensor, ...], tuple[int | None, ...]]:
+    """``function(cuts, group, phase, *tensors)`` under ``torch.vmap`` (tasks stacked along
+    a dimension of their own): the same Function on the physical tensors, each vmapped
+    dimension moved behind the rows, so that a rank's rows of a stacked ``[T, rows, ...]``
+    tensor are a :class:`Cut` of ``[rows, T, ...]``. One collective for every task, and the
+    backward, outside ``vmap``, the same pair of Functions."""
+    cuts, group, phase, *tensors = args
+    moved, cuts_now = [], []
+    out_dims: list[int | None] = []
+    for t, dim, cut in zip(tensors, in_dims[3:], cuts, strict=True):
+        if dim is None:  # the same for every task (a weight that is not a fast weight)
+            moved.append(t)
+            cuts_now.append(cut)
+            out_dims.append(None)
+            continue
+        moved.append(t.movedim(dim, 1))
+        shape = torch.Size((cut.rows, info.batch_size, *cut.shape[1:]))
+        cuts_now.append(Cut(shape, cut.parts, cut.index))
+        out_dims.append(1)
+    return function.apply(tuple(cuts_now), group, phase, *moved), tuple(out_dims)
+
+
 class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(cuts, group, phase, *shards):
@@ -221,6 +246,10 @@ class _Gather(torch.autograd.Function):
             *_ScatterSum.apply(ctx.cuts, ctx.group, _ADJOINT[ctx.phase], *grads),
         )
 
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        return _stacked(_Gather, info, in_dims, args)
+
 
 class _ScatterSum(torch.autograd.Function):
     @staticmethod
@@ -236,10 +265,15 @@ class _ScatterSum(torch.autograd.Function):
         # The adjoint of the reduce-scatter SUM: every rank receives every rank's rows.
         return (None, None, None, *_Gather.apply(ctx.cuts, ctx.group, _ADJOINT[ctx.phase], *grads))
 
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        return _stacked(_ScatterSum, info, in_dims, args)
+
 
 def gather(shards: Sequence[Tensor], cuts: Sequence[Cut], group: Group) -> list[Tensor]:
     """The full tensors from every rank's shards: differentiable to any order, with a
-    reduce-scatter SUM as the adjoint. One collective per dtype and device."""
+    reduce-scatter SUM as the adjoint. One collective per dtype and device, under
+    ``torch.vmap`` too (for every vmapped slice at once)."""
     if cuts and cuts[0].parts == 1:
         return [s.reshape(c.shape) for s, c in zip(shards, cuts, strict=True)]
     return _by_kind(_Gather, shards, cuts, group)

@@ -283,9 +283,29 @@ class Sharding:
         return out
 
     def _keep_rows(self, full: Tensor, shard: Tensor, cut: Cut) -> None:
-        """Graphs keep ``full`` as its rows, if it is large enough to be worth a gather."""
-        if self.regather is not None and full.nbytes >= self.unit_bytes:
+        """Graphs keep ``full`` as its rows, if it is large enough to be worth a gather; not
+        under ``torch.vmap`` (stacked tasks), whose kernels save what they derive from a
+        weight in layouts that depend on a rank's sample count (a view of the weight at one
+        count, an expanded copy at another): ranks would then gather again a different
+        number of saved tensors, so the graph keeps the stacked weights whole."""
+        if self.regather is None or torch._C._functorch.is_functorch_wrapped_tensor(full):
+            return
+        if full.nbytes >= self.unit_bytes:
             self.regather.register(full, shard, cut)
+
+    def keeps_rows(self) -> bool:
+        """Whether graphs keep some gathered weight as its rows (one of ``unit_bytes`` or
+        more), which they do for tasks one by one and not for stacked tasks
+        (:meth:`_keep_rows`)."""
+        model = self._model()
+        return (
+            self.regather is not None
+            and model is not None
+            and any(
+                math.prod(c.shape) * model.get_parameter(n).element_size() >= self.unit_bytes
+                for n, c in self.cuts.items()
+            )
+        )
 
     def whole(self, weights: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """``weights`` with every shard-shaped sharded one gathered now (one collective), for
@@ -375,12 +395,12 @@ class Sharding:
     # --- inner gradients ----------------------------------------------------------------
 
     def passed(self, tensors: Sequence[Tensor]) -> list[Tensor]:
-        """The gradients of shards as they are (already the global gradient's rows); any
-        tensor not shaped like one of this rank's shards is refused: its gradient would be
-        this rank's own."""
+        """The gradients of shards as they are (already the global gradient's rows), or of
+        every task's shards stacked ``[T, *rows]``; any tensor not shaped like one of this
+        rank's shards is refused: its gradient would be this rank's own."""
         shapes = self._shard_shapes
         for t in tensors:
-            if t.shape not in shapes:
+            if t.shape not in shapes and t.shape[1:] not in shapes:
                 raise TypeError(
                     f"an inner gradient of shape {tuple(t.shape)} is not one of this rank's "
                     "shards: with shard=True, inner loops differentiate by the model's sharded "
@@ -391,10 +411,12 @@ class Sharding:
 
     def reduced(self, names: Sequence[str], tensors: Sequence[Tensor], total: Any) -> list[Tensor]:
         """The gradients of fast weights by name: a sharded weight's rows as they are (the
-        gather has summed them), any other (a context vector, a head made per task) summed
-        over the sample group by ``total``, as it would be unsharded."""
+        gather has summed them), or its rows of every task stacked ``[T, *rows]``; any other
+        (a context vector, a head made per task) summed over the sample group by ``total``,
+        as it would be unsharded."""
         for n, t in zip(names, tensors, strict=True):
-            if n in self.cuts and t.shape != self.cuts[n].local_shape:
+            rows = self.cuts[n].local_shape if n in self.cuts else None
+            if rows is not None and rows not in (t.shape, t.shape[1:]):
                 raise TypeError(
                     f"the inner gradient of the sharded weight {n!r} has the whole weight's "
                     f"shape {tuple(t.shape)}: with shard=True, inner loops "
