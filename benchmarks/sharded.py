@@ -312,19 +312,23 @@ def worker(cfg: Config) -> dict:
     return out
 
 
+STACKED = ("sharded, stacked", "sharded, one by one", "replicated, stacked")
+
+
 def stacked_worker(cfg: Config) -> dict:
-    """On each rank: the sharded step with the tasks stacked and one by one, warmed up, its
-    collective calls counted and the peak of the storages it allocates (:class:`Probe`),
-    then timed in turn (median seconds)."""
+    """On each rank: the sharded step with the tasks stacked and one by one, and the
+    replicated step stacked, warmed up, its collective calls counted and the peak of the
+    storages it allocates (:class:`Probe`), then timed in turn (median seconds)."""
     mesh = metaddp.Mesh.create(tasks=1)
     made = {}
-    for batched in (True, False):
-        alg = metaddp.MAML(cfg.model(), inner_lr=cfg.inner_lr, steps=cfg.steps, batched=batched)
-        learner = metaddp.MetaDDP(alg, mesh, shard=True)
-        made[batched] = (learner, torch.optim.Adam(learner.parameters(), lr=1e-4),
-                         learner.shard(cfg.tasks(cfg.n_tasks)))
+    for what in STACKED:
+        alg = metaddp.MAML(cfg.model(), inner_lr=cfg.inner_lr, steps=cfg.steps,
+                           batched="one by one" not in what)
+        learner = metaddp.MetaDDP(alg, mesh, shard=what.startswith("sharded"))
+        made[what] = (learner, torch.optim.Adam(learner.parameters(), lr=1e-4),
+                      learner.shard(cfg.tasks(cfg.n_tasks)))
 
-    def step(batched: bool, mode=None) -> None:  # type: ignore[no-untyped-def]
+    def step(batched: str, mode=None) -> None:  # type: ignore[no-untyped-def]
         learner, opt, tasks = made[batched]
         opt.zero_grad(set_to_none=True)
         with mode or contextlib.nullcontext():
@@ -348,15 +352,18 @@ def stacked_worker(cfg: Config) -> dict:
 
 
 def measure_stacked(cfg: Config, worlds: list[int]) -> None:
-    print("processes | sharded stacked (ms, calls, step peak MiB) | sharded one by one (ms, "
-          "calls, step peak MiB) | stacked / one by one (time; peak)")
+    print("| processes | " + " | ".join(f"{w} (ms, calls, step peak MiB)" for w in STACKED)
+          + " | sharded stacked / one by one (time; peak) | sharded stacked / replicated "
+          "stacked (time; peak) |")
+    print("|---" * (len(STACKED) + 3) + "|")
     for n in worlds:
         res = run_local(stacked_worker, n, cfg, threads=1)
-        row = {b: (1e3 * max(r[b]["seconds"] for r in res), res[0][b]["calls"],
-                   max(r[b]["peak"] for r in res)) for b in (True, False)}
-        (ms, calls, peak), (ms1, calls1, peak1) = row[True], row[False]
-        print(f"{n} | {ms:,.1f}, {calls}, {_mib(peak)} | {ms1:,.1f}, {calls1}, {_mib(peak1)} | "
-              f"{ms / ms1:.2f}x; {peak / peak1:.2f}x")
+        row = {w: (1e3 * max(r[w]["seconds"] for r in res), res[0][w]["calls"],
+                   max(r[w]["peak"] for r in res)) for w in STACKED}
+        (ms, _, peak), (ms1, _, peak1), (msr, _, peakr) = (row[w] for w in STACKED)
+        cells = " | ".join(f"{t:,.1f}, {c}, {_mib(p)}" for t, c, p in row.values())
+        print(f"| {n} | {cells} | {ms / ms1:.2f}x; {peak / peak1:.2f}x | "
+              f"{ms / msr:.2f}x; {peak / peakr:.2f}x |")
 
 
 def measure(cfg: Config, worlds: list[int]) -> list[dict]:
