@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .. import forward as _draws
 from .._adapt import batch_share, inner_loop, inner_steps
 from .._data import Batch, Task
 from .._types import LossFn, Params, Reduce, Supports
@@ -37,6 +38,7 @@ from ._base import need_loss
 from ._exact import Adapted
 from ._learner import Learner
 from ._maml import MAML
+from ._stacked import stacked_task_losses, use_batched
 
 MIN_NON_FINAL = 0.03
 """The paper code's floor of each non-final step's weight, times the number of steps."""
@@ -72,8 +74,10 @@ class MAMLPlusPlus(MAML):
         first_order: first order throughout.
         per_step_bn: BatchNorm weights, biases and running statistics per inner step (BNWB,
             BNRS); ``False``: the model's own, adapted like any weight, as in MAML.
-        autocast, conv: as :class:`metaddp.MAML` (tasks run one by one: each inner step
-            scores the query set too).
+        autocast, conv: as :class:`metaddp.MAML`.
+        batched: ``True`` stacks the tasks (every inner step's query loss too), as MAML's
+            ``batched``; per-step BatchNorm is not stacked, so it is refused there. ``False``
+            (the default) runs them one by one, ``None`` lets MAML's rule choose.
 
     ``learner.module.at_step(i)`` before meta-step ``i`` drives the schedules;
     ``metaddp train`` calls it.
@@ -82,6 +86,9 @@ class MAMLPlusPlus(MAML):
     supports: ClassVar[Supports] = Supports(
         deterministic=True, autocast=True, inner_optimizer=False, capture=False, sharded=True
     )
+    # Stacked tasks take MAML++'s multi-step loss (task_losses); per-step BatchNorm, which
+    # they do not, is refused when batched=True is set.
+    stackable: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -94,6 +101,7 @@ class MAMLPlusPlus(MAML):
         first_order: bool = False,
         per_step_bn: bool = True,
         autocast: torch.dtype | None = None,
+        batched: bool | None = False,
         conv: str = "auto",
     ) -> None:
         for name, v in (("msl_steps", msl_steps), ("first_order_steps", first_order_steps)):
@@ -105,7 +113,7 @@ class MAMLPlusPlus(MAML):
             steps=steps,
             first_order=first_order,
             autocast=autocast,
-            batched=False,
+            batched=batched,
             conv=conv,
         )
         self.msl_steps, self.first_order_steps = msl_steps, first_order_steps
@@ -132,6 +140,7 @@ class MAMLPlusPlus(MAML):
             assert m.running_mean is not None and m.running_var is not None
             self.register_buffer(f"step_mean_{j}", m.running_mean.unsqueeze(0).repeat(steps, 1))
             self.register_buffer(f"step_var_{j}", m.running_var.unsqueeze(0).repeat(steps, 1))
+        self.batched = batched  # checked again, now that the per-step BatchNorm is known
         like = self.fast_weights()
         self.names = list(like)
         # One rate per tensor and per step (nn.ParameterList: names may hold '.').
@@ -195,6 +204,43 @@ class MAMLPlusPlus(MAML):
 
     def inner_optimizer(self) -> InnerOptimizer:
         return per_step_sgd(dict(zip(self.names, self.lslr, strict=True)))
+
+    @property
+    def batched(self) -> bool | None:
+        """As :attr:`metaddp.MAML.batched`; ``True`` is refused with per-step BatchNorm."""
+        return self._batched
+
+    @batched.setter
+    def batched(self, value: bool | None) -> None:
+        if value and (getattr(self, "bn_keys", None) or getattr(self, "stat_layers", None)):
+            raise ValueError(
+                "MAML++'s per-step BatchNorm weights and statistics (per_step_bn) are not "
+                "stacked: build it with per_step_bn=False to stack its tasks, or leave "
+                "batched=False"
+            )
+        MAML.batched.fset(self, value)  # type: ignore[attr-defined]
+
+    def task_losses(self, tasks: Sequence[Task], loss_fn: LossFn, reduce: Reduce) -> Tensor:
+        """Stacked where MAML would stack (``batched``) and no per-step BatchNorm: every
+        inner step's query shares, weighted; else :meth:`task_loss` one task at a time."""
+        per_step = bool(self.bn_keys or self.stat_layers)
+        scaled = self.loss_scale is not None and self.autocast == torch.float16
+        if per_step or scaled or not use_batched(self.batched, tasks, self.model):
+            return super(MAML, self).task_losses(tasks, loss_fn, reduce)
+        self._require_told()
+        with _draws.stacked_tasks(len(tasks)):
+            return stacked_task_losses(
+                self.model,
+                self.fast_weights(),
+                tasks,
+                loss_fn,
+                steps=self.steps,
+                optimizer=self.inner_optimizer(),
+                first_order=not self.second_order_now(),
+                reduce=reduce,
+                conv=self.conv,
+                step_weights=self.weights_now(),
+            )
 
     def deterministic_refusal(self) -> str | None:
         if self.bn_keys or self.stat_layers:

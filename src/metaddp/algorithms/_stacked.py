@@ -220,6 +220,7 @@ def stacked_task_losses(
     replay: Replay | None = None,
     extras: Sequence[Tensor] = (),
     conv: ConvChoice = GROUPED,
+    step_weights: Sequence[float] | None = None,
 ) -> Tensor:
     """Sum over ``tasks`` of their query shares after ``steps`` inner steps.
 
@@ -242,6 +243,8 @@ def stacked_task_losses(
         extras: what the optimizer reads that needs a gradient (learned rates), with
             ``rematerialize``.
         conv: how the stacked forward convolutions run (:class:`ConvChoice`).
+        step_weights: MAML++'s multi-step loss: the query shares after every inner step,
+            step ``i``'s weighed by ``step_weights[i]``, in place of the last step's alone.
 
     Returns:
         A scalar: the sum of this rank's query shares of its tasks.
@@ -268,6 +271,7 @@ def stacked_task_losses(
         )
     buffers = None if stats is None else stats.copies
     if remat:
+        assert step_weights is None  # MAML++ takes no memory mode
         # memory="low": every task's steps at once, one stacked step's graph at a time.
         return rematerialized_loss(
             lambda w, _, __: stacked_shares(
@@ -283,6 +287,7 @@ def stacked_task_losses(
             replay=replay,
         )
     state = optimizer.init(fast)
+    weighted: Tensor | None = None
     with torch.enable_grad():
         for step in range(steps):
             # Task t's share depends on row t only, so the gradient of the sum is every
@@ -293,8 +298,15 @@ def stacked_task_losses(
             fast, state = inner_step(
                 total, fast, state, optimizer, step=step, reduce=reduce, first_order=first_order
             )
-        out = stacked_shares(model, fast, qx, qy, qn, loss_fn, buffers, conv=conv, start=q0)
-        out = out.sum()
+            if step_weights is not None and (w := step_weights[step]):
+                q = stacked_shares(model, fast, qx, qy, qn, loss_fn, buffers, conv=conv, start=q0)
+                weighted = w * q.sum() if weighted is None else weighted + w * q.sum()
+        if step_weights is None:
+            out = stacked_shares(model, fast, qx, qy, qn, loss_fn, buffers, conv=conv, start=q0)
+            out = out.sum()
+        else:
+            assert weighted is not None  # the last weight is never 0
+            out = weighted
     if stats is not None:
         stats.commit()  # the layers' statistics as the loop leaves them
     return out
