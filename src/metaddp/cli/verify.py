@@ -187,14 +187,16 @@ def sharded() -> list[Check]:
 
 def deterministic(c: Check) -> Check | None:
     """``c`` in deterministic mode (float32, bit identity required), or ``None`` where the
-    mode does not apply (the seed's hand-written loop; ANIL, Reptile, iMAML)."""
-    if not isinstance(c.problem, S.Problem) or c.problem.algorithm not in DETERMINISTIC:
+    mode does not apply (the seed's hand-written loop, the bilevel problems, sharded
+    weights): every algorithm that declares the mode (``Supports.deterministic``)."""
+    if not isinstance(c.problem, S.Problem) or c.problem.shard:  # sharded: whole weights
         return None
-    if c.problem.shard:  # deterministic mode holds every weight whole
+    if not c.problem.build_algorithm().supports.deterministic:
         return None
-    # BatchNorm without running statistics (MAML's own): buffers cannot be updated per chunk.
+    # BatchNorm without running statistics (MAML's own): buffers cannot be updated per chunk;
+    # the mode cuts and stacks its own chunks, so no stacking is asked for.
     problem = dataclasses.replace(
-        c.problem, dtype=torch.float32, deterministic=True, running_stats=False
+        c.problem, dtype=torch.float32, deterministic=True, running_stats=False, batched=None
     )
     return dataclasses.replace(c, problem=problem, tolerance=0.0)
 
@@ -216,7 +218,6 @@ def compared(scenario: str, layout: str) -> list[tuple[str, S.Problem]]:
     ]
 
 
-DETERMINISTIC = ("maml", "fomaml", "metasgd")
 COMPARED_SCENARIOS = ("mamlpp", "protonet", "protomaml", "boil", "cavia")
 ALGORITHM_SCENARIOS = ("fomaml", "metasgd", "anil", "reptile", "imaml")
 BILEVEL_SCENARIOS = tuple(f"bilevel-{m}" for m in METHODS)
