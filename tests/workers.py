@@ -225,7 +225,8 @@ def half_precision_tags(dtype_name: str) -> list[str]:
 F32 = torch.float32
 # Sizes make shards uneven at every world size (13 support samples cut into 7 chunks of 2,
 # 11 query ones into 6), leave ranks without a chunk (2 support samples: 2 chunks over 3-4
-# ranks) and without a task (3 tasks over 4 ranks in the task layout).
+# ranks) and without a task (3 tasks over 4 ranks in the task layout; iMAML's 2 over 3 and
+# 4, whose empty ranks still take part in the backward's sums).
 CASES_DETERMINISTIC = {
     "mlp-sample": S.Problem("mlp", steps=2, layout="sample"),
     "mlp-task3": S.Problem("mlp", n_tasks=3, steps=1, layout="task"),
@@ -236,6 +237,7 @@ CASES_DETERMINISTIC = {
     "conv-bn-sample": S.Problem("conv", steps=2, batchnorm=True, running_stats=False),
     "conv-bn-hybrid": S.Problem("conv", n_tasks=3, steps=1, batchnorm=True, running_stats=False,
                                 layout="hybrid"),
+    "imaml-task-empty": S.Problem("mlp", n_tasks=2, steps=2, algorithm="imaml", layout="task"),
     # Dropout on: every chunk draws its samples' keyed masks.
     "transformer-hybrid": S.Problem("transformer", n_tasks=3, steps=2, n_support=7, n_query=6,
                                     layout="hybrid"),

@@ -20,7 +20,7 @@ from .._data import Batch, Task
 from .._functional import call, params_of
 from .._remat import Replay
 from .._types import LossFn, Params, Reduce, Supports
-from ..forward import keyed_forward, routes
+from ..forward import keyed_forward, needs_routes, routes
 from ..inner import DEFAULT_LOSS_SCALE, InnerOptimizer, LossScale
 from ._base import Algorithm, OptimizerFactory, need_loss
 from ._exact import Adapted
@@ -136,12 +136,16 @@ class ANIL(Algorithm):
     def deterministic_refusal(self) -> str | None:
         """Why this ANIL, as configured, has no deterministic form, or ``None`` (read when
         the wrapper is built)."""
-        if self.memory != "default" or self.autocast is not None:
+        if needs_routes(self.model):
+            # The default mode draws the body's dropout once per task, on the support and the
+            # query; the chunks here run the body at every step, which would draw others.
             return (
-                "deterministic mode keeps every inner step's graph, in the parameters' dtype: "
-                "use memory='default' and no autocast"
+                "deterministic ANIL runs its body on every chunk of every inner step, where "
+                "the default mode runs it once per task: with dropout or attention in the "
+                "model its draws would differ. Use MAML (which adapts every weight) or "
+                "build MetaDDP without deterministic=True"
             )
-        return None
+        return super().deterministic_refusal()
 
     def exact_meta_loss(
         self, tasks: Sequence[Task], loss_fn: LossFn, n_tasks: int, sums: Any

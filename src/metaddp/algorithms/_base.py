@@ -594,6 +594,26 @@ class Algorithm(nn.Module):
         with draws:
             return self.task_losses(tasks, loss_fn, c.reduce) / n_tasks
 
+    def deterministic_refusal(self) -> str | None:
+        """Why this algorithm, as configured, has no deterministic form
+        (``MetaDDP(..., deterministic=True)``), or ``None``: read when the wrapper is built
+        and again at every deterministic meta-step (settings can change)."""
+        if self.memory != "default" or self.autocast is not None:
+            return (
+                "deterministic mode keeps every inner step's graph, in the parameters' dtype: "
+                "use memory='default' and no autocast"
+            )
+        # Buffers saved with the model (BatchNorm's running statistics), not placeholders
+        # that stand for fast weights (CAVIA's context, ProtoMAML's head).
+        saved = self.model.state_dict()
+        if any(name in saved for name, _ in self.model.named_buffers()):
+            return (
+                "deterministic mode cannot run models with buffers (BatchNorm's running "
+                "statistics are updated in place per task): build BatchNorm layers with "
+                "track_running_stats=False, as MAML does"
+            )
+        return None
+
     def exact_meta_loss(
         self, tasks: Sequence[Task], loss_fn: LossFn, n_tasks: int, sums: Any
     ) -> Tensor:

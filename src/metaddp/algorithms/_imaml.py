@@ -148,8 +148,8 @@ class IMAML(Algorithm):
         it would alone; the implicit meta-gradients summed over the task axis."""
         optimizer, lam = self.inner_optimizer(), self.lam
         adapted = Adapted(self.model, self.fast_weights(), tasks, loss_fn, sums=sums)
-        if not adapted.n_local:
-            loss = sums.total(adapted.nothing())
+        if not adapted.n_local:  # the value's sum is detached on every rank, as below
+            loss = sums.total(adapted.nothing().detach())
             return loss + sums.total_tasks(adapted.nothing())
         theta = {k: t.detach() for k, t in adapted.start.items()}
         adapted.run(

@@ -142,11 +142,8 @@ class MAML(Algorithm):
                 f"deterministic mode runs MAML's own task loss, which {name} overrides: build "
                 "MetaDDP without deterministic=True to train it (exact to rounding)"
             )
-        if self.memory != "default" or self.autocast is not None:
-            return (
-                "deterministic mode keeps every inner step's graph, in the parameters' dtype: "
-                "use memory='default' and no autocast"
-            )
+        if (why := super().deterministic_refusal()) is not None:
+            return why
         if self.batched is not None:
             return (
                 f"deterministic mode cuts every batch into chunks and stacks them itself "

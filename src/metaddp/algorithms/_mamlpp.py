@@ -249,9 +249,7 @@ class MAMLPlusPlus(MAML):
                 "deterministic form: build it with per_step_bn=False for deterministic=True "
                 "(metaddp train: --norm none)"
             )
-        if self.autocast is not None:
-            return "deterministic mode runs in the parameters' dtype: use no autocast"
-        return None
+        return super(MAML, self).deterministic_refusal()
 
     def _require_told(self) -> None:
         if (self.msl_steps or self.first_order_steps) and not self.told:

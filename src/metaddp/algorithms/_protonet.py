@@ -99,8 +99,8 @@ class ProtoNet(Algorithm):
     ) -> Tensor:
         """Deterministic mode: class sums of every support chunk summed order-free into the
         prototypes, every query chunk scored against them (:mod:`metaddp.algorithms._exact`)."""
-        if self.autocast is not None:
-            raise ValueError("deterministic mode runs in the parameters' dtype: use no autocast")
+        if (why := self.deterministic_refusal()) is not None:
+            raise ValueError(why)
         adapted = Adapted(self.model, params_of(self.model), tasks, loss_fn, sums=sums)
         return adapted.prototype_loss(self.ways, n_tasks)
 
@@ -226,8 +226,8 @@ class ProtoMAML(Algorithm):
     ) -> Tensor:
         """Deterministic mode: the head's start from prototypes summed order-free over the
         support's chunks, then MAML's chunked inner loop (:mod:`metaddp.algorithms._exact`)."""
-        if self.autocast is not None:
-            raise ValueError("deterministic mode runs in the parameters' dtype: use no autocast")
+        if (why := self.deterministic_refusal()) is not None:
+            raise ValueError(why)
         adapted = Adapted(
             self.model, params_of(self.model), tasks, loss_fn, sums=sums, extra=("weight", "bias")
         )

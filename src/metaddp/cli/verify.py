@@ -191,13 +191,14 @@ def deterministic(c: Check) -> Check | None:
     weights): every algorithm that declares the mode (``Supports.deterministic``)."""
     if not isinstance(c.problem, S.Problem) or c.problem.shard:  # sharded: whole weights
         return None
-    if not c.problem.build_algorithm().supports.deterministic:
-        return None
     # BatchNorm without running statistics (MAML's own): buffers cannot be updated per chunk;
     # the mode cuts and stacks its own chunks, so no stacking is asked for.
     problem = dataclasses.replace(
         c.problem, dtype=torch.float32, deterministic=True, running_stats=False, batched=None
     )
+    algorithm = problem.build_algorithm()
+    if not algorithm.supports.deterministic or algorithm.deterministic_refusal() is not None:
+        return None  # e.g. ANIL with dropout in its body
     return dataclasses.replace(c, problem=problem, tolerance=0.0)
 
 
