@@ -195,11 +195,18 @@ class MAML(Algorithm):
                     loss_fn,
                     steps=self.steps,
                     optimizer=self.inner_optimizer(),
-                    first_order=self.first_order,
                     reduce=reduce,
-                    rematerialize=self._rematerialize(),
-                    replay=self._replay(),
-                    extras=self._needing_grad(),
                     conv=self.conv,
+                    **self.stacked_options(),
                 )
         return super().task_losses(tasks, loss_fn, reduce)
+
+    def stacked_options(self) -> dict[str, Any]:
+        """What the stacked executor takes from this algorithm beyond its weights, tasks and
+        optimizer (:func:`metaddp.algorithms._stacked.stacked_task_losses`)."""
+        return dict(
+            first_order=self.first_order,
+            rematerialize=self._rematerialize(),
+            replay=self._replay(),
+            extras=self._needing_grad(),
+        )

@@ -29,7 +29,6 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .. import forward as _draws
 from .._adapt import batch_share, inner_loop, inner_steps
 from .._data import Batch, Task
 from .._types import LossFn, Params, Reduce, Supports
@@ -38,7 +37,6 @@ from ._base import need_loss
 from ._exact import Adapted
 from ._learner import Learner
 from ._maml import MAML
-from ._stacked import stacked_task_losses, use_batched
 
 MIN_NON_FINAL = 0.03
 """The paper code's floor of each non-final step's weight, times the number of steps."""
@@ -223,24 +221,13 @@ class MAMLPlusPlus(MAML):
     def task_losses(self, tasks: Sequence[Task], loss_fn: LossFn, reduce: Reduce) -> Tensor:
         """Stacked where MAML would stack (``batched``) and no per-step BatchNorm: every
         inner step's query shares, weighted; else :meth:`task_loss` one task at a time."""
-        per_step = bool(self.bn_keys or self.stat_layers)
-        scaled = self.loss_scale is not None and self.autocast == torch.float16
-        if per_step or scaled or not use_batched(self.batched, tasks, self.model):
+        if self.bn_keys or self.stat_layers:
             return super(MAML, self).task_losses(tasks, loss_fn, reduce)
+        return super().task_losses(tasks, loss_fn, reduce)
+
+    def stacked_options(self) -> dict[str, Any]:
         self._require_told()
-        with _draws.stacked_tasks(len(tasks)):
-            return stacked_task_losses(
-                self.model,
-                self.fast_weights(),
-                tasks,
-                loss_fn,
-                steps=self.steps,
-                optimizer=self.inner_optimizer(),
-                first_order=not self.second_order_now(),
-                reduce=reduce,
-                conv=self.conv,
-                step_weights=self.weights_now(),
-            )
+        return dict(first_order=not self.second_order_now(), step_weights=self.weights_now())
 
     def deterministic_refusal(self) -> str | None:
         if self.bn_keys or self.stat_layers:
