@@ -142,8 +142,8 @@ class ANIL(Algorithm):
             return (
                 "deterministic ANIL runs its body on every chunk of every inner step, where "
                 "the default mode runs it once per task: with dropout or attention in the "
-                "model its draws would differ. Use MAML (which adapts every weight) or "
-                "build MetaDDP without deterministic=True"
+                "model its draws would differ. Use MAML (which adapts every weight), or "
+                "train without deterministic mode"
             )
         return super().deterministic_refusal()
 

@@ -488,11 +488,13 @@ class TrainConfig:
         return build(self.algorithm, model, self.algorithm_settings())
 
     def check_algorithm(self, algorithm: Any) -> None:
-        """The rules that need the built algorithm: with :attr:`shard`, its own refusal of
-        sharded meta-parameters (``Algorithm.sharded_refusal``)."""
-        refusal = getattr(algorithm, "sharded_refusal", None)
-        if self.shard and callable(refusal) and (why := refusal()) is not None:
-            raise ValueError(f"shard: {why}")
+        """The rules that need the built algorithm: with :attr:`shard` or
+        :attr:`deterministic`, its own refusal of the mode (``Algorithm.sharded_refusal``,
+        ``Algorithm.deterministic_refusal``)."""
+        for on, rule in ((self.shard, "sharded"), (self.deterministic, "deterministic")):
+            refusal = getattr(algorithm, f"{rule}_refusal", None)
+            if on and callable(refusal) and (why := refusal()) is not None:
+                raise ValueError(f"{'shard' if rule == 'sharded' else rule}: {why}")
 
     def samples_per_task(self, world: int) -> int:
         """How many processes split each task on ``world`` processes under :attr:`layout`
