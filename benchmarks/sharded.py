@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -237,6 +238,17 @@ def name(key: tuple[str, str, int]) -> str:
     return "/".join(map(str, key))
 
 
+def meta_step(made: dict, key, mode=None) -> None:  # type: ignore[no-untyped-def]
+    """One timed unit: ``made[key]``'s meta-loss, backward, gradient sum and Adam step,
+    inside ``mode`` (a :class:`Probe`) if given."""
+    learner, opt, tasks = made[key]
+    opt.zero_grad(set_to_none=True)
+    with mode or contextlib.nullcontext():
+        learner.meta_loss(tasks, loss_fn).backward()
+        learner.sync_grads()
+    opt.step()
+
+
 def worker(cfg: Config) -> dict:
     """On each rank: every variant's learner, one warm-up step each, one step each under
     :class:`Probe` and ``metaddp.distributed.counting()``, then the timed rounds."""
@@ -251,13 +263,7 @@ def worker(cfg: Config) -> dict:
         opt = torch.optim.Adam(learner.parameters(), lr=1e-4)
         made[key] = (learner, opt, learner.shard(cfg.tasks(n_tasks)))
 
-    def step(key, mode=None) -> None:  # type: ignore[no-untyped-def]
-        learner, opt, tasks = made[key]
-        opt.zero_grad(set_to_none=True)
-        with mode or contextlib.nullcontext():
-            learner.meta_loss(tasks, loss_fn).backward()
-            learner.sync_grads()
-        opt.step()
+    step = functools.partial(meta_step, made)
 
     def held(key) -> dict:  # type: ignore[no-untyped-def]
         learner, opt, _ = made[key]
@@ -328,13 +334,7 @@ def stacked_worker(cfg: Config) -> dict:
         made[what] = (learner, torch.optim.Adam(learner.parameters(), lr=1e-4),
                       learner.shard(cfg.tasks(cfg.n_tasks)))
 
-    def step(batched: str, mode=None) -> None:  # type: ignore[no-untyped-def]
-        learner, opt, tasks = made[batched]
-        opt.zero_grad(set_to_none=True)
-        with mode or contextlib.nullcontext():
-            learner.meta_loss(tasks, loss_fn).backward()
-            learner.sync_grads()
-        opt.step()
+    step = functools.partial(meta_step, made)
 
     out: dict = {}
     for batched in made:
