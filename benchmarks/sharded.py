@@ -434,7 +434,7 @@ def print_world(row: dict, cfg: Config) -> None:
     for k in KINDS:
         print(f"| {k} bytes | {r['bytes'][k]:,} | {lp['bytes'][k]:,} | {s['bytes'][k]:,} | |")
     least = zero3_minimum(cfg, t)
-    for k in ("all_gather", "reduce_scatter"):
+    for k in ("all_gather", "reduce_scatter") if n > 1 else ():  # one process cuts nothing
         print(f"| {k} bytes, the least a sharded step moves (measured / least) | - | - "
               f"| {least[k]:,.0f} | {s['bytes'][k] / least[k]:.2f} |")
     print("| collective calls (gather, scatter, all-reduce) | "
