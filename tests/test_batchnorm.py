@@ -73,23 +73,34 @@ def test_eval_mode_uses_running_statistics():
     torch.testing.assert_close(got, a(x), rtol=0, atol=0)  # the same F.batch_norm call: exact
 
 
-def test_module_is_restored_and_nesting_refused():
+def test_nothing_of_the_module_is_replaced_and_nesting_is_refused():
     model = net(nn.BatchNorm1d)
     bn = model[1]
+    before = dict(vars(bn))
+
+    def hooked():
+        return len(bn._forward_pre_hooks) + len(bn._forward_hooks)
+
     with sync_batchnorm(model, identity):
-        assert "forward" in bn.__dict__
+        assert "forward" not in bn.__dict__ and hooked() == 2  # hooks, not a patched method
         with pytest.raises(RuntimeError, match="already synchronized"):
             with sync_batchnorm(model, identity):
                 pass
-    assert "forward" not in bn.__dict__
+    assert hooked() == 0 and vars(bn).keys() == before.keys()
     handle = sync_batchnorm(model, identity)  # without `with`: until remove()
-    assert "forward" in bn.__dict__
+    assert hooked() == 2
     handle.remove()
-    assert "forward" not in bn.__dict__
+    assert hooked() == 0
     with pytest.raises(ValueError, match="boom"):
         with sync_batchnorm(model, identity):
             raise ValueError("boom")
-    assert "forward" not in bn.__dict__
+    assert hooked() == 0
+    # A forward that raises inside the layer leaves no mode behind: the next forward, outside
+    # any synchronisation, is PyTorch's own.
+    with sync_batchnorm(model, lambda ts: 1 / 0):
+        with pytest.raises(ZeroDivisionError):
+            model(data(nn.BatchNorm1d))
+    torch.testing.assert_close(model(data(nn.BatchNorm1d)), net(nn.BatchNorm1d)(data(nn.BatchNorm1d)), rtol=0, atol=0)
 
 
 def test_global_statistics_come_from_reduce():
