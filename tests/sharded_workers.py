@@ -121,13 +121,21 @@ def checked() -> dict:
     """The transformer's sharded step in check mode (every forward's weights compared across
     the sample group, after each layer's gather): the meta-gradient, gathered."""
     p = dataclasses.replace(PROBLEMS["transformer"], layout="hybrid")
-    learner = md.MetaDDP(p.build_algorithm(), S.mesh_for(p.layout), shard=True, check=True,
+    algorithm = p.build_algorithm()
+
+    def attributes() -> set:
+        return {(n, a) for n, m in algorithm.model.named_modules() for a in vars(m)}
+
+    before = attributes()
+    learner = md.MetaDDP(algorithm, S.mesh_for(p.layout), shard=True, check=True,
                          unit_bytes=0)
     loss = learner.meta_loss(learner.shard(p.n_tasks, p.task), p.loss_fn)
     loss.backward()
     learner.sync_grads()
     with learner.gathered():
-        return {k: q.grad.clone() for k, q in learner.module.model.named_parameters()}
+        grads = {k: q.grad.clone() for k, q in learner.module.model.named_parameters()}
+    # Nothing is written into the user's model: no attribute, no method, wrapped or not.
+    return {"grads": grads, "written": sorted(attributes() ^ before)}
 
 
 def checkpoint(root: str) -> dict:

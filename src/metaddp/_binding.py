@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -70,10 +71,26 @@ class Collectives:
 
 LOCAL = Collectives(identity_reduce, int, "one process")
 
-SHARDED = "metaddp_sharded"
-"""The attribute of a model whose trained parameters are shards: a callable that, given the
-model and the weights of a forward, returns them with every sharded one full, and whose
-``whole(weights)`` gathers them outside a forward (``metaddp.distributed._sharded.Sharding``)."""
+_SHARDINGS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+"""The models whose trained parameters are shards, each with its sharding: a callable that,
+given the model and the weights of a forward, returns them with every sharded one full, and
+whose ``whole(weights)`` gathers them outside a forward
+(``metaddp.distributed._sharded.Sharding``). Kept here, beside the model, as torch's
+composable APIs keep their per-module state: nothing is written into the user's module."""
+
+
+def sharding_of(model: nn.Module) -> Any:
+    """The sharding of ``model``'s parameters, or ``None`` (they are whole)."""
+    return _SHARDINGS.get(model)
+
+
+def set_sharding(model: nn.Module, sharding: Any) -> None:
+    """Make ``sharding`` the one of ``model``; ``None`` forgets it."""
+    if sharding is None:
+        _SHARDINGS.pop(model, None)
+    else:
+        _SHARDINGS[model] = sharding
+
 
 BINDABLE = "metaddp_bound"
 """The attribute of a module that holds its :class:`Collectives` (``None``: unbound)."""

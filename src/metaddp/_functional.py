@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ._binding import SHARDED
+from ._binding import sharding_of
 from .forward import routes
 
 Params = dict[str, Tensor]
@@ -24,7 +24,7 @@ def params_of(module: nn.Module) -> Params:
     trains). Frozen ones (``requires_grad=False``) are left out: :func:`call` reads them from
     the module, so inner loops hold them fixed too."""
     params: Params = {k: p for k, p in module.named_parameters() if p.requires_grad}
-    sharded = getattr(module, SHARDED, None)
+    sharded = sharding_of(module)
     if sharded is not None and sharded.adopted:  # FSDP2's DTensors: their rows, differentiably
         return sharded.rows_of(params)
     return params
@@ -50,7 +50,7 @@ def call(
     """
     weights: dict[str, Tensor] = dict(buffers) if buffers is not None else {}
     weights.update(params)
-    full = getattr(module, SHARDED, None)
+    full = sharding_of(module)
     if full is not None:  # sharded meta-parameters: gathered for this forward
         weights = full(module, weights)
     with routes(module):
@@ -62,7 +62,7 @@ def whole(module: nn.Module, params: Mapping[str, Tensor]) -> Mapping[str, Tenso
     where the module's meta-parameters are sharded, each rank's rows gathered, by a gather
     whose adjoint sums over the ranks that hold them; elsewhere ``params`` as they are. For
     an algorithm that reads its weights outside a forward (Reptile's displacement)."""
-    sharding = getattr(module, SHARDED, None)
+    sharding = sharding_of(module)
     return params if sharding is None else sharding.whole(params)
 
 

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import forward as _draws
 from .._adapt import check_finite, inner_step
-from .._binding import SHARDED
+from .._binding import sharding_of
 from .._data import Batch, Task
 from .._functional import call, random_layers
 from .._remat import Replay, rematerialized_loss
@@ -337,7 +337,7 @@ def use_batched(batched: bool | None, tasks: Sequence[Task], model: nn.Module) -
     """
     if batched is False or not tasks:
         return False
-    sharding = getattr(model, SHARDED, None)
+    sharding = sharding_of(model)
     if batched is None and sharding is not None and sharding.keeps_rows():
         # Sharded weights large enough to be kept as rows in graphs: stacked tasks keep them
         # whole (metaddp.distributed._sharded), T copies per forward; the loop keeps rows.

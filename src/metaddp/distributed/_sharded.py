@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .._binding import SHARDED
+from .._binding import set_sharding, sharding_of
 from ._collectives import Group, comm_device, group_rank, group_size
 from ._regather import Regather
 from ._rows import Cut, gather
@@ -89,8 +89,8 @@ class Sharding:
     """The trained parameters of one model, each cut over a sample group, and how to gather
     them for a forward.
 
-    Held by the model in its ``metaddp_sharded`` attribute while a :class:`metaddp.MetaDDP`
-    with ``shard=True`` wraps it; :func:`metaddp.functional.call` asks it for the full weights
+    Found by the model (``metaddp._binding.sharding_of``, nothing written into it) while a
+    :class:`metaddp.MetaDDP` with ``shard=True`` wraps it; :func:`metaddp.functional.call` asks it for the full weights
     of every forward. Shard-shaped tensors (the parameters themselves, fast weights made from them)
     are gathered; full-shaped ones pass as they are.
     """
@@ -245,15 +245,15 @@ class Sharding:
         if model is None:
             return
         if self.adopted:  # the DTensors were never replaced
-            if getattr(model, SHARDED, None) is self:
-                delattr(model, SHARDED)
+            if sharding_of(model) is self:
+                set_sharding(model, None)
             return
         full = self.full()
         with torch.no_grad():
             for name, p in self.parameters().items():
                 p.data = full[name]
-        if getattr(model, SHARDED, None) is self:
-            delattr(model, SHARDED)
+        if sharding_of(model) is self:
+            set_sharding(model, None)
 
     # --- forwards -----------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .._adapt import grad
-from .._binding import LOCAL, SHARDED, Collectives, bind, unbind
+from .._binding import LOCAL, Collectives, bind, set_sharding, unbind
 from .._data import Batch, BatchKey, MetaBatch, Task
 from .._types import LossFn, MetaAlgorithm, Params, identity_reduce
 from ._batchnorm import BatchNormSync, has_batchnorm, sync_batchnorm
@@ -163,7 +163,7 @@ class MetaDDP(nn.Module):
                 model, self.mesh.sample_group, unit_bytes=unit_bytes, adopt=adopt
             )
             self.sharding.cut()
-            setattr(model, SHARDED, self.sharding)
+            set_sharding(model, self.sharding)
             shards = set(map(id, self.sharding.parameters().values()))
             self.guards.sharded = (shards, self.mesh.task_group)
         self.exact = ExactSums(self.mesh, chunks) if deterministic else None
