@@ -89,10 +89,10 @@ class Sharding:
     """The trained parameters of one model, each cut over a sample group, and how to gather
     them for a forward.
 
-    Found by the model (``metaddp._binding.sharding_of``, nothing written into it) while a
-    :class:`metaddp.MetaDDP` with ``shard=True`` wraps it; :func:`metaddp.functional.call` asks it for the full weights
-    of every forward. Shard-shaped tensors (the parameters themselves, fast weights made from them)
-    are gathered; full-shaped ones pass as they are.
+    Found beside the model (``metaddp._binding.sharding_of``; nothing is written into it)
+    while a :class:`metaddp.MetaDDP` with ``shard=True`` wraps it; :func:`metaddp.functional.call`
+    asks it for the full weights of every forward. Shard-shaped tensors (the parameters
+    themselves, fast weights made from them) are gathered; full-shaped ones pass as they are.
     """
 
     def __init__(
