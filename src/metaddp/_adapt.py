@@ -176,8 +176,12 @@ def inner_step(
     first_order: bool = False,
     extra_grad: Callable[[Params], Params] | None = None,
     scale: TaskScale | None = None,
+    check: Callable[[Params, int], None] | None = None,
 ) -> tuple[Params, State]:
     """One differentiable optimizer step on ``loss``; returns the next fast weights and state.
+
+    The step of every path: the per-task loop (:func:`inner_steps`), deterministic mode's
+    chunks, the rematerialised and replayed loops and the hypergradient methods' unrolls.
 
     Args:
         loss: this process's share of the support loss, computed from ``fast``.
@@ -195,6 +199,8 @@ def inner_step(
             ``loss`` must then be computed from ``scale.watch(fast)``; the step
             differentiates ``scale.value * loss``, unscales, and is skipped where the reduced
             gradient is not finite (:func:`scaled_step`), instead of raising.
+        check: called with the step's gradient (reduced, ``extra_grad`` added) and ``step``
+            before the optimizer reads it; ``None``: :func:`check_finite`.
     """
     if scale is not None:
         return scaled_step(
@@ -211,7 +217,7 @@ def inner_step(
     if extra_grad is not None:
         extra = extra_grad(fast)
         grads = {k: g + extra[k] for k, g in grads.items()}
-    check_finite(grads, step)
+    (check_finite if check is None else check)(grads, step)
     updates, state = optimizer.update(grads, state, fast)
     return apply_updates(fast, updates), state
 

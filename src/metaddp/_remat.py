@@ -35,11 +35,11 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import forward as _draws
-from ._adapt import grad
+from ._adapt import inner_step
 from ._data import at_least
 from ._reach import shapes, unknown_leaves
 from ._types import Params, Reduce
-from .inner import InnerOptimizer, SlotState, State, apply_updates
+from .inner import InnerOptimizer, SlotState, State
 
 LossOf = Callable[[Params, "Params | None"], Tensor]
 """``query_of(fast, buffers)``: the query loss share at ``fast``, with the module's own buffers
@@ -193,16 +193,28 @@ class _Loop:
     ) -> tuple[Params, State]:
         with _draws.numbered(self.draws, k):
             loss = self.loss_of(fast, buffers, k)
-        g = grad(loss, fast, reduce=self.reduce, create_graph=create_graph)
-        if check:  # once per step, where it first runs; a rebuilt step is the same
-            self.check(g, k)
-        updates, after = self.optimizer.update(g, state, fast)
-        new = apply_updates(fast, updates)
+        seen: list[Params] = []
+
+        def checked(g: Params, k: int) -> None:
+            seen.append(g)
+            if check:  # once per step, where it first runs; a rebuilt step is the same
+                self.check(g, k)
+
+        new, after = inner_step(
+            loss,
+            fast,
+            state,
+            self.optimizer,
+            step=k,
+            reduce=self.reduce,
+            first_order=not create_graph,
+            check=checked,
+        )
         if not self.looked:  # the first step inside the function: every later one is alike
             self.looked = True
             inside = [*fast.values(), *_unzip(state)[0], *self.extras]
             roots = [loss, *new.values(), *_unzip(after)[0]]
-            _refuse_outside(roots, inside, stop=list(g.values()))
+            _refuse_outside(roots, inside, stop=list(seen[0].values()))
         return new, after
 
     def plain(

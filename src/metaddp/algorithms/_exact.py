@@ -27,12 +27,12 @@ import torch
 from torch import Tensor, nn
 
 from .. import _mask, forward
-from .._adapt import check_finite
+from .._adapt import inner_step
 from .._data import Batch, Chunks, Task
 from .._functional import call
 from .._share import check_per_sample, one_per_sample
-from .._types import LossFn, Params
-from ..inner import InnerOptimizer, apply_updates
+from .._types import LossFn, Params, identity_reduce
+from ..inner import InnerOptimizer
 from ._layers import stacked_layers
 from ._stacked import per_task
 
@@ -191,7 +191,6 @@ class Adapted:
             return
         n_local, sums = self.n_local, self.sums
         fast = {**self.start, **(extra or {})}
-        names = list(fast)
         optimizer = per_task(build, n_local, self.rates)
         support = sums.cut(self.tasks[0].support.n)
         sx, sy, sm, sw = _chunked([t.support for t in self.tasks], support)
@@ -200,22 +199,19 @@ class Adapted:
             for step in range(steps):
                 _, values = self.values(fast, sw, sx, sy, sm, support.n, support)
                 # By each task's weights: the chunk copies' backward sums their gradients
-                # order-free, and a start made from another (ProtoMAML's head, from the body's
-                # prototypes) passes its part on, as in the tasks-one-by-one loop.
-                grads = torch.autograd.grad(
+                # order-free (so no reduce follows), and a start made from another
+                # (ProtoMAML's head, from the body's prototypes) passes its part on, as in the
+                # tasks-one-by-one loop.
+                fast, state = inner_step(
                     values.sum(),
-                    [fast[k] for k in names],
-                    create_graph=not first_order,
-                    allow_unused=True,
-                    materialize_grads=True,
+                    fast,
+                    state,
+                    optimizer,
+                    step=step,
+                    reduce=identity_reduce,
+                    first_order=first_order,
+                    extra_grad=extra_grad,
                 )
-                g_fast = dict(zip(names, grads, strict=True))
-                if extra_grad is not None:
-                    more = extra_grad(fast)
-                    g_fast = {k: g + more[k] for k, g in g_fast.items()}
-                check_finite(g_fast, step)
-                updates, state = optimizer.update(g_fast, state, fast)
-                fast = apply_updates(fast, updates)
                 self.fast = fast
                 yield fast
 

@@ -54,10 +54,10 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-from .._adapt import grad, inner_step
+from .._adapt import inner_step
 from .._data import at_least
 from .._types import Params, Reduce
-from ..inner import InnerOptimizer, State, apply_updates, learned_rates
+from ..inner import InnerOptimizer, State, learned_rates
 
 Vectors = list[Tensor]
 
@@ -229,15 +229,21 @@ def _first_order(
 ) -> tuple[Params, State, _Last | None]:
     """``steps`` inner steps with no graph kept; returns the weights (new leaves), the state
     and the last step's :class:`_Last`."""
-    last, anchor = None, _anchor(p)
+    last, anchor, seen = None, _anchor(p), []
+
+    def check(g: Params, k: int) -> None:
+        seen.append(g)  # the step's reduced gradient, kept for _Last
+        p.check(g, k)
+
     for k in range(first, first + steps):
         with torch.enable_grad():
-            g = grad(p.inner(fast, k), fast, reduce=p.reduce, create_graph=False)
-        p.check(g, k)
-        with torch.no_grad():
-            updates, new_state = p.optimizer.update(g, state, fast)
-            last = _Last(fast, g, state)
-            after = apply_updates(fast, updates)
+            loss = p.inner(fast, k)
+        with torch.no_grad():  # the gradient alone is taken with a graph (first order)
+            after, new_state = inner_step(
+                loss, fast, state, p.optimizer, step=k, reduce=p.reduce, first_order=True,
+                check=check,
+            )  # fmt: skip
+        last = _Last(fast, seen.pop(), state)
         fast, state = held(after, anchor), _detached(new_state)
     return fast, state, last
 
