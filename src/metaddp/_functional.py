@@ -66,6 +66,18 @@ def whole(module: nn.Module, params: Mapping[str, Tensor]) -> Mapping[str, Tenso
     return params if sharding is None else sharding.whole(params)
 
 
+def rows_like(
+    module: nn.Module, tensors: Mapping[str, Tensor], weights: Mapping[str, Tensor]
+) -> dict[str, Tensor]:
+    """``tensors`` (by weight name, read entry by entry with the weights: learned rates) as
+    ``weights`` hold them: where the module's meta-parameters are sharded and ``weights``
+    are a rank's rows, each whole-shaped tensor cut to the same rows; elsewhere as they are."""
+    sharding = sharding_of(module)
+    if sharding is None:
+        return dict(tensors)
+    return {k: sharding.as_rows(t, weights[k]) if k in weights else t for k, t in tensors.items()}
+
+
 def draws_when_called(m: nn.Module) -> bool:
     """Whether the layer ``m`` itself draws random numbers when called now: dropout with
     ``p > 0`` or RReLU, in training mode."""

@@ -29,6 +29,7 @@ from .._functional import (
     refuse_data_parallel,
     refusing_draws,
     require_trained,
+    rows_like,
 )
 from .._remat import Replay, memory_mode, rematerialized_loop, rematerialized_loss
 from .._share import PerSampleCheck
@@ -278,7 +279,8 @@ class Algorithm(nn.Module):
         """The inner optimizer, built on the current learned rates when they are learned."""
         if self.lr is not None:
             assert self._factory is not None
-            return self._factory(self.lr.as_dict())
+            # On sharded weights, each per-entry rate's rows of this rank (where it holds rows).
+            return self._factory(rows_like(self.model, self.lr.as_dict(), self.fast_weights()))
         assert self.optimizer is not None
         return self.optimizer
 
@@ -375,13 +377,18 @@ class Algorithm(nn.Module):
         on its own (a norm or a learned per-entry rate would see one rank's rows)."""
         name = type(self).__name__
         if self.lr is not None:
-            return f"{name}(learn_lr=...) learns rates that must see every row of a weight"
-        if not self.inner_optimizer().entrywise:
+            # Learned rates are cut like the weights they go with (inner_optimizer): what
+            # must hold is the factory's optimizer, judged with one rate per tensor.
+            assert self._factory is not None
+            optimizer = self._factory({k: r.new_ones(()) for k, r in self.lr.as_dict().items()})
+        else:
+            optimizer = self.inner_optimizer()
+        if not optimizer.entrywise:
             return (
                 f"{name}'s inner optimizer is not entry by entry (a chain, a gradient clip, "
                 "rates per entry), so on shards it would see one rank's rows: use "
                 "metaddp.inner.sgd, adam, adamw, rmsprop or adagrad with number rates, or one "
-                "rate per tensor"
+                "rate per tensor (learned rates, learn_lr=, are cut with the weights)"
             )
         if self.loss_scale is not None:
             return "float16 loss scaling skips steps by a verdict over every row: use bfloat16"

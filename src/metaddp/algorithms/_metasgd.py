@@ -8,14 +8,10 @@ module (:attr:`MAML.lr`), so :class:`metaddp.MetaDDP` keeps them in sync across 
 
 from __future__ import annotations
 
-import dataclasses
-from typing import ClassVar
-
 import torch
 from torch import nn
 
 from .._remat import Replay
-from .._types import Supports
 from ..inner import DEFAULT_LOSS_SCALE, LossScale
 from ._base import OptimizerFactory
 from ._maml import MAML
@@ -33,9 +29,6 @@ class MetaSGD(MAML):
         per: ``"parameter"`` (Meta-SGD), ``"tensor"`` or ``"scalar"``.
         batched, memory: as :class:`MAML`.
     """
-
-    # Its rates are learned per entry: on shards each rank would see its own rows only.
-    supports: ClassVar[Supports] = dataclasses.replace(MAML.supports, sharded=False)
 
     def __init__(
         self,

@@ -182,6 +182,23 @@ class Sharding:
         model's DTensors' local rows (differentiable to the DTensors)."""
         return {name: local(p) for name, p in self.parameters().items()}
 
+    def as_rows(self, t: Tensor, like: Tensor) -> Tensor:
+        """``t``, shaped as a whole weight, cut to this rank's rows where ``like`` (the
+        weight as this rank holds it) is rows: a learned per-entry rate beside a sharded
+        weight. The cut is differentiable, so the rate's gradient reaches this rank's rows
+        alone, and the SUM over the mesh that every replicated tensor's gradient takes
+        completes it. A 0-d ``t``, or one shaped as ``like``, is returned as it is."""
+        if t.dim() == 0 or t.shape == like.shape:
+            return t
+        cut = Cut(t.shape, group_size(self.group), group_rank(self.group))
+        if cut.local_shape != like.shape:
+            raise ValueError(
+                f"a tensor of shape {tuple(t.shape)} read entry by entry beside a weight held "
+                f"as {tuple(like.shape)}: it must be shaped as the whole weight"
+            )
+        rows = t.reshape(cut.rows, cut.width)[cut.start : cut.start + cut.length]
+        return rows.reshape(cut.local_shape)
+
     def rows_of(self, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """``params`` with every sharded one as this rank's rows (:func:`local`)."""
         return {k: local(p) if k in self.cuts else p for k, p in params.items()}
