@@ -5,6 +5,7 @@ The multi-rank checks (world sizes 2 and 4, uneven shards) are in test_algorithm
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -124,3 +125,20 @@ def test_global_statistics_come_from_reduce():
     # Default float64 tolerances of assert_close (1e-7 relative): the value differs by n/(n-1),
     # 8% here, if the global count is not used.
     torch.testing.assert_close(model[1].running_var, h.var(0, unbiased=False) * n / (n - 1))
+
+
+def test_a_copy_of_a_synchronized_module_takes_global_statistics_too():
+    """copy.deepcopy of a wrapped model (an evaluation copy, an EMA) works, as it did when
+    the forward was replaced: its layers share the hooks, so nothing of a process group is
+    copied, and its statistics come from the same reduce."""
+    model = net(nn.BatchNorm1d)
+    seen = []
+
+    def counting(ts):
+        seen.append(len(ts))
+        return ts
+
+    with sync_batchnorm(model, counting):
+        twin = copy.deepcopy(model)
+        twin(data(nn.BatchNorm1d))
+    assert seen == [3]

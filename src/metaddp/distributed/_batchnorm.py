@@ -168,6 +168,11 @@ class _Enter:
     def __call__(self, module: nn.Module, args: tuple) -> None:
         self.mode.__enter__()
 
+    def __deepcopy__(self, memo: dict) -> _Enter:
+        # A copy of the module (copy.deepcopy) keeps its layers' hooks, shared: its
+        # statistics are global too, and nothing of the process group is copied.
+        return self
+
 
 class BatchNormSync:
     """Every BatchNorm layer of a module takes global batch statistics until :meth:`remove`.
