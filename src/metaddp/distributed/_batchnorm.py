@@ -134,20 +134,7 @@ class _Global(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _batch_norm_signature(  # noqa: ANN202
-    input,  # noqa: ANN001, A002
-    running_mean,  # noqa: ANN001
-    running_var,  # noqa: ANN001
-    weight=None,  # noqa: ANN001
-    bias=None,  # noqa: ANN001
-    training=False,  # noqa: ANN001
-    momentum=0.1,  # noqa: ANN001
-    eps=1e-5,  # noqa: ANN001
-):
-    pass
-
-
-_SIGNATURE = inspect.signature(_batch_norm_signature)  # F.batch_norm's names and defaults
+_SIGNATURE = inspect.signature(F.batch_norm)  # PyTorch's own names and defaults
 
 
 def _bound(args: tuple, kwargs: dict) -> dict[str, Any] | None:
