@@ -137,7 +137,15 @@ class _Global(TorchFunctionMode):
 _SIGNATURE = inspect.signature(F.batch_norm)  # PyTorch's own names and defaults
 
 
+_NAMES = tuple(_SIGNATURE.parameters)
+
+
 def _bound(args: tuple, kwargs: dict) -> dict[str, Any] | None:
+    a = dict(zip(_NAMES, args, strict=False))
+    if len(args) <= len(_NAMES) and not a.keys() & kwargs.keys():
+        a.update(kwargs)
+        if len(a) == len(_NAMES):  # every argument given, as torch's layers give them
+            return a
     try:
         bound = _SIGNATURE.bind(*args, **kwargs)
     except TypeError:  # a wrong call: PyTorch's own error says what is wrong
