@@ -70,7 +70,8 @@ def choices(case: Case) -> dict:
 def worker(deterministic: bool, float64_batchnorm: bool, case: Case = CASE) -> dict:
     if float64_batchnorm:
         plain = _batchnorm.synced_batch_norm
-        _batchnorm.synced_batch_norm = lambda x, *rest: plain(x.double(), *rest).to(x.dtype)
+        _batchnorm.synced_batch_norm = lambda bn, x, reduce: plain(bn, x.double(), reduce).to(
+            x.dtype)
     net = case.build()
     learner = metaddp.MetaDDP(metaddp.MAML(net, inner_lr=case.inner_lr, steps=case.steps),
                               metaddp.Mesh.for_layout("sample"), deterministic=deterministic)

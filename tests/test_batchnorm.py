@@ -74,34 +74,23 @@ def test_eval_mode_uses_running_statistics():
     torch.testing.assert_close(got, a(x), rtol=0, atol=0)  # the same F.batch_norm call: exact
 
 
-def test_nothing_of_the_module_is_replaced_and_nesting_is_refused():
+def test_module_is_restored_and_nesting_refused():
     model = net(nn.BatchNorm1d)
     bn = model[1]
-    before = dict(vars(bn))
-
-    def hooked():
-        return len(bn._forward_pre_hooks) + len(bn._forward_hooks)
-
     with sync_batchnorm(model, identity):
-        assert "forward" not in bn.__dict__ and hooked() == 2  # hooks, not a patched method
+        assert "forward" in bn.__dict__
         with pytest.raises(RuntimeError, match="already synchronized"):
             with sync_batchnorm(model, identity):
                 pass
-    assert hooked() == 0 and vars(bn).keys() == before.keys()
+    assert "forward" not in bn.__dict__
     handle = sync_batchnorm(model, identity)  # without `with`: until remove()
-    assert hooked() == 2
+    assert "forward" in bn.__dict__
     handle.remove()
-    assert hooked() == 0
+    assert "forward" not in bn.__dict__
     with pytest.raises(ValueError, match="boom"):
         with sync_batchnorm(model, identity):
             raise ValueError("boom")
-    assert hooked() == 0
-    # A forward that raises inside the layer leaves no mode behind: the next forward, outside
-    # any synchronisation, is PyTorch's own.
-    with sync_batchnorm(model, lambda ts: 1 / 0):
-        with pytest.raises(ZeroDivisionError):
-            model(data(nn.BatchNorm1d))
-    torch.testing.assert_close(model(data(nn.BatchNorm1d)), net(nn.BatchNorm1d)(data(nn.BatchNorm1d)), rtol=0, atol=0)
+    assert "forward" not in bn.__dict__
 
 
 def test_global_statistics_come_from_reduce():
@@ -128,9 +117,9 @@ def test_global_statistics_come_from_reduce():
 
 
 def test_a_copy_of_a_synchronized_module_takes_global_statistics_too():
-    """copy.deepcopy of a wrapped model (an evaluation copy, an EMA) works, as it did when
-    the forward was replaced: its layers share the hooks, so nothing of a process group is
-    copied, and its statistics come from the same reduce."""
+    """copy.deepcopy of a wrapped model (an evaluation copy, an EMA) works: its layers'
+    forward is the same synchronized one, so nothing of a process group is copied, and its
+    statistics come from the same reduce."""
     model = net(nn.BatchNorm1d)
     seen = []
 

@@ -14,44 +14,37 @@ Nothing here knows about meta-learning: ``reduce`` is any differentiable SUM (e.
 
 from __future__ import annotations
 
-import inspect
 import math
-from typing import Any
+import types
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.overrides import TorchFunctionMode
 
 from .. import _host, _mask
 from .._types import Reduce
 
 
-def synced_batch_norm(
-    x: Tensor,
-    running_mean: Tensor | None,
-    running_var: Tensor | None,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    momentum: float,
-    eps: float,
-    reduce: Reduce,
-) -> Tensor:
-    """``F.batch_norm(x, ..., training=True, ...)`` with batch statistics over every rank's
-    shard: what a layer's own ``F.batch_norm`` call becomes inside :func:`sync_batchnorm`.
+def synced_batch_norm(bn: _BatchNorm, x: Tensor, reduce: Reduce) -> Tensor:
+    """``bn(x)`` with batch statistics over every rank's shard (what ``bn.forward`` becomes).
 
-    The arguments are those the layer passes (so it works under
-    ``torch.func.functional_call``: the weights and buffers as they are at call time). Where
-    the layer tracks running statistics they are updated in place from the *global*
-    statistics (unbiased variance, as PyTorch does), hence identically on every rank.
+    Reads ``bn.weight`` / ``bn.bias`` / running buffers as they are at call time, so it works
+    under ``torch.func.functional_call``. In training mode with ``track_running_stats`` the
+    running buffers are updated in place from the *global* statistics (unbiased variance, as
+    PyTorch does), hence identically on every rank.
     """
     if x.dim() < 2:
         raise ValueError(f"BatchNorm expects input of shape [N, C, ...], got {tuple(x.shape)}")
+    use_batch = bn.training or bn.running_mean is None
+    if not use_batch:
+        return F.batch_norm(
+            x, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.0, bn.eps
+        )
     channels = x.shape[1]
     dims = [0] + list(range(2, x.dim()))
     shape = [1, channels] + [1] * (x.dim() - 2)
-    shift = (running_mean.detach() if running_mean is not None else x.new_zeros(channels)).to(
+    shift = (bn.running_mean.detach() if bn.running_mean is not None else x.new_zeros(channels)).to(
         x.dtype
     )
     xc = x - shift.view(shape)
@@ -73,12 +66,12 @@ def synced_batch_norm(
         _host.check(count, _at_least(1, empty))
     mean_c = s1 / count  # mean of (x - shift)
     var = s2 / count - mean_c * mean_c  # biased variance, used to normalise
-    y = (xc - mean_c.view(shape)) * torch.rsqrt(var + eps).view(shape)
-    if weight is not None:
-        y = y * weight.view(shape)
-    if bias is not None:
-        y = y + bias.view(shape)
-    if running_mean is not None and running_var is not None:
+    y = (xc - mean_c.view(shape)) * torch.rsqrt(var + bn.eps).view(shape)
+    if bn.weight is not None:
+        y = y * bn.weight.view(shape)
+    if bn.bias is not None:
+        y = y + bn.bias.view(shape)
+    if bn.training and bn.track_running_stats and bn.running_mean is not None:
         if not torch._C._functorch.is_functorch_wrapped_tensor(count):
             _host.check(
                 count,
@@ -88,11 +81,17 @@ def synced_batch_norm(
                     "the global batch to estimate a variance",
                 ),
             )
+        # track_running_stats registers all three buffers together.
+        assert bn.running_var is not None and bn.num_batches_tracked is not None
         with torch.no_grad():
+            bn.num_batches_tracked.add_(1)
+            f: float | Tensor = (
+                1.0 / bn.num_batches_tracked.to(x.dtype) if bn.momentum is None else bn.momentum
+            )
             mean = (mean_c + shift).detach()
             n = count.detach()
-            running_mean.mul_(1 - momentum).add_(momentum * mean)
-            running_var.mul_(1 - momentum).add_(momentum * var.detach() * (n / (n - 1)))
+            bn.running_mean.mul_(1 - f).add_(f * mean)
+            bn.running_var.mul_(1 - f).add_(f * var.detach() * (n / (n - 1)))
     return y
 
 
@@ -107,102 +106,40 @@ def has_batchnorm(module: nn.Module) -> bool:
     return any(isinstance(m, _BatchNorm) for m in module.modules())
 
 
-class _Global(TorchFunctionMode):
-    """Entered around one BatchNorm layer's forward: its ``F.batch_norm`` call with batch
-    statistics takes them over every rank (:func:`synced_batch_norm`); anything else is
-    PyTorch's."""
-
-    def __init__(self, sync: BatchNormSync) -> None:
-        super().__init__()
-        self.sync = sync
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
-        kwargs = kwargs or {}
-        if func is F.batch_norm:
-            a = _bound(args, kwargs)
-            if a is not None and a["training"]:
-                return synced_batch_norm(
-                    a["input"],
-                    a["running_mean"],
-                    a["running_var"],
-                    a["weight"],
-                    a["bias"],
-                    float(a["momentum"]),
-                    float(a["eps"]),
-                    self.sync.reduce,
-                )
-        return func(*args, **kwargs)
-
-
-_SIGNATURE = inspect.signature(F.batch_norm)  # PyTorch's own names and defaults
-
-
-_NAMES = tuple(_SIGNATURE.parameters)
-
-
-def _bound(args: tuple, kwargs: dict) -> dict[str, Any] | None:
-    a = dict(zip(_NAMES, args, strict=False))
-    if len(args) <= len(_NAMES) and not a.keys() & kwargs.keys():
-        a.update(kwargs)
-        if len(a) == len(_NAMES):  # every argument given, as torch's layers give them
-            return a
-    try:
-        bound = _SIGNATURE.bind(*args, **kwargs)
-    except TypeError:  # a wrong call: PyTorch's own error says what is wrong
-        return None
-    bound.apply_defaults()
-    return bound.arguments
-
-
-class _Enter:
-    """A layer's forward pre-hook: the layer runs inside its :class:`BatchNormSync`'s mode."""
-
-    def __init__(self, mode: _Global) -> None:
-        self.mode = mode
-
-    def __call__(self, module: nn.Module, args: tuple) -> None:
-        self.mode.__enter__()
-
-    def __deepcopy__(self, memo: dict) -> _Enter:
-        # A copy of the module (copy.deepcopy) keeps its layers' hooks, shared: its
-        # statistics are global too, and nothing of the process group is copied.
-        return self
-
-
 class BatchNormSync:
     """Every BatchNorm layer of a module takes global batch statistics until :meth:`remove`.
 
     Made by :func:`sync_batchnorm`; also a context manager that removes itself on exit.
-    Nothing of the module is replaced: each layer gets a forward pre-hook and a forward hook
-    (which runs even where the forward raises) that enter and leave a function mode around
-    the layer's own forward, so the layer's ``F.batch_norm`` call is the one that changes.
     """
 
     def __init__(self, module: nn.Module, reduce: Reduce) -> None:
         self.module = module
-        layers = [m for m in module.modules() if isinstance(m, _BatchNorm)]
-        if any(isinstance(h, _Enter) for m in layers for h in m._forward_pre_hooks.values()):
+        self.layers = [m for m in module.modules() if isinstance(m, _BatchNorm)]
+        if any(getattr(m.__dict__.get("forward"), "_metaddp_synced", False) for m in self.layers):
             raise RuntimeError(
                 "the BatchNorm layers of this module are already synchronized (MetaDDP does "
                 "it when it wraps a module, or an enclosing sync_batchnorm): do not nest it, "
                 "and call release() on a MetaDDP before wrapping its module again"
             )
+        self._saved = [m.__dict__.get("forward") for m in self.layers]
         self.reduce = reduce  # read at every call: MetaDDP.local() swaps it for the identity
-        mode = _Global(self)
+        sync = self
+        for m in self.layers:
 
-        def leave(module: nn.Module, args: tuple, output: Any) -> None:
-            mode.__exit__(None, None, None)
+            def forward(self: _BatchNorm, x: Tensor) -> Tensor:
+                return synced_batch_norm(self, x, sync.reduce)
 
-        self._handles = []
-        for m in layers:
-            self._handles.append(m.register_forward_pre_hook(_Enter(mode)))
-            self._handles.append(m.register_forward_hook(leave, always_call=True))
+            forward._metaddp_synced = True  # type: ignore[attr-defined]
+            m.forward = types.MethodType(forward, m)  # type: ignore[method-assign]
 
     def remove(self) -> None:
-        """Take the hooks off every layer."""
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        """Give every layer its own ``forward`` back."""
+        for m, f in zip(self.layers, self._saved, strict=True):
+            if f is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = f  # type: ignore[method-assign]
+        self.layers, self._saved = [], []
 
     def __enter__(self) -> nn.Module:
         return self.module
@@ -224,8 +161,8 @@ def sync_batchnorm(module: nn.Module, reduce: Reduce) -> BatchNormSync:
             still takes part).
 
     Returns:
-        A handle: ``.remove()`` takes its hooks off the layers; ``with sync_batchnorm(m,
-        reduce):`` takes them off on exit. Nothing else of the module is changed (running statistics
+        A handle: ``.remove()`` restores the layers; ``with sync_batchnorm(m, reduce):``
+        restores them on exit. Nothing else of the module is changed (running statistics
         are updated as a BatchNorm layer would, from the global statistics).
     """
     return BatchNormSync(module, reduce)
