@@ -131,3 +131,22 @@ def test_a_copy_of_a_synchronized_module_takes_global_statistics_too():
         twin = copy.deepcopy(model)
         twin(data(nn.BatchNorm1d))
     assert seen == [3]
+
+
+def test_every_way_a_layer_is_called_takes_global_statistics():
+    """A layer called as ``bn.forward(x)`` inside a model's forward, and ``nn.SyncBatchNorm``
+    (what DDP code converted with ``convert_sync_batchnorm`` holds), take their statistics
+    from the reduce as ``bn(x)`` does: otherwise each rank would silently use its own."""
+    x = data(nn.BatchNorm1d)
+    for layer in (nn.BatchNorm1d(3), nn.SyncBatchNorm(3)):
+        layer.double()
+        seen = []
+
+        def counting(ts, seen=seen):
+            seen.append(len(ts))
+            return ts
+
+        with sync_batchnorm(nn.Sequential(layer), counting):
+            layer.forward(x)
+            layer(x)
+        assert seen == [3, 3], type(layer).__name__
