@@ -274,6 +274,10 @@ def refusals() -> dict:
             .build_algorithm(), sample, shard=True)),
         "penalty": outcome(lambda: md.MetaDDP(S.BilevelProblem().build_algorithm(), sample,
                                               shard=True)),
+        # A factory that reads a learned rate as a whole would get each rank's rows of it.
+        "rates-factory": outcome(lambda: md.MetaDDP(md.MetaSGD(
+            p.build_model(), optimizer=lambda lr: md.inner.sgd({k: v / v.mean() for k, v in lr.items()})),
+            sample, shard=True)),
     }
     learner = md.MetaDDP(md.MAML(p.build_model(), inner_lr=0.1), sample, shard=True)
     model = learner.module.model
@@ -419,6 +423,9 @@ def fsdp2() -> dict:
             device_mesh, shard_placement_fn=lambda q: Shard(1) if q.shape[1:] == (16,) else None)),
         # A 1-D mesh over both ranks, but each task group of the hybrid layout is one rank.
         "mesh": refused(lambda: _fully_sharded(device_mesh), S.mesh_for("hybrid")),
+        # ANIL shards its body alone: a head cut by fully_shard is refused by name.
+        "ANIL": refused(lambda: _fully_sharded(device_mesh),
+                        algorithm=lambda net, inner_lr: md.ANIL(net[:-1], net[-1], inner_lr=inner_lr)),
         "Meta-SGD": refused(lambda: _fully_sharded(device_mesh), algorithm=md.MetaSGD),
     }
     return out

@@ -276,6 +276,7 @@ def test_sharded_mistakes_are_errors(results, world):
     assert "build it with per_step_bn=False" in out["per_step_bn"]
     assert "not entry by entry" in out["clip"]
     assert out["learn_lr"] is None  # one learned rate: its gradient summed over the mesh
+    assert "optimizer factory of its own" in out["rates-factory"]
     assert "deterministic=True and shard=True do not combine" in out["deterministic"]
     assert "not one" in out["bare-model"]
     assert "use Unrolled" in out["implicit"]
@@ -343,10 +344,8 @@ def test_fsdp2_settings_metaddp_cannot_adopt_are_refused_with_what_to_do(results
     assert "(Shard(dim=1),)" in refused["Shard(1)"] and "Shard(0)" in refused["Shard(1)"]
     assert "MetaDDP's sample group here is ranks [0]" in refused["mesh"]
     assert "mesh.device_mesh['sample']" in refused["mesh"]
-    # An algorithm without the sharded layout: its own refusal, said of the FSDP2 model.
-    meta_sgd = refused.pop("Meta-SGD")
-    assert meta_sgd.startswith("a model sharded by FSDP2 runs as with shard=True, and ")
-    assert "MetaSGD" in meta_sgd
+    assert refused.pop("Meta-SGD") == "ran"  # its learned rates are cut with the weights
+    assert "outside the part of the model that ANIL shards" in refused["ANIL"]
     for message in refused.values():
         assert message.startswith("a model sharded by FSDP2: ")
 

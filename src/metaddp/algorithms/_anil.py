@@ -20,7 +20,7 @@ from .._data import Batch, Task
 from .._functional import call, params_of
 from .._remat import Replay
 from .._types import LossFn, Params, Reduce, Supports
-from ..forward import keyed_forward, needs_routes, routes
+from ..forward import keyed_forward, needs_routes
 from ..inner import DEFAULT_LOSS_SCALE, InnerOptimizer, LossScale
 from ._base import Algorithm, OptimizerFactory, need_loss
 from ._exact import Adapted
@@ -51,7 +51,7 @@ class ANIL(Algorithm):
 
     model: BodyHead  # what __init__ builds: ``self.model.body`` / ``.head`` are modules
     supports: ClassVar[Supports] = Supports(
-        deterministic=True, low_memory=True, autocast=True, learn_lr=True
+        deterministic=True, low_memory=True, autocast=True, learn_lr=True, sharded=True
     )
 
     def __init__(
@@ -86,9 +86,8 @@ class ANIL(Algorithm):
     def features(self, batch: Batch) -> Batch:
         """``batch`` with the body's features in place of its inputs (where its samples start
         stays known): one forward of the current task, its dropout keyed by the samples."""
-        body = self.model.body
-        with keyed_forward(batch), routes(body):
-            return batch._replace(x=body(batch.x))
+        with keyed_forward(batch):
+            return batch._replace(x=call(self.model.body, {}, batch.x))
 
     def adapt_features(
         self,
@@ -118,20 +117,24 @@ class ANIL(Algorithm):
                 self.features(support),
                 self.per_sample(loss_fn, c),
                 steps=steps,
-                reduce=c.reduce,
+                reduce=_whole(c.reduce),
                 extra_grad=self.extra_grad(),
             )
 
     def forward(self, x: Tensor, fast: Mapping[str, Tensor] | None = None) -> Tensor:
         """``head(body(x))`` with the head on ``fast`` (names relative to the head)."""
-        head, body = self.model.head, self.model.body
-        with routes(body):  # the body's dropout, keyed where a forward's key is open
-            features = body(x)
-        return call(head, fast if fast is not None else self.fast_weights(), features)
+        # The body's dropout is keyed where a forward's key is open (metaddp.forward).
+        features = call(self.model.body, {}, x)
+        return call(self.model.head, fast if fast is not None else self.fast_weights(), features)
 
     def task_loss(self, task: Task, loss_fn: LossFn, *, reduce: Reduce) -> Tensor:
         support, query = self.features(task.support), self.features(task.query)
-        return self.adapted_loss(support, query, loss_fn, reduce=reduce)
+        return self.adapted_loss(support, query, loss_fn, reduce=_whole(reduce))
+
+    def sharded_module(self) -> nn.Module:
+        """The body: with ``shard=True`` its weights are rows, gathered for each of its
+        passes; the head, which the inner loop adapts, stays whole on every rank."""
+        return self.model.body
 
     def deterministic_refusal(self) -> str | None:
         """Why this ANIL, as configured, has no deterministic form, or ``None`` (read when
@@ -177,3 +180,11 @@ class ANIL(Algorithm):
         )
         adapted.run(self.steps, self.first_order, build)
         return adapted.query_loss(n_tasks)
+
+
+def _whole(reduce: Reduce) -> Reduce:
+    """The SUM of the head's inner gradients. Where the body is sharded the reduction tells
+    shards by their names (``by_name``), and the head's weights are whole whatever their
+    names: their gradients are summed over the sample group as any statistic is
+    (``values``); elsewhere ``reduce`` itself."""
+    return getattr(reduce, "values", reduce)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
@@ -41,9 +42,13 @@ from ..inner import (
     LearnedLR,
     LearningRate,
     LossScale,
+    adagrad,
+    adam,
+    adamw,
     hyperparameters,
     learned_rates,
     resolve_loss_scale,
+    rmsprop,
     sgd,
 )
 from ._learner import Learner
@@ -70,6 +75,14 @@ def _unknown_count(n_local: int) -> int:
         "Pass the tasks as a metaddp.MetaBatch (MetaBatch.shard(...)), which carries the "
         "global count, or wrap the algorithm in MetaDDP."
     )
+
+
+def _reads_rates_entrywise(factory: Any) -> bool:
+    """Whether ``factory(rates)`` is one of metaddp's optimizers (a ``functools.partial`` of
+    one too), which read each learned rate entry by entry."""
+    while isinstance(factory, functools.partial):
+        factory = factory.func
+    return factory in (sgd, adam, adamw, rmsprop, adagrad)
 
 
 def refuse_transform(optimizer: InnerOptimizer) -> None:
@@ -233,6 +246,12 @@ class Algorithm(nn.Module):
         """The module whose parameters the inner loop adapts (the whole model here)."""
         return self.model
 
+    def sharded_module(self) -> nn.Module | None:
+        """The module whose trained parameters ``MetaDDP(..., shard=True)`` cuts into rows:
+        the model, where the inner loop adapts all of it (its fast weights are then rows
+        too); ``None`` where it adapts a part only."""
+        return self.model if self.adapted_module() is self.model else None
+
     def task_loss(self, task: Task, loss_fn: LossFn, *, reduce: Reduce) -> Tensor:
         """This rank's share of one task's contribution to the meta-loss."""
         raise NotImplementedError
@@ -377,9 +396,18 @@ class Algorithm(nn.Module):
         on its own (a norm or a learned per-entry rate would see one rank's rows)."""
         name = type(self).__name__
         if self.lr is not None:
-            # Learned rates are cut like the weights they go with (inner_optimizer): what
-            # must hold is the factory's optimizer, judged with one rate per tensor.
+            # Learned rates are cut like the weights they go with (inner_optimizer): the
+            # factory must read each rate entry by entry, and its optimizer, judged with one
+            # rate per tensor, must be entry by entry too.
             assert self._factory is not None
+            if not _reads_rates_entrywise(self._factory):
+                return (
+                    f"{name}(learn_lr=...) with an optimizer factory of its own: on shards it "
+                    "is given each rank's rows of every rate, which a factory that reads a "
+                    "rate as a whole (its mean, its norm) would misread. Use "
+                    "metaddp.inner.sgd, adam, adamw, rmsprop or adagrad (functools.partial "
+                    "for their other settings)"
+                )
             optimizer = self._factory({k: r.new_ones(()) for k, r in self.lr.as_dict().items()})
         else:
             optimizer = self.inner_optimizer()

@@ -496,8 +496,8 @@ def refuse_sharded(module: nn.Module, deterministic: bool) -> nn.Module:
     why = getattr(module, "sharded_refusal")()  # noqa: B009 (a method of Algorithm)
     if why is not None:
         raise ValueError(f"shard=True: {why}")
-    model = getattr(module, "adapted_module")()  # noqa: B009
-    if not isinstance(model, nn.Module) or model is not getattr(module, "model", model):
+    model = getattr(module, "sharded_module")()  # noqa: B009
+    if not isinstance(model, nn.Module):
         raise ValueError(f"shard=True: {name} adapts part of its model only")
     return model
 

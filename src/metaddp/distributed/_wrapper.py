@@ -143,6 +143,16 @@ class MetaDDP(nn.Module):
             raise
         if adopt:
             assert model is not None
+            inside = {id(p) for p in model.parameters()}
+            outside = [
+                n for n, p in module.named_parameters() if is_dtensor(p) and id(p) not in inside
+            ]
+            if outside:  # ANIL shards its body alone: a head cut by fully_shard has no gather
+                raise TypeError(
+                    f"a model sharded by FSDP2: {outside[0]!r} is a DTensor outside the part "
+                    f"of the model that {type(module).__name__} shards: apply fully_shard to "
+                    "that part alone"
+                )
             why = fsdp_refusal(model, self.mesh.task_group, self.mesh.sample_group)
             if why is not None:
                 raise TypeError(f"a model sharded by FSDP2: {why}")
