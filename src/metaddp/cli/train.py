@@ -264,8 +264,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action=argparse.BooleanOptionalAction,
         default=S,
         help="keep only each process's rows of the meta-parameters, their gradients and "
-        "Adam's state, cut over the processes that split each task (ZeRO-3; maml, fomaml, "
-        "reweight, erm): the same numbers, 1/N of the memory for them. Needs --layout sample, "
+        "Adam's state, cut over the processes that split each task (ZeRO-3; every "
+        "algorithm): the same numbers, 1/N of the memory for them. Needs --layout sample, "
         "or hybrid with more than one process per task group (4 or more processes); on one "
         "process it cuts nothing. Checkpoints are then sharded (torch.distributed.checkpoint) "
         "and resume at any --nproc; --no-shard resumes one replicated",
