@@ -166,9 +166,6 @@ def test_a_flipped_bit_in_a_shard_falls_back_on_every_process_as_if_uninterrupte
 
 
 @pytest.mark.parametrize("option, message", [
-    (dict(algorithm="anil"),
-     "shard cuts the meta-parameters of maml, fomaml, reptile, imaml, mamlpp, protonet, "
-     "protomaml, boil, reweight, erm, not of anil"),
     (dict(deterministic=True), "deterministic runs hold every weight whole"),
     (dict(inner_clip=1.0), "drop inner_clip or shard"),
     (dict(autocast="fp16"), "use autocast bf16"),
