@@ -57,6 +57,8 @@ def run_all(root: str | None = None) -> dict:
         out["refusals"] = refusals()
     if root is not None:
         out["dcp"] = checkpoint(root)
+    if world in (1, 2):
+        out["anil-head"] = anil_head()
     if world == 1:  # one process cuts nothing (test_one_process_shard_is_a_no_op)
         return out
     out["problems"] = {name: S.run(dataclasses.replace(p, shard=True))
@@ -242,6 +244,37 @@ def regather() -> dict:
         regathers = learner.sharding.regather if learner.sharding else None
         out[way] = {"grads": grads, "gathered": stats.by_kind.get("all_gather", 0),
                     "calls": stats.calls, "packed": regathers.packed if regathers else 0}
+    return out
+
+
+def anil_head() -> dict:
+    """ANIL's hand loops on its sharded body: ``clone()`` and ``learner.grad`` by the head's
+    fast weights, named as the body's weights are ("weight", "bias") and, at 2 processes,
+    shaped as their rows ([4, 8]): the head is whole, so its gradients must be summed, not
+    passed as rows. The meta-gradient of each, gathered."""
+    out = {}
+    for how in ("clone", "grad"):
+        torch.manual_seed(0)
+        alg = md.ANIL(nn.Linear(8, 8).double(), nn.Linear(8, 4).double(), inner_lr=0.1)
+        learner = md.MetaDDP(alg, md.Mesh.create(), shard=md.world_size() > 1)
+        g = torch.Generator().manual_seed(1)
+        x, y, xq, yq = (torch.randn(n, d, generator=g, dtype=torch.float64)
+                        for n, d in ((6, 8), (6, 4), (5, 8), (5, 4)))
+        for t in learner.shard([md.Task(md.Batch(x, y, 6), md.Batch(xq, yq, 5))]):
+            if how == "clone":
+                c = learner.module.clone()
+                c.adapt(md.share(S.mse_per_sample(c(t.support.x), t.support.y).mean(1), t.support))
+                query = c(t.query.x)
+            else:
+                fast = alg.fast_weights()
+                step = learner.grad(md.share(S.mse_per_sample(alg(t.support.x, fast), t.support.y).mean(1), t.support),
+                                    fast)
+                query = alg(t.query.x, {k: v - 0.1 * step[k] for k, v in fast.items()})
+            md.share(S.mse_per_sample(query, t.query.y).mean(1), t.query).backward()
+        learner.sync_grads()
+        with learner.gathered():
+            out[how] = {k: q.grad.clone() for k, q in alg.named_parameters()}
+        learner.release()
     return out
 
 

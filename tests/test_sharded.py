@@ -269,6 +269,13 @@ def test_graphs_keep_shards_and_gather_again_for_the_backward(results, world):
     assert relative(default["grads"], rows["grads"]) < 1e-15
 
 
+def test_anils_whole_head_is_summed_in_hand_loops_on_its_sharded_body(results):
+    """clone() and learner.grad by ANIL's head, whose names and shapes are those of the sharded
+    body's rows: summed as the whole weights they are, the one-process meta-gradient."""
+    for how in ("clone", "grad"):
+        assert relative(results[2][0]["anil-head"][how], results[1][0]["anil-head"][how]) < RTOL
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_sharded_mistakes_are_errors(results, world):
     out = results[world][0]["refusals"]

@@ -89,18 +89,6 @@ class ANIL(Algorithm):
         with keyed_forward(batch):
             return batch._replace(x=call(self.model.body, {}, batch.x))
 
-    def adapt_features(
-        self,
-        features: Batch,
-        loss_fn: LossFn | None = None,
-        *,
-        steps: int | None = None,
-        reduce: Reduce | None = None,
-    ) -> Params:
-        """Head weights after the inner loop on precomputed support ``features``: the base
-        adaptation, whose adapted module is the head."""
-        return super().adapt(features, loss_fn, steps=steps, reduce=reduce)
-
     def adapt(
         self,
         support: Batch,
@@ -117,7 +105,7 @@ class ANIL(Algorithm):
                 self.features(support),
                 self.per_sample(loss_fn, c),
                 steps=steps,
-                reduce=_whole(c.reduce),
+                reduce=self.fast_reduce(c.reduce),
                 extra_grad=self.extra_grad(),
             )
 
@@ -129,7 +117,13 @@ class ANIL(Algorithm):
 
     def task_loss(self, task: Task, loss_fn: LossFn, *, reduce: Reduce) -> Tensor:
         support, query = self.features(task.support), self.features(task.query)
-        return self.adapted_loss(support, query, loss_fn, reduce=_whole(reduce))
+        return self.adapted_loss(support, query, loss_fn, reduce=self.fast_reduce(reduce))
+
+    def fast_reduce(self, reduce: Reduce) -> Reduce:
+        """Where the body is sharded the reduction tells shards by their names (``by_name``),
+        and the head's weights are whole whatever their names: their gradients are summed
+        over the sample group as any statistic is (``values``); elsewhere ``reduce``."""
+        return getattr(reduce, "values", reduce)
 
     def sharded_module(self) -> nn.Module:
         """The body: with ``shard=True`` its weights are rows, gathered for each of its
@@ -180,11 +174,3 @@ class ANIL(Algorithm):
         )
         adapted.run(self.steps, self.first_order, build)
         return adapted.query_loss(n_tasks)
-
-
-def _whole(reduce: Reduce) -> Reduce:
-    """The SUM of the head's inner gradients. Where the body is sharded the reduction tells
-    shards by their names (``by_name``), and the head's weights are whole whatever their
-    names: their gradients are summed over the sample group as any statistic is
-    (``values``); elsewhere ``reduce`` itself."""
-    return getattr(reduce, "values", reduce)

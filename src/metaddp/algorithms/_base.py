@@ -246,6 +246,12 @@ class Algorithm(nn.Module):
         """The module whose parameters the inner loop adapts (the whole model here)."""
         return self.model
 
+    def fast_reduce(self, reduce: Reduce) -> Reduce:
+        """The SUM of the inner gradients of this algorithm's fast weights: ``reduce``, which
+        tells a sharded weight's rows by name (ANIL: of a head that is whole wherever the
+        body is sharded, summed as statistics are)."""
+        return reduce
+
     def sharded_module(self) -> nn.Module | None:
         """The module whose trained parameters ``MetaDDP(..., shard=True)`` cuts into rows:
         the model, where the inner loop adapts all of it (its fast weights are then rows
@@ -678,7 +684,7 @@ class Algorithm(nn.Module):
             self.fast_weights(),
             self.inner_optimizer(),
             first_order=self.first_order,
-            reduce=c.reduce,
+            reduce=self.fast_reduce(c.reduce),
             extra_grad=self.extra_grad(),
             check_share=c.check_share,
         )

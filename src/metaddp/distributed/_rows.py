@@ -279,14 +279,6 @@ def gather(shards: Sequence[Tensor], cuts: Sequence[Cut], group: Group) -> list[
     return _by_kind(_Gather, shards, cuts, group)
 
 
-def scatter_sum(fulls: Sequence[Tensor], cuts: Sequence[Cut], group: Group) -> list[Tensor]:
-    """Each rank's rows of the SUM over ranks: differentiable to any order, with the
-    all-gather as the adjoint. One collective per dtype and device."""
-    if cuts and cuts[0].parts == 1:
-        return [f.reshape(c.local_shape) for f, c in zip(fulls, cuts, strict=True)]
-    return _by_kind(_ScatterSum, fulls, cuts, group)
-
-
 def _by_kind(
     function: type[torch.autograd.Function],
     tensors: Sequence[Tensor],

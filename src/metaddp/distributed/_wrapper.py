@@ -446,8 +446,14 @@ class MetaDDP(nn.Module):
         """
         self._not_exact("grad()")
         self.guards.share_in(loss, "learner.grad(loss, params)")
+        reduce: Any = self.reduce
+        rule = getattr(self.module, "fast_reduce", None)  # an algorithm's (Algorithm)
+        if self.sharding is not None and callable(rule):
+            # The algorithm's own rule for its fast weights' gradients: a sharded weight's
+            # rows as they are, by name; ANIL's head, whole, summed.
+            reduce = rule(self._collectives.reduce)
         return grad(
-            loss, params, reduce=self.reduce, create_graph=create_graph, retain_graph=retain_graph
+            loss, params, reduce=reduce, create_graph=create_graph, retain_graph=retain_graph
         )
 
     def _not_exact(self, what: str) -> None:
