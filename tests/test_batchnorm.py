@@ -116,11 +116,12 @@ def test_global_statistics_come_from_reduce():
     torch.testing.assert_close(model[1].running_var, h.var(0, unbiased=False) * n / (n - 1))
 
 
-def test_a_copy_of_a_synchronized_module_takes_global_statistics_too():
-    """copy.deepcopy of a wrapped model (an evaluation copy, an EMA) works: its layers'
-    forward is the same synchronized one, so nothing of a process group is copied, and its
-    statistics come from the same reduce."""
+def test_a_copy_of_a_synchronized_module_is_pytorchs_own():
+    """copy.deepcopy of a wrapped model (an evaluation copy, an EMA) works and is a plain
+    module: its layers take their own batch's statistics, with no collective, so one rank
+    may use it alone; the copy can be synchronized itself, and the original is unchanged."""
     model = net(nn.BatchNorm1d)
+    x = data(nn.BatchNorm1d)
     seen = []
 
     def counting(ts):
@@ -129,8 +130,16 @@ def test_a_copy_of_a_synchronized_module_takes_global_statistics_too():
 
     with sync_batchnorm(model, counting):
         twin = copy.deepcopy(model)
-        twin(data(nn.BatchNorm1d))
-    assert seen == [3]
+        # PyTorch's own statistics, bit for bit (the same kernel); the original's are synced.
+        torch.testing.assert_close(twin(x), net(nn.BatchNorm1d)(x), rtol=0, atol=0)
+        assert seen == []
+        model(x)
+        assert seen == [3]
+        with sync_batchnorm(twin, counting):  # not "already synchronized"
+            twin(x)
+        assert seen == [3, 3]
+        twin(x)  # taken off again
+        assert seen == [3, 3]
 
 
 def test_every_way_a_layer_is_called_takes_global_statistics():

@@ -115,21 +115,28 @@ class BatchNormSync:
     def __init__(self, module: nn.Module, reduce: Reduce) -> None:
         self.module = module
         self.layers = [m for m in module.modules() if isinstance(m, _BatchNorm)]
-        if any(getattr(m.__dict__.get("forward"), "_metaddp_synced", False) for m in self.layers):
+        if any(_synced_by(m) is not None for m in self.layers):
             raise RuntimeError(
                 "the BatchNorm layers of this module are already synchronized (MetaDDP does "
                 "it when it wraps a module, or an enclosing sync_batchnorm): do not nest it, "
                 "and call release() on a MetaDDP before wrapping its module again"
             )
-        self._saved = [m.__dict__.get("forward") for m in self.layers]
+        # A forward copied with its layer (copy.deepcopy) from another sync is not kept.
+        self._saved = [
+            None if hasattr(f, "_metaddp_sync") else f
+            for f in (m.__dict__.get("forward") for m in self.layers)
+        ]
         self.reduce = reduce  # read at every call: MetaDDP.local() swaps it for the identity
+        self._ids = {id(m) for m in self.layers}
         sync = self
+
+        def forward(self: _BatchNorm, x: Tensor) -> Tensor:
+            if id(self) not in sync._ids:  # a copy of a layer (copy.deepcopy): PyTorch's own
+                return type(self).forward(self, x)
+            return synced_batch_norm(self, x, sync.reduce)
+
+        forward._metaddp_sync = self  # type: ignore[attr-defined]
         for m in self.layers:
-
-            def forward(self: _BatchNorm, x: Tensor) -> Tensor:
-                return synced_batch_norm(self, x, sync.reduce)
-
-            forward._metaddp_synced = True  # type: ignore[attr-defined]
             m.forward = types.MethodType(forward, m)  # type: ignore[method-assign]
 
     def remove(self) -> None:
@@ -139,13 +146,19 @@ class BatchNormSync:
                 m.__dict__.pop("forward", None)
             else:
                 m.forward = f  # type: ignore[method-assign]
-        self.layers, self._saved = [], []
+        self.layers, self._saved, self._ids = [], [], set()
 
     def __enter__(self) -> nn.Module:
         return self.module
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+
+def _synced_by(m: nn.Module) -> BatchNormSync | None:
+    """The sync whose layer ``m`` is now, or ``None`` (a copy of a synced layer is not)."""
+    sync = getattr(m.__dict__.get("forward"), "_metaddp_sync", None)
+    return sync if sync is not None and id(m) in sync._ids else None
 
 
 def sync_batchnorm(module: nn.Module, reduce: Reduce) -> BatchNormSync:
