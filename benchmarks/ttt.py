@@ -15,7 +15,8 @@ the run's inner loop on the window's support chunks (TTT: the same learning rate
 for both networks). ``--jobs`` seeds run at once, one core each. Mean over seeds with a 95% t
 interval, and the differences paired by seed. ``--split train`` scores windows of the
 training files instead (drawn with another seed than the runs'), for choosing settings
-without reading the held-out files.
+without reading the held-out files; ``--chunk`` sets the family's chunk (bytes, the
+network's attention context), which is not a setting of ``metaddp train``.
 
     python benchmarks/ttt.py --json benchmarks/results/ttt.json
 """
@@ -87,15 +88,27 @@ def plain_training(cfg, family, seconds: float) -> tuple[object, int]:
 
 
 def one_seed(
-    seed: int, steps: int, eval_tasks: int, folder: str, extra: dict, split: str = "test"
+    seed: int,
+    steps: int,
+    eval_tasks: int,
+    folder: str,
+    extra: dict,
+    split: str = "test",
+    chunk: int | None = None,
 ) -> dict:
     """Both arms of one seed, scored (run in a process of its own, one torch thread)."""
     import torch
 
     import metaddp as md
+    from metaddp.tasks.ttt import TTT
     from metaddp.train import TrainConfig, prepare_folder, train
 
     torch.set_num_threads(1)
+    if chunk is not None:
+        # The chunk is an argument of the family, not a setting of `metaddp train`: in this
+        # process (its own) the family is built with it by default.
+        shots, query, hidden, _ = TTT.__init__.__defaults__
+        TTT.__init__.__defaults__ = (shots, query, hidden, chunk)
     cfg = TrainConfig(task="ttt", seed=seed, steps=steps, eval_every=0, eval_tasks=1,
                       checkpoint_every=steps, **extra).resolved()
     out = Path(folder) / f"meta-{seed}"
@@ -124,7 +137,7 @@ def spawn(seed: int, a: argparse.Namespace, folder: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, __file__, "--one-seed", str(seed), "--steps", str(a.steps),
            "--eval-tasks", str(a.eval_tasks), "--folder", folder, "--set", json.dumps(a.set),
-           "--split", a.split]
+           "--split", a.split] + ([] if a.chunk is None else ["--chunk", str(a.chunk)])
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode:
         raise RuntimeError(f"seed {seed} failed:\n{done.stderr[-3000:]}")
@@ -141,12 +154,14 @@ def main() -> None:
                     help='other settings of the TTT run, as JSON: \'{"inner_lr": 0.3}\'')
     ap.add_argument("--split", choices=("test", "train"), default="test",
                     help="the windows scored: held-out files (test) or training files (train)")
+    ap.add_argument("--chunk", type=int, default=None,
+                    help="bytes a chunk (the family's argument; default: the family's, 64)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--one-seed", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--folder", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one_seed is not None:
-        print(json.dumps(one_seed(a.one_seed, a.steps, a.eval_tasks, a.folder, a.set, a.split)))
+        print(json.dumps(one_seed(a.one_seed, a.steps, a.eval_tasks, a.folder, a.set, a.split, a.chunk)))
         return
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(a.jobs) as pool:
