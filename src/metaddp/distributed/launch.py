@@ -66,7 +66,9 @@ def _entry(
         result = fn(*args)
         torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
     finally:
-        shutdown()
+        # A worker may return an error of its own while the others are still inside a
+        # collective (the fault tests): leave at once, so that they learn of it.
+        shutdown(wait=False)
 
 
 def cores() -> int:
