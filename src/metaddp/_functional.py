@@ -7,7 +7,7 @@ swaps the tensors in for the duration of one call and restores the originals.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -67,15 +67,19 @@ def whole(module: nn.Module, params: Mapping[str, Tensor]) -> Mapping[str, Tenso
 
 
 def rows_like(
-    module: nn.Module, tensors: Mapping[str, Tensor], weights: Mapping[str, Tensor]
+    module: nn.Module,
+    tensors: Mapping[str, Tensor],
+    weights: Callable[[], Mapping[str, Tensor]],
 ) -> dict[str, Tensor]:
     """``tensors`` (by weight name, read entry by entry with the weights: learned rates) as
-    ``weights`` hold them: where the module's meta-parameters are sharded and ``weights``
-    are a rank's rows, each whole-shaped tensor cut to the same rows; elsewhere as they are."""
+    ``weights()`` hold them: where the module's meta-parameters are sharded and the weights
+    are a rank's rows, each whole-shaped tensor cut to the same rows; elsewhere as they are
+    (and ``weights`` is not called)."""
     sharding = sharding_of(module)
     if sharding is None:
         return dict(tensors)
-    return {k: sharding.as_rows(t, weights[k]) if k in weights else t for k, t in tensors.items()}
+    held = weights()
+    return {k: sharding.as_rows(t, held[k]) if k in held else t for k, t in tensors.items()}
 
 
 def draws_when_called(m: nn.Module) -> bool:

@@ -305,7 +305,7 @@ class Algorithm(nn.Module):
         if self.lr is not None:
             assert self._factory is not None
             # On sharded weights, each per-entry rate's rows of this rank (where it holds rows).
-            return self._factory(rows_like(self.model, self.lr.as_dict(), self.fast_weights()))
+            return self._factory(rows_like(self.model, self.lr.as_dict(), self.fast_weights))
         assert self.optimizer is not None
         return self.optimizer
 

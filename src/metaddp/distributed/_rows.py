@@ -91,10 +91,14 @@ class Cut:
         """Entries in every rank's padded piece."""
         return self.per * self.width
 
+    def view(self, full: Tensor) -> Tensor:
+        """This rank's rows of ``full`` (a view where ``full`` is contiguous)."""
+        rows = full.reshape(self.rows, self.width)[self.start : self.start + self.length]
+        return rows.reshape(self.local_shape)
+
     def take(self, full: Tensor) -> Tensor:
         """This rank's rows of ``full`` (a copy)."""
-        rows = full.reshape(self.rows, self.width)[self.start : self.start + self.length]
-        return rows.reshape(self.local_shape).clone()
+        return self.view(full).clone()
 
 
 def _tag(group: Group, numel: int, phase: Phase) -> tuple[int, float]:

@@ -196,8 +196,7 @@ class Sharding:
                 f"a tensor of shape {tuple(t.shape)} read entry by entry beside a weight held "
                 f"as {tuple(like.shape)}: it must be shaped as the whole weight"
             )
-        rows = t.reshape(cut.rows, cut.width)[cut.start : cut.start + cut.length]
-        return rows.reshape(cut.local_shape)
+        return cut.view(t)
 
     def rows_of(self, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """``params`` with every sharded one as this rank's rows (:func:`local`)."""

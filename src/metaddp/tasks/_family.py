@@ -119,3 +119,15 @@ class TaskFamily(abc.ABC):
             The paths written.
         """
         return []
+
+
+def check_sizes(family: str, what: str, shots: int, query: int, hidden: int) -> None:
+    """Refuse a family of transformers (4 heads) whose tasks have no support or no query
+    ``what`` (a chunk, a sequence), or whose width the heads do not divide."""
+    if shots < 1 or query < 1:
+        raise ValueError(
+            f"a {family} task needs at least one support and one query {what}, "
+            f"got shots={shots}, query={query}"
+        )
+    if hidden < 4 or hidden % 4:
+        raise ValueError(f"hidden must be a positive multiple of 4 (heads), got {hidden}")

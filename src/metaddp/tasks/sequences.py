@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._data import Batch, Task
-from ._family import TaskFamily
+from ._family import TaskFamily, check_sizes
 
 
 class SequenceRegressor(nn.Module):
@@ -63,13 +63,7 @@ class Sequences(TaskFamily):
     )
 
     def __init__(self, shots: int = 10, query: int = 10, hidden: int = 32, length: int = 8):
-        if shots < 1 or query < 1:
-            raise ValueError(
-                f"a sequence task needs at least one support and one query sequence, "
-                f"got shots={shots}, query={query}"
-            )
-        if hidden < 4 or hidden % 4:
-            raise ValueError(f"hidden must be a positive multiple of 4 (heads), got {hidden}")
+        check_sizes("sequence", "sequence", shots, query, hidden)
         self.shots, self.query, self.hidden, self.length = int(shots), int(query), hidden, length
 
     def sample(self, generator: torch.Generator, split: str) -> Task:

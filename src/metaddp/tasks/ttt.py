@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from .._data import Batch, Task
 from . import _stdlib
 from ._bytelm import ByteTransformer
-from ._family import TaskFamily
+from ._family import TaskFamily, check_sizes
 
 CHUNK = 64  # bytes a chunk (and the network's context)
 
@@ -70,13 +70,7 @@ class TTT(TaskFamily):
     )
 
     def __init__(self, shots: int = 4, query: int = 4, hidden: int = 64, chunk: int = CHUNK):
-        if shots < 1 or query < 1:
-            raise ValueError(
-                f"a ttt task needs at least one support and one query chunk, "
-                f"got shots={shots}, query={query}"
-            )
-        if hidden < 4 or hidden % 4:
-            raise ValueError(f"hidden must be a positive multiple of 4 (heads), got {hidden}")
+        check_sizes("ttt", "chunk", shots, query, hidden)
         if chunk < 2:
             raise ValueError(f"a chunk needs at least 2 bytes, got {chunk}")
         self.shots, self.query, self.hidden, self.chunk = int(shots), int(query), hidden, chunk
