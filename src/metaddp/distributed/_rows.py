@@ -118,19 +118,21 @@ def _gather(shards: Sequence[Tensor], cuts: Sequence[Cut], group: Group, phase: 
     """Every rank's pieces, concatenated into the full tensors (one all-gather)."""
     world = len(cuts) and cuts[0].parts
     like = shards[0]
-    parts: list[Tensor] = []
-    for t, cut in zip(shards, cuts, strict=True):
-        flat = t.detach().reshape(-1)
-        parts.append(flat)
-        if cut.piece > flat.numel():
-            parts.append(flat.new_zeros(cut.piece - flat.numel()))
     numel = sum(c.piece for c in cuts)
     seq, tag = _tag(group, numel, phase)
     tagged = like.dtype in (torch.float32, torch.float64)
-    if tagged:
-        parts.append(like.new_full((1,), tag))
     device = comm_device(group)
-    send = torch.cat(parts).to(device)
+    # Each piece is copied once into the buffer sent (from any strides: a stacked task's rows
+    # come transposed), padding zero, and once out of the buffer received.
+    send = torch.empty(numel + int(tagged), dtype=like.dtype, device=device)
+    offset = 0
+    for t, cut in zip(shards, cuts, strict=True):
+        n = cut.length * cut.width
+        send[offset : offset + n].view(t.shape).copy_(t.detach())
+        send[offset + n : offset + cut.piece].zero_()
+        offset += cut.piece
+    if tagged:
+        send[-1] = tag
     recv = send.new_empty(world * send.numel())
     what = "the all-gather of sharded weights" + (
         " (in a backward pass)" if phase == Phase.BACKWARD else ""
@@ -139,7 +141,7 @@ def _gather(shards: Sequence[Tensor], cuts: Sequence[Cut], group: Group, phase: 
         _check_header(group, seq, numel, 8 + int(phase), what, device)
     _record(recv.numel(), recv.numel() * recv.element_size(), "all_gather")
     _guard(lambda: dist.all_gather_single(recv, send, group=group), what)
-    table = recv.view(world, send.numel()).to(like.device)
+    table = recv.view(world, send.numel())
     if tagged:
         rank = group_rank(group)
 
@@ -149,8 +151,9 @@ def _gather(shards: Sequence[Tensor], cuts: Sequence[Cut], group: Group, phase: 
         _host.check(table[:, -1].clone(), verdict)
     out, offset = [], 0
     for cut in cuts:
-        block = table[:, offset : offset + cut.piece].reshape(world * cut.per, cut.width)
-        out.append(block[: cut.rows].reshape(cut.shape).clone())
+        full = torch.empty(world, cut.piece, dtype=like.dtype, device=like.device)
+        full.copy_(table[:, offset : offset + cut.piece])
+        out.append(full.view(world * cut.per, *cut.shape[1:])[: cut.rows])
         offset += cut.piece
     return out
 
@@ -163,18 +166,22 @@ def _scatter_sum(fulls: Sequence[Tensor], cuts: Sequence[Cut], group: Group, pha
     seq, tag = _tag(group, numel, phase)
     tagged = like.dtype in (torch.float32, torch.float64)
     # One buffer, each tensor copied into its columns once (padding rows zero): a gradient
-    # the size of the layer is the largest thing here, and it is not copied twice.
-    table = like.new_zeros(world, numel + int(tagged))
+    # the size of the layer is the largest thing here, and it is not copied twice
+    # (from any strides: a stacked task's rows come transposed, and are not copied first).
+    table = like.new_empty(world, numel + int(tagged))
     offset = 0
     for g, cut in zip(fulls, cuts, strict=True):
-        block = table[:, offset : offset + cut.piece].view(world, cut.per, cut.width)
-        rows = g.detach().reshape(cut.rows, cut.width)
         if not cut.per:  # a tensor without rows
             continue
+        rows = g.detach().reshape(cut.shape)
         whole = cut.rows // cut.per  # ranks with a full piece; the next one's is shorter
-        block[:whole].copy_(rows[: whole * cut.per].view(whole, cut.per, cut.width))
-        if whole < world and cut.rows > whole * cut.per:
-            block[whole, : cut.rows - whole * cut.per].copy_(rows[whole * cut.per :])
+        block = table[:whole, offset : offset + cut.piece].view(whole, cut.per, *rows.shape[1:])
+        block.copy_(rows[: whole * cut.per].unflatten(0, (whole, cut.per)))
+        rest = rows[whole * cut.per :]
+        if whole < world:
+            table[whole, offset : offset + rest.numel()].view(rest.shape).copy_(rest)
+            table[whole, offset + rest.numel() : offset + cut.piece].zero_()
+            table[whole + 1 :, offset : offset + cut.piece].zero_()
         offset += cut.piece
     if tagged:
         table[:, -1] = tag
@@ -187,7 +194,7 @@ def _scatter_sum(fulls: Sequence[Tensor], cuts: Sequence[Cut], group: Group, pha
     if strict():
         _check_header(group, seq, numel, 16 + int(phase), what, device)
     _record(send.numel(), send.numel() * send.element_size(), "reduce_scatter")
-    _guard(lambda: dist.reduce_scatter_single(recv, send, group=group), what)
+    _guard(lambda: _reduce_scatter(recv, send, world, group), what)
     recv = recv.to(like.device)
     if tagged:
         rank = group_rank(group)
@@ -201,6 +208,18 @@ def _scatter_sum(fulls: Sequence[Tensor], cuts: Sequence[Cut], group: Group, pha
         out.append(recv[offset : offset + cut.length * cut.width].reshape(cut.local_shape))
         offset += cut.piece
     return out
+
+
+def _reduce_scatter(recv: Tensor, send: Tensor, world: int, group: Group) -> None:
+    """``dist.reduce_scatter_single``, but through gloo as an all-to-all and a sum here, in
+    rank order: gloo reduces the whole buffer on every rank (its reduce-scatter costs an
+    all-reduce: 16.4 ms for 16 MiB at 2 processes, 9.5 this way; BENCHMARKS.md)."""
+    if dist.get_backend(group) != "gloo":
+        dist.reduce_scatter_single(recv, send, group=group)
+        return
+    pieces = torch.empty_like(send)
+    dist.all_to_all_single(pieces, send, group=group)
+    torch.sum(pieces.view(world, -1), 0, out=recv)
 
 
 _ADJOINT = {Phase.FORWARD: Phase.BACKWARD, Phase.BACKWARD: Phase.FORWARD}
