@@ -375,37 +375,19 @@ class TrainConfig:
         )
 
     def check(self) -> None:
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(
-                f"unknown algorithm {self.algorithm!r}; choose from {', '.join(ALGORITHMS)}"
-            )
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"unknown layout {self.layout!r}; choose from {', '.join(LAYOUTS)}")
-        if self.memory not in MEMORY_MODES:
-            raise ValueError(
-                f"unknown memory mode {self.memory!r}; choose from {', '.join(MEMORY_MODES)}"
-            )
-        if self.inner_optimizer not in INNER_OPTIMIZERS:
-            raise ValueError(
-                f"unknown inner optimizer {self.inner_optimizer!r}; "
-                f"choose from {', '.join(INNER_OPTIMIZERS)}"
-            )
+        for f in SETTINGS:  # the values a setting takes; None where its default is the task's
+            value, choices = getattr(self, f.name), f.metadata["choices"]
+            if choices is not None and value not in choices:
+                if value is None and f.metadata["fallback"] is None:
+                    continue
+                what = "memory mode" if f.name == "memory" else f.name.replace("_", " ")
+                raise ValueError(f"unknown {what} {value!r}; choose from {', '.join(choices)}")
         if self.inner_clip is not None and not self.inner_clip > 0:
             raise ValueError(f"inner_clip must be a norm > 0, got {self.inner_clip!r}")
-        if self.autocast is not None and self.autocast not in AUTOCASTS:
-            raise ValueError(
-                f"unknown autocast {self.autocast!r}; choose from {', '.join(AUTOCASTS)}"
-            )
-        if self.norm is not None and self.norm not in NORMS:
-            raise ValueError(f"unknown norm {self.norm!r}; choose from {', '.join(NORMS)}")
         if self.method is not None:
             if self.algorithm != "reweight":
                 raise ValueError(
                     f"method is the hypergradient of reweight, not of {self.algorithm}"
-                )
-            if self.method not in METHODS:
-                raise ValueError(
-                    f"unknown method {self.method!r}; choose from {', '.join(METHODS)}"
                 )
             if family_class(self.task).run and self.method not in RUN_METHODS:
                 raise ValueError(
@@ -413,11 +395,6 @@ class TrainConfig:
                     f"{self.method} cannot differentiate (it reads one inner objective at the "
                     f"solution): choose --method {' or '.join(RUN_METHODS)}"
                 )
-        if self.outer_schedule not in OUTER_SCHEDULES:
-            raise ValueError(
-                f"unknown outer schedule {self.outer_schedule!r}; choose from "
-                f"{', '.join(OUTER_SCHEDULES)}"
-            )
         if self.algorithm in CLASSIFIERS and not family_class(self.task).classification:
             raise ValueError(
                 f"{self.algorithm} scores classes against their prototypes: it trains on "
@@ -433,8 +410,6 @@ class TrainConfig:
                 f"{self.task} scores a training run of eval_steps steps (with and without what "
                 "was learned): eval_steps must be >= 1, got 0"
             )
-        if self.dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {self.dtype!r}; choose from {', '.join(DTYPES)}")
         positive = (
             "steps",
             "meta_batch",
