@@ -86,7 +86,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_settings(g, "train")
     g = p.add_argument_group("evaluation and output")
     add_settings(g, "output")
-    g.add_argument("--out", default=None, help="output folder (default runs/TASK-ALGORITHM)")
+    g.add_argument("--out", default=None, help="output folder (default: runs/TASK-ALGORITHM)")
     g.add_argument(
         "--resume",
         metavar="DIR",
@@ -111,7 +111,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--nproc",
         type=int,
         default=None,
-        help="local processes to start (default 1; a resumed run: the count it ran on); with "
+        help="local processes to start (default: 1; a resumed run: the count it ran on); with "
         "--nnodes, on each machine",
     )
     g.add_argument(
@@ -135,7 +135,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="metaddp",
         metavar="ID",
         help="with --nnodes: the run's name at the rendezvous, the same on every machine "
-        "(default %(default)s; give each run that shares an endpoint its own)",
+        "(default: %(default)s; give each run that shares an endpoint its own)",
     )
     add_settings(g, "processes")
     g.add_argument(
@@ -150,14 +150,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=DEFAULT_TIMEOUT.total_seconds(),
         metavar="SECONDS",
         help="longest wait for the other processes at any collective before every process "
-        "stops with an error (default %(default)g)",
+        "stops with an error (default: %(default)g)",
     )
     g.add_argument(
         "--max-restarts",
         type=int,
         default=0,
         help="with --nproc or --nnodes: restart all processes this many times after one fails "
-        "or a machine is lost; they continue from the latest checkpoint (default 0)",
+        "or a machine is lost; they continue from the latest checkpoint (default: 0)",
     )
     p.set_defaults(func=main)
 
