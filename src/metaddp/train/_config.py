@@ -75,7 +75,7 @@ def setting(
 
 
 def _all_but(capability: str) -> str:
-    """ "every algorithm", or "every algorithm but" those that do not declare ``capability``."""
+    """Which algorithms declare ``capability``: "every algorithm", or "every algorithm but ..."."""
     left = [a for a in ALGORITHMS if a not in having(capability)]
     return "every algorithm" + (" but " + ", ".join(left) if left else "")
 
@@ -663,7 +663,7 @@ def _docstring() -> str:
 
     lines = [
         "Everything that defines a training run (``None``: the task family's default); each",
-        "setting is also a flag of ``metaddp train`` (``inner_clip``: ``--inner-clip``).",
+        "setting is also one of ``metaddp train``'s (``inner_clip``: ``--inner-clip``).",
         "",
         "Args:",
     ]
