@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 import traceback
@@ -35,16 +36,12 @@ from typing import Any
 
 from .._output import quoted
 from ..algorithms import having
-from ..algorithms.registry import INNER_OPTIMIZERS
 from ..distributed import DEFAULT_TIMEOUT, keep_freed_memory
 from ..distributed.launch import oversubscribed
 from ..tasks import FAMILIES, family_class
 from ..train import (
     CHECKPOINT,
-    DTYPES,
     EXIT_STOPPED,
-    LAYOUTS,
-    OUTER_SCHEDULES,
     RunLock,
     TrainConfig,
     begin,
@@ -69,8 +66,6 @@ S = argparse.SUPPRESS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from ..algorithms import ALGORITHMS, METHODS
-
     p = sub.add_parser(
         "train",
         help="meta-train on a task family (" + ", ".join(FAMILIES) + ")",
@@ -88,120 +83,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="task family (taken from the run when resuming)",
     )
     g = p.add_argument_group("what to train (default: the task's own, in the table below)")
-    g.add_argument("--algorithm", choices=list(ALGORITHMS), default=S, help="default maml")
-    g.add_argument("--steps", type=int, default=S, help="outer steps in total (default 1000)")
-    g.add_argument("--meta-batch", type=int, default=S, help="tasks per outer step")
-    g.add_argument("--inner-steps", type=int, default=S, help="adaptation steps in training")
-    g.add_argument("--inner-lr", type=float, default=S, help="adaptation learning rate")
-    g.add_argument("--outer-lr", type=float, default=S, help="meta (Adam) learning rate")
-    g.add_argument(
-        "--outer-schedule",
-        choices=OUTER_SCHEDULES,
-        default=S,
-        help="constant (default), or cosine: the outer rate anneals to 0 over --steps",
-    )
-    g.add_argument("--lam", type=float, default=S, help="iMAML proximal strength (default 1)")
-    g.add_argument("--shots", type=int, default=S, help="support samples per task / class")
-    g.add_argument("--query", type=int, default=S, help="query samples per task / class")
-    g.add_argument("--ways", type=int, default=S, help="classes per task (classification)")
-    g.add_argument("--hidden", type=int, default=S, help="network width")
-    g.add_argument("--seed", type=int, default=S, help="default 0")
-    g.add_argument("--dtype", choices=DTYPES, default=S, help="default float32")
-    g.add_argument(
-        "--data",
-        default=S,
-        help="dataset folder (omniglot, miniimagenet), or the glyph cache folder (glyphs)",
-    )
-    g.add_argument(
-        "--norm",
-        choices=("batch", "none"),
-        default=S,
-        help="image tasks: BatchNorm in every block, synchronized (default batch), or none",
-    )
-    g.add_argument(
-        "--fonts",
-        default=S,
-        help="glyphs: all (default: matplotlib's and the system's fonts) or matplotlib",
-    )
-    g.add_argument(
-        "--noise", type=float, default=S, help="noisy-digits: fraction of flipped labels (0.4)"
-    )
-    g.add_argument(
-        "--keep",
-        choices=("all", "clean"),
-        default=S,
-        help="noisy-digits: train on all images (default) or on the clean ones only (the oracle)",
-    )
-    g.add_argument(
-        "--method",
-        choices=list(METHODS),
-        default=S,
-        help="reweight: the hypergradient method (default unrolled)",
-    )
-    g.add_argument(
-        "--memory",
-        choices=("default", "low", "replay"),
-        default=S,
-        help="low: rebuild each inner step's graph, one at a time, the same "
-        "meta-gradient in memory that does not grow with --inner-steps (default: keep them); "
-        "replay: keep a tree of O(log) of the steps' weights, not every step's",
-    )
-    g.add_argument(
-        "--inner-optimizer",
-        choices=INNER_OPTIMIZERS,
-        default=S,
-        help="the differentiable inner optimizer, at --inner-lr (default sgd)",
-    )
-    g.add_argument(
-        "--inner-clip",
-        type=float,
-        default=S,
-        metavar="NORM",
-        help="clip every inner gradient to this global norm before the inner optimizer "
-        "(the whole task's gradient, on any number of processes; default: no clipping)",
-    )
-    g.add_argument(
-        "--autocast",
-        choices=("bf16", "fp16"),
-        default=S,
-        help="forward passes in this precision, meta-gradients in --dtype (default: off)",
-    )
-    g.add_argument(
-        "--deterministic",
-        action="store_true",
-        default=S,
-        help="the same bits at any --nproc and --layout: weights, losses and evaluations "
-        "(MAML, FOMAML, Meta-SGD; costs in BENCHMARKS.md)",
-    )
-    g.add_argument(
-        "--chunks",
-        type=int,
-        default=S,
-        help="with --deterministic: the most chunks a batch is cut into (default 8); keep it "
-        "fixed across the runs to compare",
-    )
-    g.add_argument(
-        "--cuda-graphs",
-        action=argparse.BooleanOptionalAction,
-        default=S,
-        help="record the meta-step once in a CUDA graph and replay it: the same arithmetic, "
-        "less launch cost (every algorithm but iMAML; CUDA, one process or NCCL). By "
-        "default on wherever the run can; --cuda-graphs requires it, --no-cuda-graphs "
-        "turns it off",
-    )
+    add_settings(g, "train")
     g = p.add_argument_group("evaluation and output")
-    g.add_argument(
-        "--eval-every",
-        type=int,
-        default=S,
-        help="steps between evaluations (default 100; 0: only at the end of the run)",
-    )
-    g.add_argument("--eval-tasks", type=int, default=S, help="held-out tasks per meta-test (100)")
-    g.add_argument("--eval-steps", type=int, default=S, help="adaptation steps at meta-test")
-    g.add_argument(
-        "--checkpoint-every", type=int, default=S, help="steps between checkpoints (default 100)"
-    )
-    g.add_argument("--out", default=None, help="output folder (default runs/TASK-ALGORITHM)")
+    add_settings(g, "output")
+    g.add_argument("--out", default=None, help="output folder (default: runs/TASK-ALGORITHM)")
     g.add_argument(
         "--resume",
         metavar="DIR",
@@ -226,7 +111,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--nproc",
         type=int,
         default=None,
-        help="local processes to start (default 1; a resumed run: the count it ran on); with "
+        help="local processes to start (default: 1; a resumed run: the count it ran on); with "
         "--nnodes, on each machine",
     )
     g.add_argument(
@@ -250,26 +135,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="metaddp",
         metavar="ID",
         help="with --nnodes: the run's name at the rendezvous, the same on every machine "
-        "(default %(default)s; give each run that shares an endpoint its own)",
+        "(default: %(default)s; give each run that shares an endpoint its own)",
     )
-    g.add_argument(
-        "--layout",
-        choices=LAYOUTS,
-        default=S,
-        help="sample: every process splits every task (default); task: tasks split "
-        "over processes; hybrid: two task groups, each splitting its tasks",
-    )
-    g.add_argument(
-        "--shard",
-        action=argparse.BooleanOptionalAction,
-        default=S,
-        help="keep only each process's rows of the meta-parameters, their gradients and "
-        "Adam's state, cut over the processes that split each task (ZeRO-3; every "
-        "algorithm): the same numbers, 1/N of the memory for them. Needs --layout sample, "
-        "or hybrid with more than one process per task group (4 or more processes); on one "
-        "process it cuts nothing. Checkpoints are then sharded (torch.distributed.checkpoint) "
-        "and resume at any --nproc; --no-shard resumes one replicated",
-    )
+    add_settings(g, "processes")
     g.add_argument(
         "--backend",
         choices=("gloo", "nccl"),
@@ -282,16 +150,35 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=DEFAULT_TIMEOUT.total_seconds(),
         metavar="SECONDS",
         help="longest wait for the other processes at any collective before every process "
-        "stops with an error (default %(default)g)",
+        "stops with an error (default: %(default)g)",
     )
     g.add_argument(
         "--max-restarts",
         type=int,
         default=0,
         help="with --nproc or --nnodes: restart all processes this many times after one fails "
-        "or a machine is lost; they continue from the latest checkpoint (default 0)",
+        "or a machine is lost; they continue from the latest checkpoint (default: 0)",
     )
     p.set_defaults(func=main)
+
+
+def add_settings(g: argparse._ArgumentGroup, flags: str) -> None:
+    """The flags of the settings listed in the help's group ``flags``, from the fields of
+    :class:`TrainConfig` (``metaddp.train.setting``). A flag not given sets nothing, so that
+    the defaults, the task's defaults and ``--config`` apply in turn."""
+    for f in dataclasses.fields(TrainConfig):
+        m = f.metadata
+        if m["flags"] != flags:
+            continue
+        kind = str(f.type).split(" | ")[0]
+        how: dict[str, Any] = (
+            {"action": argparse.BooleanOptionalAction if m["negatable"] else "store_true"}
+            if kind == "bool"
+            else {"type": {"int": int, "float": float}.get(kind), "choices": m["choices"]}
+        )
+        if m["metavar"] is not None:
+            how["metavar"] = m["metavar"]
+        g.add_argument("--" + f.name.replace("_", "-"), default=S, help=m["help"], **how)
 
 
 class UsageError(Exception):

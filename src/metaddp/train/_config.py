@@ -6,14 +6,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
+import textwrap
 import tomllib
 from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..algorithms import having
+from ..algorithms import ALGORITHMS, METHODS, having
 from ..algorithms.registry import INNER_OPTIMIZERS as _BY_NAME
-from ..tasks import NORMS, TaskFamily, family_class, make
+from ..tasks import FAMILIES, NORMS, TaskFamily, family_class, make
+from ..tasks.noisy import KEEPS
 
 if TYPE_CHECKING:
     from ..algorithms import Algorithm, Settings
@@ -33,150 +36,211 @@ BILEVEL_TASKS = ("noisy-digits", "noisy-run")
 # A task whose inner problem is a whole training run takes only what learns through one.
 RUN_ALGORITHMS = ("reweight",)
 RUN_METHODS = ("unrolled", "truncated")  # the methods that differentiate a run step by step
-# The settings' defaults where a task family sets none (noisy-run sets all but the last two).
-FALLBACK = {
-    "algorithm": "maml",
-    "steps": 1000,
-    "eval_every": 100,
-    "checkpoint_every": 100,
-    "memory": "default",
-    "inner_optimizer": "sgd",
-}
 # The settings a task family fills (--show-settings and the help's table print them).
 SHOWN = ("meta_batch", "inner_steps", "inner_lr", "outer_lr", "shots", "query", "ways", "hidden")
 
 
+def setting(
+    default: Any,
+    text: str,
+    *,
+    choices: Collection[str] | None = None,
+    flags: str | None = "train",
+    identity: bool = True,
+    fallback: Any = None,
+    metavar: str | None = None,
+    negatable: bool = False,
+) -> Any:
+    """A field of :class:`TrainConfig`: a setting declared once. ``text`` says what it does
+    (its flag's help in ``metaddp train --help`` and its entry in the class's docstring, which
+    names the other settings by their flags, ``--inner-steps``), ``choices`` the values it takes,
+    ``fallback`` its default where the task family sets none; ``identity``: a checkpoint resumes
+    only under the same value; ``flags``: the help's group of its flag (``None``: no flag),
+    ``metavar`` the flag's placeholder, ``negatable`` whether a ``--no-`` flag turns it off."""
+    shown = default if default is not None else fallback
+    if shown is not None and not isinstance(shown, bool):
+        text += f" (default: {shown})"
+    return dataclasses.field(
+        default=default,
+        metadata={
+            "help": text,
+            "choices": choices,
+            "flags": flags,
+            "identity": identity,
+            "fallback": fallback,
+            "metavar": metavar,
+            "negatable": negatable,
+        },
+    )
+
+
+def _all_but(capability: str) -> str:
+    """Which algorithms declare ``capability``: "every algorithm", or "every algorithm but ..."."""
+    left = [a for a in ALGORITHMS if a not in having(capability)]
+    return "every algorithm" + (" but " + ", ".join(left) if left else "")
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Everything that defines a training run (``None``: the task family's default).
+    # The docstring is written from the fields' texts (below the class).
 
-    Args:
-        task: task family ("sinusoid", "digits", "glyphs", "omniglot", "miniimagenet",
-            "noisy-digits", "noisy-run", "sequences", "ttt").
-        algorithm: the algorithm by name (metaddp.algorithms.ALGORITHMS); default "maml",
-            on noisy-run its one algorithm, "reweight", and on ttt "anil".
-        steps: outer steps to train for (in total, counting resumed ones).
-        meta_batch: tasks per outer step.
-        inner_steps: adaptation steps per task during training.
-        inner_lr: inner (adaptation) learning rate.
-        outer_lr: Adam's learning rate for the meta-parameters.
-        outer_schedule: "constant", or "cosine": the outer rate anneals from outer_lr to 0
-            over the run's steps (cosine annealing without restarts, as MAML++ trains).
-        lam: iMAML's proximal strength (the implicit system is I + H / lam).
-        shots: support samples per task (per class for classification).
-        query: query samples per task (per class for classification).
-        ways: classes per task (classification only).
-        hidden: width of the network.
-        layout: how processes share a meta-batch: "sample" (every process splits every
-            task), "task" (tasks split over processes) or "hybrid" (two task groups).
-        seed: seeds the network's initialisation and the task stream.
-        dtype: "float32" or "float64".
-        eval_every: evaluate on held-out tasks every this many steps (0: only at the end).
-        eval_tasks: held-out tasks per evaluation (default 100; noisy-digits: its 12 test
-            batches).
-        eval_steps: adaptation steps at evaluation.
-        checkpoint_every: write a checkpoint every this many steps (and at the end).
-        data: dataset folder (omniglot, miniimagenet), or the glyph cache folder (glyphs).
-        memory: "default" keeps every inner step's graph; "low" rebuilds one at a time in the
-            backward (the same meta-gradient; memory that does not grow with inner_steps);
-            "replay" keeps a tree of the steps' weights instead of every step's (metaddp.Replay).
-        inner_optimizer: one of :data:`INNER_OPTIMIZERS` (sgd, adam, adamw, rmsprop, adagrad),
-            at inner_lr (MAML, Meta-SGD, ANIL...).
-        inner_clip: clip every inner gradient to this global norm first; None: off.
-        autocast: "bf16" or "fp16": the forward passes under torch.autocast in that dtype,
-            meta-gradients in the run's dtype (MAML, Meta-SGD, ANIL); None: off.
-        norm: image tasks: "batch" (BatchNorm in every block of the network, synchronized
-            over the processes that share a task) or "none".
-        fonts: glyphs: "all" (matplotlib's and the system's fonts), "matplotlib", or the
-            identity of a font set (file names and hashes). A run records the identity of the
-            fonts it drew its glyphs from, and a resumed run checks that they are all here.
-        deterministic: the same bits at any number of processes and layout (MAML, FOMAML,
-            Meta-SGD): weights, losses and evaluations (``MetaDDP(deterministic=True)``).
-        chunks: with ``deterministic``, the most chunks a batch is cut into.
-        noise: noisy-digits: the fraction of training labels flipped (default 0.4).
-        keep: noisy-digits: "all" training images, or only the "clean" ones (the oracle).
-        method: reweight: the hypergradient method (metaddp.algorithms.METHODS; default
-            "unrolled").
-        cuda_graphs: record the meta-step once in a CUDA graph and replay it
-            (``metaddp.distributed.CapturedStep``; every algorithm but iMAML, on CUDA).
-            ``None`` (the default): wherever the run can (:meth:`records_graphs`); ``True``:
-            required, an error where it cannot; ``False``: never. The same numbers, so not part
-            of the identity: a resume may switch it.
-        shard: keep only each process's rows of every meta-parameter, of their gradients and
-            of Adam's state, cut over the processes that split each task
-            (``MetaDDP(shard=True)``: every algorithm but metasgd and anil). It needs more
-            than one process per task: ``layout`` "sample", or "hybrid" on 4 or more
-            processes. On one process there is nothing to cut, and it changes only the
-            checkpoint's form. The same numbers (to rounding), so not part of the identity: a
-            resume may switch it, and a run resumes at any number of processes either way.
-            Checkpoints of a sharded run are sharded too (``torch.distributed.checkpoint``,
-            :mod:`._sharded_state`).
-    """
-
-    task: str = "sinusoid"
-    algorithm: str | None = None
-    steps: int | None = None
-    meta_batch: int | None = None
-    inner_steps: int | None = None
-    inner_lr: float | None = None
-    outer_lr: float | None = None
-    outer_schedule: str = "constant"
-    lam: float = 1.0
-    shots: int | None = None
-    query: int | None = None
-    ways: int | None = None
-    hidden: int | None = None
-    layout: str = "sample"
-    seed: int = 0
-    dtype: str = "float32"
-    eval_every: int | None = None
-    eval_tasks: int | None = None
-    eval_steps: int | None = None
-    checkpoint_every: int | None = None
-    data: str | None = None
-    memory: str | None = None
-    inner_optimizer: str | None = None
-    inner_clip: float | None = None
-    autocast: str | None = None
-    norm: str | None = None
-    fonts: str | None = None
-    deterministic: bool = False
-    chunks: int = 8
-    cuda_graphs: bool | None = None
-    shard: bool = False
-    noise: float | None = None
-    keep: str | None = None
-    method: str | None = None
-
-    # Settings that define the trajectory: a checkpoint resumes only under the same ones.
-    # The number of processes, the layout, the length of the run and evaluation may change.
-    IDENTITY = (
-        "task",
-        "algorithm",
-        "meta_batch",
-        "inner_steps",
-        "inner_lr",
-        "outer_lr",
-        "outer_schedule",
-        "lam",
-        "shots",
-        "query",
-        "ways",
-        "hidden",
-        "seed",
-        "dtype",
-        "data",
-        "norm",
-        "fonts",
-        "inner_optimizer",
-        "inner_clip",
-        "autocast",
-        "deterministic",
-        "chunks",
-        "noise",
-        "keep",
-        "method",
+    task: str = setting(
+        "sinusoid", "task family, taken from the run when resuming", choices=FAMILIES, flags=None
     )
+    algorithm: str | None = setting(
+        None,
+        "the algorithm; noisy-run trains reweight only, and ttt defaults to anil",
+        choices=ALGORITHMS,
+        fallback="maml",
+    )
+    steps: int | None = setting(
+        None,
+        "outer steps in total, a resumed run's included",
+        identity=False,
+        fallback=1000,
+    )
+    meta_batch: int | None = setting(None, "tasks per outer step")
+    inner_steps: int | None = setting(None, "adaptation steps per task in training")
+    inner_lr: float | None = setting(None, "inner (adaptation) learning rate")
+    outer_lr: float | None = setting(None, "Adam's learning rate for the meta-parameters")
+    outer_schedule: str = setting(
+        "constant",
+        "constant, or cosine: the outer rate anneals from --outer-lr to 0 over --steps (cosine "
+        "annealing without restarts, as MAML++ trains)",
+        choices=OUTER_SCHEDULES,
+    )
+    lam: float = setting(1.0, "iMAML's proximal strength (the implicit system is I + H / lam)")
+    shots: int | None = setting(None, "support samples per task (per class for classification)")
+    query: int | None = setting(None, "query samples per task (per class for classification)")
+    ways: int | None = setting(None, "classes per task (classification tasks only)")
+    hidden: int | None = setting(None, "width of the network")
+    layout: str = setting(
+        "sample",
+        "how processes share a meta-batch. sample: every process splits every task; task: tasks "
+        "split over processes; hybrid: two task groups, each splitting its tasks",
+        choices=LAYOUTS,
+        flags="processes",
+        identity=False,
+    )
+    seed: int = setting(0, "seeds the network's initialisation and the task stream")
+    dtype: str = setting("float32", "the run's floating-point type", choices=DTYPES)
+    eval_every: int | None = setting(
+        None,
+        "evaluate on held-out tasks every this many steps (0: only at the end of the run)",
+        flags="output",
+        identity=False,
+        fallback=100,
+    )
+    eval_tasks: int | None = setting(
+        None,
+        "held-out tasks per evaluation (default: 100; noisy-digits: its 12 test batches)",
+        flags="output",
+        identity=False,
+    )
+    eval_steps: int | None = setting(
+        None,
+        "adaptation steps at evaluation (default: --inner-steps)",
+        flags="output",
+        identity=False,
+    )
+    checkpoint_every: int | None = setting(
+        None,
+        "write a checkpoint every this many steps, and at the end",
+        flags="output",
+        identity=False,
+        fallback=100,
+    )
+    data: str | None = setting(
+        None, "dataset folder (omniglot, miniimagenet), or the glyph cache folder (glyphs)"
+    )
+    memory: str | None = setting(
+        None,
+        "default: keep every inner step's graph; low: rebuild them one at a time in the "
+        "backward, the same meta-gradient in memory that does not grow with --inner-steps; "
+        "replay: keep a tree of O(log) of the steps' weights, not every step's (metaddp.Replay)",
+        choices=MEMORY_MODES,
+        identity=False,
+        fallback="default",
+    )
+    inner_optimizer: str | None = setting(
+        None,
+        "the differentiable inner optimizer, at --inner-lr",
+        choices=INNER_OPTIMIZERS,
+        fallback="sgd",
+    )
+    inner_clip: float | None = setting(
+        None,
+        "clip every inner gradient to this global norm before the inner optimizer (the whole "
+        "task's gradient, on any number of processes; default: no clipping)",
+        metavar="NORM",
+    )
+    autocast: str | None = setting(
+        None,
+        "forward passes under torch.autocast in this precision, meta-gradients in --dtype "
+        f"({_all_but('autocast')}; default: off)",
+        choices=AUTOCASTS,
+    )
+    norm: str | None = setting(
+        None,
+        "image tasks: batch (the default), BatchNorm in every block, synchronized over the "
+        "processes that share a task, or none",
+        choices=NORMS,
+    )
+    fonts: str | None = setting(
+        None,
+        "glyphs: all (the default: matplotlib's and the system's fonts), matplotlib, or the "
+        "identity of a font set (file names and hashes), as a run records it: a resume checks "
+        "that they are all here",
+    )
+    deterministic: bool = setting(
+        False,
+        "the same bits at any --nproc and --layout: weights, losses and evaluations "
+        f"(MetaDDP(deterministic=True); {_all_but('deterministic')}; costs in BENCHMARKS.md)",
+    )
+    chunks: int = setting(
+        8,
+        "with --deterministic: the most chunks a batch is cut into; keep it fixed across the "
+        "runs to compare",
+    )
+    cuda_graphs: bool | None = setting(
+        None,
+        "record the meta-step once in a CUDA graph and replay it "
+        "(metaddp.distributed.CapturedStep): the same arithmetic, less launch cost "
+        f"({_all_but('capture')}; CUDA, one process or NCCL). By default on wherever the run "
+        "can; --cuda-graphs requires it (an error where it cannot), --no-cuda-graphs turns it "
+        "off",
+        identity=False,
+        negatable=True,
+    )
+    shard: bool = setting(
+        False,
+        "keep only each process's rows of the meta-parameters, their gradients and Adam's "
+        "state, cut over the processes that split each task (ZeRO-3, MetaDDP(shard=True); "
+        f"{_all_but('sharded')}): the same numbers, to rounding, in 1/N of the memory for them. "
+        "Needs --layout sample, or hybrid with more than one process per task group (4 or more "
+        "processes); on one process it cuts nothing. Checkpoints are then sharded "
+        "(torch.distributed.checkpoint) and resume at any --nproc; --no-shard resumes one "
+        "replicated",
+        flags="processes",
+        identity=False,
+        negatable=True,
+    )
+    noise: float | None = setting(
+        None, "noisy-digits: the fraction of training labels flipped (default: 0.4)"
+    )
+    keep: str | None = setting(
+        None,
+        "noisy-digits: train on all images (the default) or on the clean ones only (the oracle)",
+        choices=KEEPS,
+    )
+    method: str | None = setting(
+        None, "reweight: the hypergradient method (default: unrolled)", choices=METHODS
+    )
+
+    # Settings that define the trajectory (a checkpoint resumes only under the same ones), from
+    # the fields: the number of processes, the layout, the length of the run and evaluation may
+    # change.
+    IDENTITY: ClassVar[tuple[str, ...]]
 
     def __post_init__(self) -> None:
         for k, v in self.to_dict().items():
@@ -248,8 +312,6 @@ class TrainConfig:
     @staticmethod
     def algorithms_for(task: str) -> tuple[str, ...]:
         """The algorithms that train ``task`` (:data:`BILEVEL`, :data:`CLASSIFIERS`)."""
-        from ..algorithms import ALGORITHMS
-
         family = family_class(task)
         if family.run:
             return RUN_ALGORITHMS
@@ -293,14 +355,12 @@ class TrainConfig:
     @classmethod
     def defaults_table(cls) -> str:
         """Each task's default settings, one row per task (the help's epilog)."""
-        from ..tasks import FAMILIES
-
         rows: list[tuple[str, ...]] = [("task", *SHOWN, "eval_steps", "algorithms")]
         for task in FAMILIES:
             d = dict(family_class(task).defaults)
             d.setdefault("eval_steps", d.get("inner_steps"))
             takes = cls.algorithms_for(task)
-            left = [a for a in _all_algorithms() if a not in takes]
+            left = [a for a in ALGORITHMS if a not in takes]
             rows.append(
                 (
                     task,
@@ -315,39 +375,19 @@ class TrainConfig:
         )
 
     def check(self) -> None:
-        from ..algorithms import ALGORITHMS, METHODS
-
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(
-                f"unknown algorithm {self.algorithm!r}; choose from {', '.join(ALGORITHMS)}"
-            )
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"unknown layout {self.layout!r}; choose from {', '.join(LAYOUTS)}")
-        if self.memory not in MEMORY_MODES:
-            raise ValueError(
-                f"unknown memory mode {self.memory!r}; choose from {', '.join(MEMORY_MODES)}"
-            )
-        if self.inner_optimizer not in INNER_OPTIMIZERS:
-            raise ValueError(
-                f"unknown inner optimizer {self.inner_optimizer!r}; "
-                f"choose from {', '.join(INNER_OPTIMIZERS)}"
-            )
+        for f in SETTINGS:  # the values a setting takes; None where its default is the task's
+            value, choices = getattr(self, f.name), f.metadata["choices"]
+            if choices is not None and value not in choices:
+                if value is None and f.metadata["fallback"] is None:
+                    continue
+                what = "memory mode" if f.name == "memory" else f.name.replace("_", " ")
+                raise ValueError(f"unknown {what} {value!r}; choose from {', '.join(choices)}")
         if self.inner_clip is not None and not self.inner_clip > 0:
             raise ValueError(f"inner_clip must be a norm > 0, got {self.inner_clip!r}")
-        if self.autocast is not None and self.autocast not in AUTOCASTS:
-            raise ValueError(
-                f"unknown autocast {self.autocast!r}; choose from {', '.join(AUTOCASTS)}"
-            )
-        if self.norm is not None and self.norm not in NORMS:
-            raise ValueError(f"unknown norm {self.norm!r}; choose from {', '.join(NORMS)}")
         if self.method is not None:
             if self.algorithm != "reweight":
                 raise ValueError(
                     f"method is the hypergradient of reweight, not of {self.algorithm}"
-                )
-            if self.method not in METHODS:
-                raise ValueError(
-                    f"unknown method {self.method!r}; choose from {', '.join(METHODS)}"
                 )
             if family_class(self.task).run and self.method not in RUN_METHODS:
                 raise ValueError(
@@ -355,11 +395,6 @@ class TrainConfig:
                     f"{self.method} cannot differentiate (it reads one inner objective at the "
                     f"solution): choose --method {' or '.join(RUN_METHODS)}"
                 )
-        if self.outer_schedule not in OUTER_SCHEDULES:
-            raise ValueError(
-                f"unknown outer schedule {self.outer_schedule!r}; choose from "
-                f"{', '.join(OUTER_SCHEDULES)}"
-            )
         if self.algorithm in CLASSIFIERS and not family_class(self.task).classification:
             raise ValueError(
                 f"{self.algorithm} scores classes against their prototypes: it trains on "
@@ -375,8 +410,6 @@ class TrainConfig:
                 f"{self.task} scores a training run of eval_steps steps (with and without what "
                 "was learned): eval_steps must be >= 1, got 0"
             )
-        if self.dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {self.dtype!r}; choose from {', '.join(DTYPES)}")
         positive = (
             "steps",
             "meta_batch",
@@ -614,10 +647,41 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-def _all_algorithms() -> tuple[str, ...]:
-    from ..algorithms import ALGORITHMS
+SETTINGS = dataclasses.fields(TrainConfig)
+TrainConfig.IDENTITY = tuple(f.name for f in SETTINGS if f.metadata["identity"])
+# The settings' defaults where a task family sets none.
+FALLBACK = {f.name: f.metadata["fallback"] for f in SETTINGS if f.metadata["fallback"] is not None}
 
-    return tuple(ALGORITHMS)
+
+def _docstring() -> str:
+    """:class:`TrainConfig`'s docstring, from its fields' texts (naming settings, not flags)."""
+    names = {f.name for f in SETTINGS}
+
+    def named(flag: re.Match) -> str:
+        name = flag[1].replace("-", "_")
+        return f"``{name}``" if name in names else flag[0]
+
+    lines = [
+        "Everything that defines a training run (``None``: the task family's default); each",
+        "setting is also one of ``metaddp train``'s (``inner_clip``: ``--inner-clip``).",
+        "",
+        "Args:",
+    ]
+    for f in SETTINGS:
+        text = re.sub(r"--([a-z][a-z-]*)", named, f.metadata["help"])
+        if f.metadata["choices"] is not None:
+            text += f"; one of {', '.join(f.metadata['choices'])}"
+        if not f.metadata["identity"]:
+            text += "; not part of the identity: a resume may change it"
+        lines.append(
+            textwrap.fill(
+                f"{f.name}: {text}.", 96, initial_indent="    ", subsequent_indent="        "
+            )
+        )
+    return "\n".join(lines) + "\n"
+
+
+TrainConfig.__doc__ = _docstring()
 
 
 # What each setting holds, from the field's annotation ("int | None" -> int).
@@ -632,7 +696,7 @@ KINDS: dict[str, tuple[tuple[type, ...], str]] = {
 def check_type(name: str, value: Any) -> None:
     """Raise ``ValueError`` unless ``value`` has the type of setting ``name`` (a bool is not a
     number)."""
-    annotation = str({f.name: f.type for f in dataclasses.fields(TrainConfig)}[name])
+    annotation = str({f.name: f.type for f in SETTINGS}[name])
     if value is None and "None" in annotation:
         return
     kind = annotation.split(" | ")[0]
