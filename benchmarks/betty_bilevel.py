@@ -23,7 +23,8 @@ backward and gradient SUM), median of ``--repeats``, at 1 and 2 processes. Then 
 at one process, median of ``--whole-steps``: Betty's ``Engine`` with an inner ``ImplicitProblem``
 (forward, backward, SGD or Adam step) and an outer one (forward, hypergradient, Adam step,
 ``unroll_steps=1``), against metaddp's ``Bilevel(start="current", train_inner=True)`` step
-(meta-loss, backward, gradient SUM, one Adam step over the model and the weighting).
+(meta-loss, backward, gradient SUM, one Adam step over the model and the weighting);
+``--whole-only`` times these alone.
 
     python benchmarks/betty_bilevel.py --json benchmarks/results/betty_bilevel.json
 """
@@ -249,6 +250,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[32, 128])
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--whole-steps", type=int, default=100, help="whole steps timed per library")
+    ap.add_argument("--whole-only", action="store_true", help="only the whole steps at one process")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     try:
@@ -256,7 +258,7 @@ def main() -> None:
     except ImportError:
         sys.exit("needs Betty: pip install --no-deps --ignore-requires-python betty-ml==0.2.1")
     rows = []
-    for batch in a.batch:
+    for batch in [] if a.whole_only else a.batch:
         probs = [problem(m, opt, batch) for m, _, opt in PAIRS]
         ours = {w: run_local(metaddp_worker, w, probs, a.repeats) for w in (2, 4)}
         ours[1] = [metaddp_worker(probs, a.repeats)]
@@ -274,8 +276,9 @@ def main() -> None:
                 "betty_ms_1": 1e3 * theirs[1][1],
             }
             rows.append(row)
-    print(f"{'batch':>5} {'metaddp':<12} {'Betty':<8} {'ours @2':>9} {'ours @4':>9} {'Betty @2':>9} "
-          f"{'Betty @4':>9} {'ours ms 1p':>10} {'ours ms 2p':>10} {'Betty ms 1p':>11}")
+    if rows:
+        print(f"{'batch':>5} {'metaddp':<12} {'Betty':<8} {'ours @2':>9} {'ours @4':>9} {'Betty @2':>9} "
+              f"{'Betty @4':>9} {'ours ms 1p':>10} {'ours ms 2p':>10} {'Betty ms 1p':>11}")
     for r in rows:
         print(f"{r['batch']:>5} {r['metaddp']:<12} {r['betty']:<8} {r['metaddp_rel_2']:>9.1e} "
               f"{r['metaddp_rel_4']:>9.1e} {r['betty_rel_2']:>9.1%} {r['betty_rel_4']:>9.1%} "

@@ -265,7 +265,7 @@ class Bilevel(Algorithm):
         weights = params_of(self.model)
         if self.start == "outer":
             return weights
-        return {k: held({k: v}, v)[k] for k, v in weights.items()}
+        return held(weights, weights)  # each hung off its own weight
 
     def sharded_refusal(self) -> str | None:
         if not isinstance(self.method, Unrolled):

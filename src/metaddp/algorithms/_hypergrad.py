@@ -180,28 +180,36 @@ class InnerProblem:
 
 
 class _Held(torch.autograd.Function):
-    """A copy of ``value`` that needs a gradient, through which none flows back.
+    """Copies of ``values`` that need a gradient, through which none flows back.
 
     The point a method differentiates at (the weights after steps taken without a graph, or
     a lookahead's start) must need a gradient for ``torch.autograd.grad``, but must not pass
     one on. A new leaf would do that, and the wrapper's search of the meta-loss's graph would
-    rightly refuse a leaf it does not know; this node hangs off ``anchor``, a tensor of the
-    graph already (a meta-parameter), and gives it nothing.
+    rightly refuse a leaf it does not know; this node hangs off ``anchors``, tensors of the
+    graph already (meta-parameters), and gives them nothing. One node holds every copy.
     """
 
     @staticmethod
-    def forward(ctx: Any, value: Tensor, anchor: Tensor) -> Tensor:
-        return value.clone()
+    def forward(ctx: Any, n: int, *tensors: Tensor) -> tuple[Tensor, ...]:
+        # The first n are the values, the rest their anchors.
+        ctx.inputs = 1 + len(tensors)
+        return tuple(t.clone() for t in tensors[:n])
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[None, None]:
-        return None, None
+    def backward(ctx: Any, *grads: Tensor) -> tuple[None, ...]:
+        return (None,) * ctx.inputs
 
 
-def held(values: Params, anchor: Tensor) -> Params:
-    """``values`` as tensors that need a gradient with no path back (:class:`_Held`)."""
+def held(values: Params, anchor: Tensor | Params) -> Params:
+    """``values`` as tensors that need a gradient with no path back (:class:`_Held`), hung
+    off ``anchor``, or off ``anchor[k]`` each where it is a dict of the same names."""
+    if not values:
+        return {}
+    names = list(values)
+    anchors = [anchor] if isinstance(anchor, Tensor) else [anchor[k] for k in names]
     with torch.enable_grad():
-        return {k: cast(Tensor, _Held.apply(v.detach(), anchor)) for k, v in values.items()}
+        copies = _Held.apply(len(names), *(values[k].detach() for k in names), *anchors)
+    return dict(zip(names, cast(tuple[Tensor, ...], copies), strict=True))
 
 
 def _anchor(p: InnerProblem) -> Tensor:

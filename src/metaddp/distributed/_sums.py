@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from .. import _host
 from .._reach import listing
-from ._collectives import Group, Phase, launch_sum
+from ._collectives import Group, Phase, group_size, launch_sum
 from ._exact import ExactSums
 from ._overlap import GradReducer
 from ._sharded import as_like, is_dtensor, local
@@ -93,13 +93,15 @@ class BucketedSum:
         how.raise_missing([n for (n, _), f in zip(named, got, strict=False) if f == 0])
         with torch.no_grad():
             for p, g, f in zip(params, reduced, got, strict=False):
-                if f > 0:
+                if f > 0 and g is not p.grad:  # one rank: the gradient is its own sum
                     self._store(p, g)
         return got[len(params) :]
 
     def _sum(self, params: list[nn.Parameter], grads: list[Tensor], tail: Tensor) -> list[Tensor]:
         """The SUM of each gradient, then of the tail, over the mesh."""
         how = self.how
+        if group_size(how.group) == 1:  # nothing to sum (nor a tag to salt): no copies
+            return grads + [tail]
         return launch_sum(
             grads + [tail], how.group, how.bucket_bytes, Phase.GRADIENTS, how.salt()
         ).wait()
