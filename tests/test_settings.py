@@ -34,9 +34,16 @@ BAD = {
     "toml-infinite-rate": ([], "outer_lr = inf\n", "outer_lr must be a positive finite number, got inf"),
     # Top-level keys beside [train] used to be ignored: 1000 steps ran instead of 7.
     "toml-keys-beside-train": ([], "steps = 7\n[train]\nseed = 1\n", "has steps outside its [train] table"),
-    "toml-unknown-table": ([], "[model]\nhidden = 8\n", "unknown table(s) [model]"),
+    "toml-unknown-table": ([], "[model]\nhidden = 8\n", "config file {toml}: hidden is in table [model], "
+                           "which metaddp train does not read: put it at top level (or every setting under [train])"),
     "toml-unknown-nested-table": ([], "[train]\nseed = 1\n[train.model]\nhidden = 8\n",
-                                  "unknown table(s) [train.model]"),
+                                  "hidden is in table [train.model], which metaddp train does not read: put it "
+                                  "under [train]"),
+    "toml-table-beside-train": ([], "[train]\nseed = 1\n[other]\nsteps = 5\nseed = 2\n",
+                                "steps, seed are in table [other], which metaddp train does not read: put "
+                                "settings under [train]"),
+    "toml-a-flag": ([], "nproc = 2\n", "config file {toml}: nproc is a flag of the command line (--nproc), "
+                    "not a setting a config file holds: give it on the command line"),
     "negative-width": (["--hidden", "-3"], None, "hidden must be a positive integer, got -3"),
     "zero-width": (["--hidden", "0"], None, "hidden must be a positive integer, got 0"),
     "no-processes": (["--nproc", "0"], None, "--nproc must be at least 1, got 0"),

@@ -265,7 +265,9 @@ def settings(args: argparse.Namespace, world: int) -> tuple[TrainConfig, Path, b
         # A run from before a setting existed resumes as it ran (no BatchNorm, SGD steps...).
         values.update({**settings_before(saved), **saved})
     # What this command sets (its file, then its flags), beside what a resumed run recorded.
-    asked = {**(read_toml(args.config) if args.config is not None else {}), **flags}
+    # The command's own flags (--nproc, --out ...), which a config file does not hold.
+    launch_flags = [k for k in vars(args) if k not in (*TrainConfig.names(), "func", "command")]
+    asked = {**(read_toml(args.config, launch_flags) if args.config else {}), **flags}
     values.update(asked)
     if "task" not in values:
         raise UsageError("name a task: metaddp train {" + ",".join(FAMILIES) + "} [options]")
