@@ -12,12 +12,13 @@ from metaddp.train import TrainConfig
 TINY = ["--steps", "2", "--hidden", "8", "--meta-batch", "2", "--eval-tasks", "3", "--no-progress"]
 
 
-def test_show_settings_prints_the_task_defaults_and_the_flags_given(tmp_path, capsys):
-    assert main(["train", "glyphs", "--show-settings", "--shots", "3"]) == 0
+def test_show_settings_prints_the_task_defaults_and_the_flags_given(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "sinusoid", "--show-settings", "--shots", "3"]) == 0
     out = capsys.readouterr().out
-    # glyphs' own defaults (tasks/glyphs.py), with the flag applied
-    assert "maml on glyphs: steps 1000, meta_batch 32, inner_steps 1, inner_lr 0.4" in out
-    assert "shots 3, query 5, ways 5, hidden 64" in out
+    # sinusoid's own defaults (tasks/sinusoid.py), with the flag applied
+    assert "maml on sinusoid: steps 1000, meta_batch 25, inner_steps 1, inner_lr 0.01" in out
+    assert "shots 3, query 10, hidden 40" in out
     assert "checkpoint every 100 steps" in out
     assert not (tmp_path / "runs").exists()
 
