@@ -2,6 +2,7 @@
 per-task defaults, the start and resume lines, refusals of a task/algorithm mismatch, and the
 words of the plots per algorithm."""
 
+import dataclasses
 import math
 
 import pytest
@@ -30,6 +31,10 @@ def test_help_shows_each_task_defaults_and_algorithms(capsys):
     row = next(line.split() for line in out.splitlines() if line.strip().startswith("sinusoid "))
     assert row[:5] == ["sinusoid", "25", "1", "0.01", "0.001"]
     assert "noisy-digits" in out and "all but protonet, protomaml, reweight, erm" in out
+    # Each default said once, in words that read (the memory mode named "default" included).
+    helps = {f.name: f.metadata["help"] for f in dataclasses.fields(TrainConfig)}
+    assert not [k for k, text in helps.items() if "(default: default)" in text]
+    assert helps["memory"].startswith("default (the default; noisy-run: replay): keep every")
 
 
 def test_an_algorithm_that_does_not_fit_the_task_is_one_line(capsys):

@@ -56,9 +56,10 @@ def setting(
     names the other settings by their flags, ``--inner-steps``), ``choices`` the values it takes,
     ``fallback`` its default where the task family sets none; ``identity``: a checkpoint resumes
     only under the same value; ``flags``: the help's group of its flag (``None``: no flag),
-    ``metavar`` the flag's placeholder, ``negatable`` whether a ``--no-`` flag turns it off."""
+    ``metavar`` the flag's placeholder, ``negatable`` whether a ``--no-`` flag turns it off.
+    The default is said after the text, unless the text names it ``(the default)``."""
     shown = default if default is not None else fallback
-    if shown is not None and not isinstance(shown, bool):
+    if shown is not None and not isinstance(shown, bool) and "(the default" not in text:
         text += f" (default: {shown})"
     return dataclasses.field(
         default=default,
@@ -155,9 +156,10 @@ class TrainConfig:
     )
     memory: str | None = setting(
         None,
-        "default: keep every inner step's graph; low: rebuild them one at a time in the "
-        "backward, the same meta-gradient in memory that does not grow with --inner-steps; "
-        "replay: keep a tree of O(log) of the steps' weights, not every step's (metaddp.Replay)",
+        "default (the default; noisy-run: replay): keep every inner step's graph; low: "
+        "rebuild them one at a time in the backward, the same meta-gradient in memory that "
+        "does not grow with --inner-steps; replay: keep a tree of O(log) of the steps' "
+        "weights, not every step's (metaddp.Replay)",
         choices=MEMORY_MODES,
         identity=False,
         fallback="default",
