@@ -43,6 +43,7 @@ def test_an_algorithm_that_does_not_fit_the_task_is_one_line(capsys):
     assert err == ["metaddp train: error: reweight does not train sinusoid: sinusoid takes "
                    "maml, fomaml, metasgd, anil, reptile, imaml, mamlpp, boil"]
     assert TrainConfig.algorithms_for("noisy-digits")[-2:] == ("reweight", "erm")
+    assert not {"protonet", "protomaml"} & set(TrainConfig.algorithms_for("noisy-digits"))
 
 
 def test_a_run_says_its_settings_and_a_resume_its_step(tmp_path, capsys):

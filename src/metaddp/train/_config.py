@@ -30,7 +30,8 @@ OUTER_SCHEDULES = ("constant", "cosine")
 CLASSIFIERS = ("protonet", "protomaml")  # algorithms whose loss needs classes
 # Which algorithms fit which tasks, declared once: the bilevel ones (data reweighting and the
 # plain training it is measured against) train the task that is a bilevel problem, and adapt
-# nothing; the classifiers need classes; the other (meta-learning) algorithms train any task.
+# nothing; the classifiers need every class in every support, which N-way K-shot tasks hold and
+# the bilevel task's random batches may not; the other (meta-learning) algorithms train any task.
 BILEVEL = ("reweight", "erm")
 BILEVEL_TASKS = ("noisy-digits", "noisy-run")
 # A task whose inner problem is a whole training run takes only what learns through one.
@@ -331,7 +332,7 @@ class TrainConfig:
             a
             for a in ALGORITHMS
             if (a not in BILEVEL or task in BILEVEL_TASKS)
-            and (a not in CLASSIFIERS or family.classification)
+            and (a not in CLASSIFIERS or (family.classification and task not in BILEVEL_TASKS))
         )
 
     @staticmethod
@@ -407,10 +408,10 @@ class TrainConfig:
                     f"{self.method} cannot differentiate (it reads one inner objective at the "
                     f"solution): choose --method {' or '.join(RUN_METHODS)}"
                 )
-        if self.algorithm in CLASSIFIERS and not family_class(self.task).classification:
+        if self.algorithm in CLASSIFIERS and self.algorithm not in self.algorithms_for(self.task):
             raise ValueError(
-                f"{self.algorithm} scores classes against their prototypes: it trains on "
-                f"classification tasks, not {self.task}"
+                f"{self.algorithm} scores classes against their prototypes, made from every "
+                f"class's support samples: it trains on N-way K-shot tasks, not {self.task}"
             )
         if self.task == "noisy-digits" and self.eval_steps:
             raise ValueError(
