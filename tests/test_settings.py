@@ -135,6 +135,16 @@ def test_show_settings_refuses_a_resume_whose_settings_do_not_match(tmp_path, ca
     assert capsys.readouterr().err == refused
 
 
+def test_cuda_graphs_on_gloo_processes_are_refused_before_they_start(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # gloo's processes: the CPU
+    args = [*command(["--cuda-graphs", "--backend", "gloo", "--nproc", "2"]), "--out", str(tmp_path / "run")]
+    assert main(args) == 2
+    refused = capsys.readouterr().err
+    assert "cuda_graphs records CUDA graphs, and --backend gloo runs the processes on the CPU" in refused
+    assert main([*args, "--show-settings"]) == 2 and capsys.readouterr().err == refused
+    assert not (tmp_path / "run").exists()
+
+
 def test_show_settings_checks_every_process_count_of_nnodes(capsys):
     args = ["train", "sinusoid", "--layout", "hybrid", "--rdzv-endpoint", "localhost:1", "--show-settings"]
     assert main([*args, "--nnodes", "1:2"]) == 0

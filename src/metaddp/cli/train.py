@@ -297,6 +297,11 @@ def settings(args: argparse.Namespace, *world: int) -> tuple[TrainConfig, Path, 
     cfg = TrainConfig(**values).resolved()
     for n in world:
         cfg.check_for(asked, n)
+    if cfg.cuda_graphs and args.backend == "gloo" and (under_torchrun() or max(world) > 1):
+        raise UsageError(  # else refused at the first step, the processes started
+            "cuda_graphs records CUDA graphs, and --backend gloo runs the processes on the CPU: "
+            "use --backend nccl, or drop cuda_graphs (--no-cuda-graphs)"
+        )
     if not resume:
         out = (
             Path(args.out) if args.out is not None else Path("runs") / f"{cfg.task}-{cfg.algorithm}"
