@@ -207,16 +207,30 @@ def shell_commands() -> list[tuple[str, str]]:
     return out
 
 
-def test_every_command_in_a_shell_block_is_one_that_runs(capsys):
+def test_every_command_in_a_shell_block_is_one_that_runs(capsys, tmp_path, monkeypatch):
     """Each command line a page shows runs as written: ``metaddp train`` runs with
-    ``--show-settings`` (every setting resolved and checked, nothing trained), a resume, and
-    ``metaddp verify`` and ``data``, parse; ``make`` targets, extras and scripts exist; the
-    README's ``.venv/bin/`` commands run in full above. Output and diagrams are ``text``
-    blocks."""
+    ``--show-settings`` (everything a run checks before it starts, nothing trained; in an
+    empty folder, and the glyph set a stand-in rather than drawn; a dataset folder ``DIR`` is
+    the reader's, so only the data is refused), a resume, and ``metaddp verify`` and
+    ``data``, parse; ``make`` targets, extras and scripts exist; the README's ``.venv/bin/``
+    commands run in full above. Output and diagrams are ``text`` blocks."""
     import shlex
     import tomllib
 
+    import torch
+
     from metaddp.cli import build_parser, main
+    from metaddp.tasks import _fonts, glyphs
+
+    def stand_in(fonts, *args):  # two alphabets of 30 blank characters, 20 drawers each
+        return {"fonts": _fonts.identity(fonts), "alphabets": ["a", "b"], "evaluation": ["b"],
+                "alphabet": [0] * 30 + [1] * 30,
+                "images": torch.zeros(60, glyphs.DRAWERS, 1, glyphs.SIZE, glyphs.SIZE,
+                                      dtype=torch.uint8)}
+
+    monkeypatch.setattr(glyphs, "load", stand_in)
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    monkeypatch.chdir(tmp_path)
 
     makefile = (ROOT / "Makefile").read_text()
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
@@ -240,7 +254,10 @@ def test_every_command_in_a_shell_block_is_one_that_runs(capsys):
             assert words[0] == "metaddp", f"{name}: a command this test does not know: {command}"
             args = words[1:]
             resume = "--resume" in args and args[args.index("--resume") + 1] != "auto"
-            if args[0] == "train" and not resume:
+            if args[0] == "train" and not resume and "--data" in args:  # --data DIR
+                assert main([*args, "--show-settings"]) == 2, (name, command)
+                assert "dataset folder DIR does not exist" in capsys.readouterr().err
+            elif args[0] == "train" and not resume:
                 assert main([*args, "--show-settings"]) == 0, (name, command)
                 assert " on " in capsys.readouterr().out, (name, command)
             else:

@@ -4,6 +4,7 @@ so that the corrected command runs in it."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -34,9 +35,16 @@ BAD = {
     "toml-infinite-rate": ([], "outer_lr = inf\n", "outer_lr must be a positive finite number, got inf"),
     # Top-level keys beside [train] used to be ignored: 1000 steps ran instead of 7.
     "toml-keys-beside-train": ([], "steps = 7\n[train]\nseed = 1\n", "has steps outside its [train] table"),
-    "toml-unknown-table": ([], "[model]\nhidden = 8\n", "unknown table(s) [model]"),
+    "toml-unknown-table": ([], "[model]\nhidden = 8\n", "config file {toml}: hidden is in table [model], "
+                           "which metaddp train does not read: put it at top level (or every setting under [train])"),
     "toml-unknown-nested-table": ([], "[train]\nseed = 1\n[train.model]\nhidden = 8\n",
-                                  "unknown table(s) [train.model]"),
+                                  "hidden is in table [train.model], which metaddp train does not read: put it "
+                                  "under [train]"),
+    "toml-table-beside-train": ([], "[train]\nseed = 1\n[other]\nsteps = 5\nseed = 2\n",
+                                "steps, seed are in table [other], which metaddp train does not read: put "
+                                "settings under [train]"),
+    "toml-a-flag": ([], "nproc = 2\n", "config file {toml}: nproc is a flag of the command line (--nproc), "
+                    "not a setting a config file holds: give it on the command line"),
     "negative-width": (["--hidden", "-3"], None, "hidden must be a positive integer, got -3"),
     "zero-width": (["--hidden", "0"], None, "hidden must be a positive integer, got 0"),
     "no-processes": (["--nproc", "0"], None, "--nproc must be at least 1, got 0"),
@@ -80,6 +88,82 @@ def test_a_bad_setting_is_one_line_and_creates_nothing(case, tmp_path, capsys):
     assert err.startswith("metaddp train: error: ") and err.count("\n") == 1, err
     assert expected.format(**paths) in err
     assert not out.exists()
+
+
+# What --show-settings once accepted and a run refused (flags, what both say).
+REFUSED_BY_BOTH = {
+    "lam-for-maml": (["--lam", "3"], "lam is iMAML's proximal strength: maml does not take it"),
+    "chunks-alone": (["--chunks", "4"], "chunks cuts batches in deterministic runs only: add --deterministic"),
+    "noise-for-sinusoid": (["--noise", "0.2"], "noise is a setting of noisy-digits and noisy-run, not of sinusoid"),
+    "shard-task-layout": (["--shard", "--layout", "task", "--nproc", "2"],
+                          "--layout task on 2 processes gives every task to one process"),
+    # A batch of noisy-digits may lack a class: the run failed at the first such step.
+    "protonet-noisy-digits": (["--task", "noisy-digits", "--algorithm", "protonet"],
+                              "protonet scores classes against their prototypes, made from every class's "
+                              "support samples: it trains on N-way K-shot tasks, not noisy-digits"),
+    **{case: (flags, expected) for case, (flags, toml, expected) in BAD.items() if toml is None},
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED_BY_BOTH))
+def test_show_settings_refuses_what_a_run_refuses_in_the_same_words(case, tmp_path, capsys):
+    flags, expected = REFUSED_BY_BOTH[case]
+    if "digits" in flags:
+        pytest.importorskip("sklearn")
+    paths = {"tmp": tmp_path}
+    if "{omni}" in flags:
+        paths["omni"] = one_character_omniglot(tmp_path / "omni")
+    args = [*command(flags, **paths), "--out", str(tmp_path / "run")]
+    assert main(args) == 2
+    refused = capsys.readouterr().err
+    assert expected.format(**paths) in refused and refused.count("\n") == 1, refused
+    assert main([*args, "--show-settings"]) == 2
+    assert capsys.readouterr().err == refused
+    assert not (tmp_path / "run").exists()
+
+
+def test_show_settings_refuses_a_resume_whose_settings_do_not_match(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main([*command([]), "--out", str(out)]) == 0
+    saved = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**saved, "seed": 7}))  # not what the run ran
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out), "--steps", "3"]) == 2
+    refused = capsys.readouterr().err
+    assert "comes from another configuration (seed: checkpoint 0, now 7)" in refused
+    assert main(["train", "--resume", str(out), "--steps", "3", "--show-settings"]) == 2
+    assert capsys.readouterr().err == refused
+
+
+def test_cuda_graphs_on_gloo_processes_are_refused_before_they_start(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # gloo's processes: the CPU
+    args = [*command(["--cuda-graphs", "--backend", "gloo", "--nproc", "2"]), "--out", str(tmp_path / "run")]
+    assert main(args) == 2
+    refused = capsys.readouterr().err
+    assert "cuda_graphs records CUDA graphs, and --backend gloo runs the processes on the CPU" in refused
+    assert main([*args, "--show-settings"]) == 2 and capsys.readouterr().err == refused
+    assert not (tmp_path / "run").exists()
+
+
+def test_show_settings_checks_every_process_count_of_nnodes(capsys):
+    args = ["train", "sinusoid", "--layout", "hybrid", "--rdzv-endpoint", "localhost:1", "--show-settings"]
+    assert main([*args, "--nnodes", "1:2"]) == 0
+    assert main([*args, "--nnodes", "1:3"]) == 2
+    assert "which 3 processes cannot form" in capsys.readouterr().err
+
+
+def test_show_settings_prints_every_setting(tmp_path, capsys):
+    flags = ["--algorithm", "imaml", "--lam", "3", "--deterministic", "--chunks", "4", "--outer-schedule",
+             "cosine", "--inner-clip", "0.5"]
+    assert main(["train", "sinusoid", *flags, "--out", str(tmp_path / "run"), "--show-settings"]) == 0
+    said = capsys.readouterr().out.splitlines()
+    table = said[said.index("every setting:") + 1:]
+    shown = dict(line.split(maxsplit=1) for line in table)
+    assert list(shown) == TrainConfig.names()
+    assert shown["lam"] == "3.0" and shown["chunks"] == "4" and shown["deterministic"] == "True"
+    assert shown["outer_schedule"] == "cosine" and shown["inner_clip"] == "0.5"
+    assert shown["shard"] == "False" and shown["autocast"] == "(not set)" and shown["ways"] == "(not set)"
+    assert shown["memory"] == "default" and shown["eval_steps"] == "10" and shown["inner_lr"] == "0.01"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: nccl can work")

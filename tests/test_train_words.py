@@ -2,6 +2,7 @@
 per-task defaults, the start and resume lines, refusals of a task/algorithm mismatch, and the
 words of the plots per algorithm."""
 
+import dataclasses
 import math
 
 import pytest
@@ -12,12 +13,13 @@ from metaddp.train import TrainConfig
 TINY = ["--steps", "2", "--hidden", "8", "--meta-batch", "2", "--eval-tasks", "3", "--no-progress"]
 
 
-def test_show_settings_prints_the_task_defaults_and_the_flags_given(tmp_path, capsys):
-    assert main(["train", "glyphs", "--show-settings", "--shots", "3"]) == 0
+def test_show_settings_prints_the_task_defaults_and_the_flags_given(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "sinusoid", "--show-settings", "--shots", "3"]) == 0
     out = capsys.readouterr().out
-    # glyphs' own defaults (tasks/glyphs.py), with the flag applied
-    assert "maml on glyphs: steps 1000, meta_batch 32, inner_steps 1, inner_lr 0.4" in out
-    assert "shots 3, query 5, ways 5, hidden 64" in out
+    # sinusoid's own defaults (tasks/sinusoid.py), with the flag applied
+    assert "maml on sinusoid: steps 1000, meta_batch 25, inner_steps 1, inner_lr 0.01" in out
+    assert "shots 3, query 10, hidden 40" in out
     assert "checkpoint every 100 steps" in out
     assert not (tmp_path / "runs").exists()
 
@@ -29,6 +31,10 @@ def test_help_shows_each_task_defaults_and_algorithms(capsys):
     row = next(line.split() for line in out.splitlines() if line.strip().startswith("sinusoid "))
     assert row[:5] == ["sinusoid", "25", "1", "0.01", "0.001"]
     assert "noisy-digits" in out and "all but protonet, protomaml, reweight, erm" in out
+    # Each default said once, in words that read (the memory mode named "default" included).
+    helps = {f.name: f.metadata["help"] for f in dataclasses.fields(TrainConfig)}
+    assert not [k for k, text in helps.items() if "(default: default)" in text]
+    assert helps["memory"].startswith("default (the default; noisy-run: replay): keep every")
 
 
 def test_an_algorithm_that_does_not_fit_the_task_is_one_line(capsys):
@@ -37,6 +43,7 @@ def test_an_algorithm_that_does_not_fit_the_task_is_one_line(capsys):
     assert err == ["metaddp train: error: reweight does not train sinusoid: sinusoid takes "
                    "maml, fomaml, metasgd, anil, reptile, imaml, mamlpp, boil"]
     assert TrainConfig.algorithms_for("noisy-digits")[-2:] == ("reweight", "erm")
+    assert not {"protonet", "protomaml"} & set(TrainConfig.algorithms_for("noisy-digits"))
 
 
 def test_a_run_says_its_settings_and_a_resume_its_step(tmp_path, capsys):

@@ -100,8 +100,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--show-settings",
         action="store_true",
-        help="print the resolved settings of this task and algorithm (with the flags given "
-        "applied) and exit without training",
+        help="check everything a run checks before it starts (the settings, the processes, "
+        "--out, the data, the algorithm built on the task's network), print every resolved "
+        "setting, and exit without training. What a run finds only as it trains (a step that "
+        "diverges, a device out of memory, a CUDA graph it cannot record) it cannot check",
     )
     g.add_argument(
         "--debug", action="store_true", help="show the full traceback of an error in the settings"
@@ -229,9 +231,30 @@ def check_processes(args: argparse.Namespace) -> None:
         )
 
 
-def settings(args: argparse.Namespace, world: int) -> tuple[TrainConfig, Path, bool]:
-    """Resolve the run's settings, output folder and whether it resumes, for ``world``
-    processes; check them all, the folder and the task family, and create nothing."""
+def worlds(args: argparse.Namespace) -> tuple[int, ...]:
+    """Check the flags that start processes and return the numbers of processes the run may
+    run on: under torchrun its world; with ``--nnodes MIN:MAX``, ``--nproc`` on each of MIN
+    to MAX machines; else ``--nproc`` (a resume: the count it ran on, where not given)."""
+    if under_torchrun():
+        check_processes(args)
+        return (int(os.environ["WORLD_SIZE"]),)
+    if args.nnodes is not None:
+        least, most = nnodes_range(args.nnodes)
+        if args.rdzv_endpoint is None:
+            raise UsageError("--nnodes needs --rdzv-endpoint HOST:PORT, the same on every machine")
+        check_processes(args)
+        return tuple(args.nproc * n for n in range(least, most + 1))
+    if args.nproc is None:
+        args.nproc = recorded_world(args)  # a resume keeps the run's process count
+    check_processes(args)
+    return (args.nproc,)
+
+
+def settings(args: argparse.Namespace, *world: int) -> tuple[TrainConfig, Path, bool]:
+    """Resolve the run's settings, output folder and whether it resumes, for each of the
+    ``world`` process counts it may run on; check them all, the folder, the data and the
+    algorithm built on the task's network, and create nothing. A run and ``--show-settings``
+    both check with this."""
     flags = {
         k: v
         for k, v in vars(args).items()
@@ -265,12 +288,20 @@ def settings(args: argparse.Namespace, world: int) -> tuple[TrainConfig, Path, b
         # A run from before a setting existed resumes as it ran (no BatchNorm, SGD steps...).
         values.update({**settings_before(saved), **saved})
     # What this command sets (its file, then its flags), beside what a resumed run recorded.
-    asked = {**(read_toml(args.config) if args.config is not None else {}), **flags}
+    # The command's own flags (--nproc, --out ...), which a config file does not hold.
+    launch_flags = [k for k in vars(args) if k not in (*TrainConfig.names(), "func", "command")]
+    asked = {**(read_toml(args.config, launch_flags) if args.config else {}), **flags}
     values.update(asked)
     if "task" not in values:
         raise UsageError("name a task: metaddp train {" + ",".join(FAMILIES) + "} [options]")
     cfg = TrainConfig(**values).resolved()
-    cfg.check_for(asked, world)
+    for n in world:
+        cfg.check_for(asked, n)
+    if cfg.cuda_graphs and args.backend == "gloo" and (under_torchrun() or max(world) > 1):
+        raise UsageError(  # else refused at the first step, the processes started
+            "cuda_graphs records CUDA graphs, and --backend gloo runs the processes on the CPU: "
+            "use --backend nccl, or drop cuda_graphs (--no-cuda-graphs)"
+        )
     if not resume:
         out = (
             Path(args.out) if args.out is not None else Path("runs") / f"{cfg.task}-{cfg.algorithm}"
@@ -399,7 +430,7 @@ def torchrun_main(args: argparse.Namespace) -> int:
     from ..distributed import default_backend, init, rank, shutdown
 
     try:
-        check_processes(args)  # on every rank, before a backend that cannot work is used
+        worlds(args)  # on every rank, before a backend that cannot work is used
     except UsageError as e:
         if args.debug:
             raise
@@ -475,9 +506,7 @@ def nodes_main(args: argparse.Namespace) -> int:
 
     try:
         least, most = nnodes_range(args.nnodes)
-        if args.rdzv_endpoint is None:
-            raise UsageError("--nnodes needs --rdzv-endpoint HOST:PORT, the same on every machine")
-        check_processes(args)
+        worlds(args)
     except UsageError as e:
         if args.debug:
             raise
@@ -534,21 +563,17 @@ def processes_main(args: argparse.Namespace) -> None:
 
 
 def show_settings(args: argparse.Namespace) -> int:
-    """``--show-settings``: the resolved settings (a resumed run's, with the flags given), and
-    no run."""
-    flags = {
-        k: v
-        for k, v in vars(args).items()
-        if k in TrainConfig.names() and not (k == "task" and v is None)
-    }
-    values: dict[str, Any] = {}
-    if args.resume not in (None, "auto"):
-        saved = saved_config(Path(args.resume))
-        values.update({**settings_before(saved), **saved})
-    values.update({**(read_toml(args.config) if args.config is not None else {}), **flags})
-    if "task" not in values:
-        raise UsageError("name a task: metaddp train {" + ",".join(FAMILIES) + "} [options]")
-    print("\n".join(TrainConfig(**values).resolved().lines()))
+    """``--show-settings``: check everything a run checks before it starts (:func:`settings`),
+    print every resolved setting, and run nothing (under torchrun, on rank 0)."""
+    counts = worlds(args)
+    if os.environ.get("RANK", "0") != "0":
+        return 0
+    cfg, _, _ = settings(args, *counts)
+    width = max(len(k) for k in TrainConfig.names())
+    every = [
+        f"  {k.ljust(width)}  {'(not set)' if v is None else v}" for k, v in cfg.to_dict().items()
+    ]
+    print("\n".join([*cfg.lines(), "every setting:", *every]))
     return 0
 
 
@@ -567,17 +592,14 @@ def main(args: argparse.Namespace) -> int:
         return torchrun_main(args)
     try:
         asked = args.nproc
-        recorded = recorded_world(args)
-        if args.nproc is None and recorded is not None:
-            args.nproc = recorded  # a resume keeps the run's process count
-        check_processes(args)
-        cfg, out, resume = settings(args, args.nproc)
+        cfg, out, resume = settings(args, *worlds(args))
         lock = begin(out, cfg, resume, args.force)
     except USER_ERRORS as e:
         if args.debug:
             raise
         return user_error(e)
-    if resume and asked is not None and recorded is not None and asked != recorded:
+    recorded = recorded_world(args) if resume and asked is not None else None
+    if recorded is not None and asked != recorded:
         print(f"metaddp train: {world_change(recorded, asked, cfg)}", file=sys.stderr)
     if crowded := oversubscribed(args.nproc):
         print(f"metaddp train: warning: {crowded}", file=sys.stderr)

@@ -89,9 +89,12 @@ class MetaDDP(nn.Module):
             inner steps and the meta-gradient stay shards, and an optimizer built on
             ``learner.parameters()`` keeps state for the rows this rank holds. The same
             meta-gradient; each rank holds ``1/samples`` of the weights, gradients and
-            optimizer state. The algorithms that declare it run sharded (every built-in one
-            but Meta-SGD and ANIL; :class:`metaddp.Bilevel` with ``Unrolled``; docs/
-            algorithms.md); ``with learner.gathered():`` (on every rank) puts the
+            optimizer state. The algorithms that declare it run sharded: every built-in
+            one (Meta-SGD's learned rates cut with their weights, ANIL's body sharded and
+            its head whole), unless configured with what reads whole weights (an inner
+            optimizer that is not entry by entry, MAML++'s per-step BatchNorm, a
+            :class:`metaddp.Bilevel` method other than ``Unrolled``: a ``ValueError`` says
+            which; docs/algorithms.md); ``with learner.gathered():`` (on every rank) puts the
             full weights in the model, for evaluation or a checkpoint. A model sharded by
             FSDP2's ``fully_shard`` is sharded this way whatever ``shard`` says: its
             DTensors' rows are the shards and their ``.grad`` the meta-gradient's

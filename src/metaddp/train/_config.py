@@ -30,7 +30,8 @@ OUTER_SCHEDULES = ("constant", "cosine")
 CLASSIFIERS = ("protonet", "protomaml")  # algorithms whose loss needs classes
 # Which algorithms fit which tasks, declared once: the bilevel ones (data reweighting and the
 # plain training it is measured against) train the task that is a bilevel problem, and adapt
-# nothing; the classifiers need classes; the other (meta-learning) algorithms train any task.
+# nothing; the classifiers need every class in every support, which N-way K-shot tasks hold and
+# the bilevel task's random batches may not; the other (meta-learning) algorithms train any task.
 BILEVEL = ("reweight", "erm")
 BILEVEL_TASKS = ("noisy-digits", "noisy-run")
 # A task whose inner problem is a whole training run takes only what learns through one.
@@ -56,9 +57,10 @@ def setting(
     names the other settings by their flags, ``--inner-steps``), ``choices`` the values it takes,
     ``fallback`` its default where the task family sets none; ``identity``: a checkpoint resumes
     only under the same value; ``flags``: the help's group of its flag (``None``: no flag),
-    ``metavar`` the flag's placeholder, ``negatable`` whether a ``--no-`` flag turns it off."""
+    ``metavar`` the flag's placeholder, ``negatable`` whether a ``--no-`` flag turns it off.
+    The default is said after the text, unless the text names it ``(the default)``."""
     shown = default if default is not None else fallback
-    if shown is not None and not isinstance(shown, bool):
+    if shown is not None and not isinstance(shown, bool) and "(the default" not in text:
         text += f" (default: {shown})"
     return dataclasses.field(
         default=default,
@@ -155,9 +157,10 @@ class TrainConfig:
     )
     memory: str | None = setting(
         None,
-        "default: keep every inner step's graph; low: rebuild them one at a time in the "
-        "backward, the same meta-gradient in memory that does not grow with --inner-steps; "
-        "replay: keep a tree of O(log) of the steps' weights, not every step's (metaddp.Replay)",
+        "default (the default; noisy-run: replay): keep every inner step's graph; low: "
+        "rebuild them one at a time in the backward, the same meta-gradient in memory that "
+        "does not grow with --inner-steps; replay: keep a tree of O(log) of the steps' "
+        "weights, not every step's (metaddp.Replay)",
         choices=MEMORY_MODES,
         identity=False,
         fallback="default",
@@ -251,13 +254,23 @@ class TrainConfig:
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any], source: str) -> dict[str, Any]:
-        """Check the keys and value types of a config file (or dict); return them as a dict."""
+    def from_mapping(
+        cls, values: Mapping[str, Any], source: str, flags: Collection[str] = ()
+    ) -> dict[str, Any]:
+        """Check the keys and value types of a config file (or dict); return them as a dict.
+        ``flags``: the names of the command's flags that are not settings (``nproc``)."""
         if not isinstance(values, Mapping):
             raise ValueError(
                 f"{source}: expected settings by name (a table), got a {type(values).__name__}"
             )
         unknown = sorted(set(values) - set(cls.names()))
+        if given := [k for k in unknown if k in flags]:
+            words = ", ".join(f"--{k.replace('_', '-')}" for k in given)
+            raise ValueError(
+                f"{source}: {', '.join(given)} {'is a flag' if len(given) == 1 else 'are flags'} "
+                f"of the command line ({words}), not a setting a config file holds: give "
+                f"{'it' if len(given) == 1 else 'them'} on the command line"
+            )
         if unknown:
             raise ValueError(
                 f"{source}: unknown setting(s) {', '.join(unknown)}; known: "
@@ -319,7 +332,7 @@ class TrainConfig:
             a
             for a in ALGORITHMS
             if (a not in BILEVEL or task in BILEVEL_TASKS)
-            and (a not in CLASSIFIERS or family.classification)
+            and (a not in CLASSIFIERS or (family.classification and task not in BILEVEL_TASKS))
         )
 
     @staticmethod
@@ -395,10 +408,10 @@ class TrainConfig:
                     f"{self.method} cannot differentiate (it reads one inner objective at the "
                     f"solution): choose --method {' or '.join(RUN_METHODS)}"
                 )
-        if self.algorithm in CLASSIFIERS and not family_class(self.task).classification:
+        if self.algorithm in CLASSIFIERS and self.algorithm not in self.algorithms_for(self.task):
             raise ValueError(
-                f"{self.algorithm} scores classes against their prototypes: it trains on "
-                f"classification tasks, not {self.task}"
+                f"{self.algorithm} scores classes against their prototypes, made from every "
+                f"class's support samples: it trains on N-way K-shot tasks, not {self.task}"
             )
         if self.task == "noisy-digits" and self.eval_steps:
             raise ValueError(
@@ -705,9 +718,10 @@ def check_type(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
 
 
-def read_toml(path: str | Path) -> dict[str, Any]:
+def read_toml(path: str | Path, flags: Collection[str] = ()) -> dict[str, Any]:
     """Settings from a TOML file: ``key = value`` lines (the names of :class:`TrainConfig`),
-    either all at top level or all under a ``[train]`` table."""
+    either all at top level or all under a ``[train]`` table. ``flags``: the names of the
+    command's flags that are not settings (``nproc``), which a file naming one is told."""
     path = Path(path)
     try:
         with open(path, "rb") as f:
@@ -720,21 +734,25 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"config file {path} is not valid TOML: {e}") from None
     table = isinstance(values.get("train"), dict)
     if table:
-        others = sorted(k for k in values if k != "train")
+        others = sorted(k for k, v in values.items() if k != "train" and not isinstance(v, dict))
         if others:
             raise ValueError(
                 f"config file {path} has {', '.join(others)} outside its [train] table, where "
                 "they would be ignored: put every setting under [train], or drop the [train] line"
             )
-        values = values["train"]
-    tables = sorted(k for k, v in values.items() if isinstance(v, dict))
-    if tables:
-        names = ", ".join(f"[train.{t}]" if table else f"[{t}]" for t in tables)
+    held = values["train"] if table else values
+    tables = {k: v for k, v in values.items() if isinstance(v, dict) and v is not held}
+    tables |= {f"train.{k}": v for k, v in held.items() if table and isinstance(v, dict)}
+    if tables:  # e.g. [model] or [train.model]: a setting there would be ignored
+        name, inside = min(tables.items())
+        one = len(inside) == 1
+        what = f"{', '.join(inside)} {'is' if one else 'are'} in" if inside else "there is an empty"
+        where = "under [train]" if table else "at top level (or every setting under [train])"
         raise ValueError(
-            f"config file {path}: unknown table(s) {names}; "
-            "settings go at top level or under [train]"
+            f"config file {path}: {what} table [{name}], which metaddp train does not read: "
+            f"put {'it' if one else 'settings'} {where}"
         )
-    return TrainConfig.from_mapping(values, f"config file {path}")
+    return TrainConfig.from_mapping(held, f"config file {path}", flags)
 
 
 def toml_text(values: Mapping[str, Any]) -> str:
