@@ -208,6 +208,21 @@ def test_a_checkpoint_loaded_on_rank_zero_after_wrapping_is_refused(world):
         assert "at the start of meta-step 0" in out
 
 
+def test_a_mode_or_frozen_parameter_set_on_one_rank_is_refused_on_every_rank():
+    # One rank's model in eval mode ran without dropout there, silently; with BatchNorm, and a
+    # parameter frozen on one rank, gloo aborted the processes (collectives of other sizes).
+    # A checked step compares every module's training flag and every requires_grad first.
+    for out in run_local(W.differing_modes, 2, threads=1):
+        for case in ("dropout eval", "batchnorm eval", "dropout eval checked"):
+            assert out[case].startswith("OutOfSyncError: the ranks run "), (case, out[case])
+            assert "in different modes" in out[case], (case, out[case])
+        assert "'model' (Sequential), 'model.0' (Linear), 'model.1' (Dropout)" in out["dropout eval"]
+        assert out["batchnorm eval"].startswith("OutOfSyncError: the ranks run 'model.1' (BatchNorm1d) in")
+        for case in ("frozen", "frozen sharded"):
+            assert out[case].startswith("OutOfSyncError: the ranks train different parameters: "
+                                        "'model.0.bias' requires"), (case, out[case])
+
+
 def test_an_inner_rate_that_differs_by_rank_is_refused():
     # md.inner.sgd(0.1 + 1e-3 * rank): the optimizer's numbers are part of the settings, whose
     # digest tags the gradient SUM, so ranks that differ fail there instead of averaging.
