@@ -243,6 +243,24 @@ def differing_modes() -> dict:
     }
 
 
+def frozen_alone() -> str:
+    """A parameter frozen on rank 1 alone before the third meta-step (not a checked one), in
+    the default mode: rank 1's error, or rank 0's once rank 1 has stopped."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    learner = md.MetaDDP(md.MAML(net, inner_lr=0.1), md.Mesh.create())
+
+    def steps() -> None:
+        for step in range(3):
+            if step == 2 and md.rank() == 1:
+                net[0].bias.requires_grad_(False)
+            learner.zero_grad()
+            learner.meta_loss(learner.shard(_tasks()), _mse).backward()
+            learner.sync_grads()
+
+    return _error_of(steps)
+
+
 def nan_meta_gradient() -> str:
     """adam(eps_root=0) with a dead unit: the second-order term divides by a zero second
     moment, so the meta-gradient is NaN while the meta-loss is finite."""

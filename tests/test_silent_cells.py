@@ -223,6 +223,16 @@ def test_a_mode_or_frozen_parameter_set_on_one_rank_is_refused_on_every_rank():
                                         "'model.0.bias' requires"), (case, out[case])
 
 
+def test_a_parameter_frozen_on_one_rank_between_checked_steps_is_an_error_not_an_abort():
+    # Between checked steps nothing is compared, but with the default overlapped sums the rank
+    # that froze it refuses before the step's first collective (gloo aborted both processes).
+    # The other rank learns of it from the closed connection within the 10 s timeout.
+    frozen, other = run_local(W.frozen_alone, 2, timeout_s=10, threads=1)[::-1]
+    assert frozen.startswith("ValueError: the set of trained parameters (requires_grad=True) "
+                             "changed on this rank"), frozen
+    assert other.startswith("CollectiveError"), other
+
+
 def test_an_inner_rate_that_differs_by_rank_is_refused():
     # md.inner.sgd(0.1 + 1e-3 * rank): the optimizer's numbers are part of the settings, whose
     # digest tags the gradient SUM, so ranks that differ fail there instead of averaging.

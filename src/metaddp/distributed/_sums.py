@@ -215,17 +215,23 @@ class OverlappedSum:
 
     def finish(self, extra: list[Tensor]) -> list[float]:
         missing, got = self.reducer.finish(extra)
-        now = [p for _, p in _trained(self.how.module)]
+        self.refuse_changed()
+        self.how.raise_missing(missing)
+        return [*got, *self.reducer.rode]
+
+    def refuse_changed(self) -> None:
+        """Refuse trained parameters other than those the buckets were planned for. Also
+        before a step's work (no collective): a parameter frozen on one rank alone would
+        otherwise change the size of the inner steps' sums there, where gloo aborts."""
+        now = [p for p in self.how.module.parameters() if p.requires_grad]
         if len(now) != len(self.reducer.params) or any(
             a is not b for a, b in zip(now, self.reducer.params, strict=True)
         ):
             raise ValueError(
-                "the set of trained parameters (requires_grad=True) changed after MetaDDP was "
-                "built; freeze or add parameters before wrapping the module, or build MetaDDP "
-                "with overlap=False."
+                "the set of trained parameters (requires_grad=True) changed on this rank after "
+                "MetaDDP was built; freeze or add parameters before wrapping the module, or "
+                "build MetaDDP with overlap=False and change them on every rank alike."
             )
-        self.how.raise_missing(missing)
-        return [*got, *self.reducer.rode]
 
     def paused(self) -> contextlib.AbstractContextManager[None]:
         return self.reducer.paused()
