@@ -212,6 +212,55 @@ def differing_state(what: str) -> str:
     return _error_of(step)
 
 
+def differing_modes() -> dict:
+    """Meta-steps after one rank alone changed a setting every rank must share: its model put
+    in eval mode (dropout, BatchNorm), or a parameter frozen (also with sharded weights), on
+    the second step (a checked one), or on the third in check mode. Each case's error."""
+    def run(layer: nn.Module, change, *, at: int = 1, **options) -> str:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(1, 8), layer, nn.Tanh(), nn.Linear(8, 1)).double()
+        learner = md.MetaDDP(md.MAML(net, inner_lr=0.1), md.Mesh.create(), **options)
+
+        def steps() -> None:
+            for step in range(at + 1):
+                if step == at and md.rank() == 1:
+                    change(net)
+                learner.zero_grad()
+                learner.meta_loss(learner.shard(_tasks()), _mse).backward()
+                learner.sync_grads()
+
+        said = _error_of(steps)
+        learner.release()
+        return said
+
+    freeze = lambda net: net[0].bias.requires_grad_(False)  # noqa: E731
+    return {
+        "dropout eval": run(nn.Dropout(0.3), lambda net: net.eval()),
+        "batchnorm eval": run(nn.BatchNorm1d(8), lambda net: net[1].eval()),
+        "frozen": run(nn.Identity(), freeze),
+        "frozen sharded": run(nn.Identity(), freeze, shard=True),
+        "dropout eval checked": run(nn.Dropout(0.3), lambda net: net.eval(), at=2, check=True),
+    }
+
+
+def frozen_alone() -> str:
+    """A parameter frozen on rank 1 alone before the third meta-step (not a checked one), in
+    the default mode: rank 1's error, or rank 0's once rank 1 has stopped."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    learner = md.MetaDDP(md.MAML(net, inner_lr=0.1), md.Mesh.create())
+
+    def steps() -> None:
+        for step in range(3):
+            if step == 2 and md.rank() == 1:
+                net[0].bias.requires_grad_(False)
+            learner.zero_grad()
+            learner.meta_loss(learner.shard(_tasks()), _mse).backward()
+            learner.sync_grads()
+
+    return _error_of(steps)
+
+
 def nan_meta_gradient() -> str:
     """adam(eps_root=0) with a dead unit: the second-order term divides by a zero second
     moment, so the meta-gradient is NaN while the meta-loss is finite."""

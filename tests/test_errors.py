@@ -293,7 +293,9 @@ def test_mistakes_that_would_change_the_numbers_with_the_world_size_are_errors()
     got = {n: run_local(workers.user_mistakes, n) for n in (1, 2)}
     (one,) = got[1]
     # On one process there is nothing to split: each of these gives the right number.
-    for case in ("whole", "whole adapt", "clip at once", "clip later", "replaced later"):
+    cases = ("whole", "whole adapt", "clip at once", "clip later", "replaced later", "clip sharded",
+             "clip not overlapped")
+    for case in cases:
         assert one[case] == "accepted", (case, one[case])
     assert one["unsummed"] == ["accepted"] * 2
     # Random draws metaddp cannot key are refused under MetaDDP at any size: the model that
@@ -306,8 +308,10 @@ def test_mistakes_that_would_change_the_numbers_with_the_world_size_are_errors()
         assert "holds all 8 of its samples on this rank" in out["whole"], out["whole"]
         assert "holds all 8 of its samples" in out["whole adapt"], out["whole adapt"]
         # A gradient edited between backward() and sync_grads(): before sums start during
-        # the backward (each rank would clip its own part) and after (the edit was lost).
-        for case in ("clip at once", "clip later", "replaced later"):
+        # the backward (each rank would clip its own part) and after (the edit was lost);
+        # with sharded weights (each rank would clip its own rows) and without overlap.
+        for case in ("clip at once", "clip later", "replaced later", "clip sharded",
+                     "clip not overlapped"):
             assert "was changed between backward() and sync_grads()" in out[case], (case, out)
         for text in out["unsummed"]:
             assert "but sync_grads() never summed" in text, text

@@ -208,6 +208,31 @@ def test_a_checkpoint_loaded_on_rank_zero_after_wrapping_is_refused(world):
         assert "at the start of meta-step 0" in out
 
 
+def test_a_mode_or_frozen_parameter_set_on_one_rank_is_refused_on_every_rank():
+    # One rank's model in eval mode ran without dropout there, silently; with BatchNorm, and a
+    # parameter frozen on one rank, gloo aborted the processes (collectives of other sizes).
+    # A checked step compares every module's training flag and every requires_grad first.
+    for out in run_local(W.differing_modes, 2, threads=1):
+        for case in ("dropout eval", "batchnorm eval", "dropout eval checked"):
+            assert out[case].startswith("OutOfSyncError: the ranks run "), (case, out[case])
+            assert "in different modes" in out[case], (case, out[case])
+        assert "'model' (Sequential), 'model.0' (Linear), 'model.1' (Dropout)" in out["dropout eval"]
+        assert out["batchnorm eval"].startswith("OutOfSyncError: the ranks run 'model.1' (BatchNorm1d) in")
+        for case in ("frozen", "frozen sharded"):
+            assert out[case].startswith("OutOfSyncError: the ranks train different parameters: "
+                                        "'model.0.bias' requires"), (case, out[case])
+
+
+def test_a_parameter_frozen_on_one_rank_between_checked_steps_is_an_error_not_an_abort():
+    # Between checked steps nothing is compared, but with the default overlapped sums the rank
+    # that froze it refuses before the step's first collective (gloo aborted both processes).
+    # The other rank learns of it from the closed connection within the 10 s timeout.
+    frozen, other = run_local(W.frozen_alone, 2, timeout_s=10, threads=1)[::-1]
+    assert frozen.startswith("ValueError: the set of trained parameters (requires_grad=True) "
+                             "changed on this rank"), frozen
+    assert other.startswith("CollectiveError"), other
+
+
 def test_an_inner_rate_that_differs_by_rank_is_refused():
     # md.inner.sgd(0.1 + 1e-3 * rank): the optimizer's numbers are part of the settings, whose
     # digest tags the gradient SUM, so ranks that differ fail there instead of averaging.

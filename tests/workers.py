@@ -538,6 +538,19 @@ def user_mistakes() -> dict:
     )
     unsummed()
 
+    def clip_on(**options) -> str:  # the sums that start after the backward refuse it too
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+        other = md.MetaDDP(md.MAML(model, inner_lr=0.1), md.Mesh.create(), **options)
+        other.meta_loss(other.shard(whole), mse).backward()
+        torch.nn.utils.clip_grad_norm_(other.parameters(), 0.01)
+        said = outcome(other.sync_grads)
+        other.release()
+        return said
+
+    out["clip sharded"] = clip_on(shard=True)
+    out["clip not overlapped"] = clip_on(overlap=False)
+
     class Drops(nn.Module):  # dropout called in the forward, not as a layer
         def __init__(self) -> None:
             super().__init__()

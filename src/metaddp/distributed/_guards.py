@@ -4,7 +4,8 @@ A meta-step passes five points, and every refusal of :class:`metaddp.MetaDDP` be
 
 - **tasks in** (``shard``, ``meta_loss``, ``adapt``): batches that cannot be what they say,
   whole batches where ranks split the samples, and on checked steps the ranks' agreement on
-  the meta-batch (its size, every batch's global size, the tasks' data);
+  the meta-batch (its size, every batch's global size, the tasks' data), the weights, the
+  modules' modes and which parameters train;
 - **share in** (``clone()``'s ``adapt``, ``grad``): a loss that is not a share of a known
   batch, where ranks split the samples;
 - **loss out** (``meta_loss``'s result): a trained tensor outside the module;
@@ -205,6 +206,38 @@ def refuse_rates_outside(module: nn.Module, deterministic: bool) -> None:
         )
 
 
+def _settings(module: nn.Module) -> list[tuple[bool, str, float]]:
+    """What every rank must set alike, as numbers: every module's training flag (dropout and
+    BatchNorm compute otherwise in eval mode, and BatchNorm then sums no statistics) and
+    every parameter's ``requires_grad`` (which sets what the inner steps sum), each as
+    ``(is a mode, name, value)``."""
+    modes = [
+        (True, f"{name!r} ({type(m).__name__})" if name else type(m).__name__, float(m.training))
+        for name, m in module.named_modules()
+    ]
+    return modes + [(False, repr(n), float(p.requires_grad)) for n, p in module.named_parameters()]
+
+
+def _unlike(settings: list[tuple[bool, str, float]]) -> str:
+    """The error for settings that differ across the ranks (modes said first)."""
+    modes = [name for mode, name, _ in settings if mode]
+    if modes:
+        return (
+            f"the ranks run {listing(modes)} in different modes, training on some and eval on "
+            "others (train() or eval() called on some ranks only): dropout and BatchNorm "
+            "compute other things in eval mode, so the meta-gradient would be no one "
+            "process's, and BatchNorm's sums over the ranks would not match. Call train() and "
+            "eval() on every rank alike; for one rank's own evaluation, use `with "
+            "learner.local():` and call train() again before the next meta-step"
+        )
+    return (
+        f"the ranks train different parameters: {listing([n for _, n, _ in settings])} "
+        "requires a gradient on some ranks and not on others (requires_grad_ called on some "
+        "ranks only): the inner steps' sums over the ranks would not match. Freeze and "
+        "unfreeze parameters on every rank alike"
+    )
+
+
 def _kind(tasks: Sequence[Task]) -> float:
     """How a meta-batch was built, as a number the ranks compare: 0 a plain list; a
     ``MetaBatch`` from 1 the whole list of tasks, 2 ``make_task``, 3 by hand."""
@@ -330,11 +363,23 @@ class StepGuards:
         rows). Buffers are compared over the whole mesh before the first step and within
         each sample group after it (task groups move their own running statistics). A
         checkpoint loaded on some ranks after the wrapper was built, or weights one rank
-        changed by hand, end here, not in a meta-gradient that is no one process's."""
-        for members, group in self._in_step(trained=self.schedule.step > 0 or self.moved):
-            if not members or group_size(group) == 1:
+        changed by hand, end here, not in a meta-gradient that is no one process's. The
+        settings every rank must share (:meth:`_settings`) ride in the mesh's comparison."""
+        groups = self._in_step(trained=self.schedule.step > 0 or self.moved)
+        for k, (members, group) in enumerate(groups):
+            # The last comparison is over the whole mesh (_in_step).
+            settings = _settings(self.module) if k == len(groups) - 1 else []
+            flags = [v for _, _, v in settings]
+            if not (members or flags) or group_size(group) == 1:
                 continue
-            low, top = extremes(torch.cat([tensor_print(t) for _, t in members]), group)
+            prints = [tensor_print(t) for _, t in members]
+            device = prints[0].device if prints else None
+            prints.append(torch.tensor(flags, dtype=torch.float64, device=device))
+            low, top = extremes(torch.cat(prints), group)
+            n = 2 * len(members)
+            if bad := _differ(low[n:], top[n:]):
+                raise OutOfSyncError(_unlike([settings[i] for i in bad]))
+            low, top = low[:n], top[:n]
             if bad := _differ(low, top):
                 names = list(dict.fromkeys(members[i // 2][0] for i in bad))
                 raise OutOfSyncError(

@@ -26,7 +26,8 @@ accumulates after early launching has begun gets a clear error instead of stale 
 that announces one backward per task (``MetaDDP.clone``) votes against early launching from
 the start.
 
-Each gradient's tensor and version counter are recorded as its backward makes it final:
+Each gradient's tensor and version counter are recorded as its backward makes it final
+(:class:`FinalGrads`, which the sums that start after the backward keep as well):
 :meth:`finish` refuses a gradient changed since (clipping or weight decay before the SUM
 would change each rank's part, or be lost once its sum has started), and an optimizer step
 on gradients no :meth:`finish` summed is refused before it runs.
@@ -40,6 +41,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from .. import _host
 from ._collectives import (
@@ -55,6 +57,51 @@ from ._collectives import (
 # One launch_sum call per bucket must be exactly one collective: a bucket is already at most
 # bucket_bytes, so it is never split again.
 _ONE_BUCKET = 2**62
+
+
+class FinalGrads:
+    """Each trained parameter's ``.grad`` as the backward left it: the tensor and its version
+    counter, recorded by a hook as the backward makes it final (not while a CUDA graph is
+    recorded: its replays run no hook). A gradient changed before the SUM (clipped, decayed,
+    replaced, set to ``None``) is found by :meth:`edited`, on the host, without a read of the
+    device."""
+
+    def __init__(self, params: Sequence[tuple[str, nn.Parameter]]) -> None:
+        self.names = [n for n, _ in params]
+        self.params = [p for _, p in params]
+        self.final: dict[int, tuple[Tensor, int]] = {}
+
+    def record(self, i: int) -> None:
+        g = self.params[i].grad
+        if g is not None and not _host.recording():
+            self.final[i] = (g, g._version)
+
+    def hooks(self) -> list[RemovableHandle]:
+        """Record each gradient as its backward makes it final (for a sum after the
+        backward)."""
+        return [
+            p.register_post_accumulate_grad_hook(lambda _, i=i: self.record(i))
+            for i, p in enumerate(self.params)
+        ]
+
+    def edited(self) -> list[str]:
+        """The parameters whose ``.grad`` changed since the backward made it final."""
+        return [
+            self.names[i]
+            for i, (g, version) in self.final.items()
+            if self.params[i].grad is not g or g._version != version
+        ]
+
+    def refuse(self, edited: list[str]) -> None:
+        if edited:
+            raise RuntimeError(
+                f"the gradient of {edited[0]!r} was changed between backward() and "
+                "sync_grads() (an in-place edit such as clip_grad_norm_ or weight decay, or a "
+                "new .grad): each rank would change its own part of the SUM, a different "
+                "number at every world size, and a sum already started would lose the edit. "
+                "Change gradients after sync_grads(), which leaves the global gradient on "
+                "every rank (with shard=True, clip with learner.clip_grad_norm_)"
+            )
 
 
 class GradReducer:
@@ -83,6 +130,7 @@ class GradReducer:
         self._riding = 0  # how many rode in the last bucket
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
+        self.grads = FinalGrads(params)
         self.group = group
         order = list(range(len(self.params)))[::-1]
         plan = _plan([self.params[i] for i in order], bucket_bytes)
@@ -113,8 +161,7 @@ class GradReducer:
         self._stale: list[str] = []
         self._fired: set[int] = set()
         self._repeated = False
-        # Each gradient as the backward left it: the tensor and its version counter.
-        self._final: dict[int, tuple[Tensor, int]] = {}
+        self.grads.final = {}
 
     def remove(self) -> None:
         """Detach the hooks (the reducer does nothing afterwards)."""
@@ -138,8 +185,7 @@ class GradReducer:
             if i in self._fired:
                 self._repeated = True
             self._fired.add(i)
-            if p.grad is not None:
-                self._final[i] = (p.grad, p.grad._version)
+            self.grads.record(i)
             if not self.early:
                 return
             b = self.bucket_of[i]
@@ -163,14 +209,6 @@ class GradReducer:
             "would drift apart. Call learner.sync_grads() after loss.backward() and before "
             "optimizer.step()"
         )
-
-    def _edited(self) -> list[str]:
-        """The parameters whose ``.grad`` changed since the backward made it final."""
-        return [
-            self.names[i]
-            for i, (g, version) in self._final.items()
-            if self.params[i].grad is not g or g._version != version
-        ]
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and len(self._ready[self._next]) == len(
@@ -209,7 +247,7 @@ class GradReducer:
                 passes before one :meth:`finish` without :meth:`paused`).
         """
         try:
-            edited = self._edited()
+            edited = self.grads.edited()
             while self._next < len(self.buckets):
                 self._launch(self._next)
             missing: list[str] = []
@@ -252,15 +290,7 @@ class GradReducer:
             self._my_vote = 0.0 if (self._repeated or stale or self.accumulates) else 1.0
         finally:
             self._reset()
-        if edited:
-            raise RuntimeError(
-                f"the gradient of {edited[0]!r} was changed between backward() and "
-                "sync_grads() (an in-place edit such as clip_grad_norm_ or weight decay, or a "
-                "new .grad): each rank would change its own part of the SUM, a different "
-                "number at every world size, and a sum already started would lose the edit. "
-                "Change gradients after sync_grads(), which leaves the global gradient on "
-                "every rank"
-            )
+        self.grads.refuse(edited)
         if stale:
             raise RuntimeError(
                 f"the gradient of {stale[0]!r} changed after its all-reduce had started: "

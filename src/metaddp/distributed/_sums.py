@@ -25,7 +25,7 @@ from .. import _host
 from .._reach import listing
 from ._collectives import Group, Phase, group_size, launch_sum
 from ._exact import ExactSums
-from ._overlap import GradReducer
+from ._overlap import FinalGrads, GradReducer
 from ._sharded import as_like, is_dtensor, local
 
 Rider = Callable[[Tensor], Tensor]
@@ -67,14 +67,25 @@ def raise_missing(missing: list[str], allow_unused: bool) -> None:
 
 
 class BucketedSum:
-    """Every trained parameter's gradient summed after the backward, in buckets."""
+    """Every trained parameter's gradient summed after the backward, in buckets. Where there
+    are ranks to sum over, a gradient changed between the backward and the sum is refused
+    (:class:`FinalGrads`, as the overlapped sum does)."""
 
     capture_refusal: str | None = None
 
     def __init__(self, how: Summing) -> None:
         self.how = how
+        self.grads = FinalGrads(_trained(how.module))
+        self._hooks = self.grads.hooks() if group_size(how.group) > 1 else []
 
     def finish(self, extra: list[Tensor]) -> list[float]:
+        edited = self.grads.edited()
+        self.grads.final = {}
+        got = self._finish(extra)
+        self.grads.refuse(edited)  # after the SUM, which every rank joins
+        return got
+
+    def _finish(self, extra: list[Tensor]) -> list[float]:
         how = self.how
         named = _trained(how.module)
         params = [p for _, p in named]
@@ -114,7 +125,9 @@ class BucketedSum:
         yield  # nothing starts before finish()
 
     def remove(self) -> None:
-        pass
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
 
 _NORMS = frozenset(
@@ -202,17 +215,23 @@ class OverlappedSum:
 
     def finish(self, extra: list[Tensor]) -> list[float]:
         missing, got = self.reducer.finish(extra)
-        now = [p for _, p in _trained(self.how.module)]
+        self.refuse_changed()
+        self.how.raise_missing(missing)
+        return [*got, *self.reducer.rode]
+
+    def refuse_changed(self) -> None:
+        """Refuse trained parameters other than those the buckets were planned for. Also
+        before a step's work (no collective): a parameter frozen on one rank alone would
+        otherwise change the size of the inner steps' sums there, where gloo aborts."""
+        now = [p for p in self.how.module.parameters() if p.requires_grad]
         if len(now) != len(self.reducer.params) or any(
             a is not b for a, b in zip(now, self.reducer.params, strict=True)
         ):
             raise ValueError(
-                "the set of trained parameters (requires_grad=True) changed after MetaDDP was "
-                "built; freeze or add parameters before wrapping the module, or build MetaDDP "
-                "with overlap=False."
+                "the set of trained parameters (requires_grad=True) changed on this rank after "
+                "MetaDDP was built; freeze or add parameters before wrapping the module, or "
+                "build MetaDDP with overlap=False and change them on every rank alike."
             )
-        self.how.raise_missing(missing)
-        return [*got, *self.reducer.rode]
 
     def paused(self) -> contextlib.AbstractContextManager[None]:
         return self.reducer.paused()

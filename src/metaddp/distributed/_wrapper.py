@@ -359,6 +359,7 @@ class MetaDDP(nn.Module):
             whole = MetaBatch.shard(tasks, make_task, task_index=m.task_index, task_parts=m.tasks)
             batch = self.exact.cut_meta_batch(whole)
         self.guards.tasks_in(batch)
+        self._refuse_changed()
         return batch
 
     def meta_loss(self, tasks: Sequence[Task], loss_fn: LossFn | None = None) -> Tensor:
@@ -377,6 +378,7 @@ class MetaDDP(nn.Module):
         """
         algorithm = self._algorithm("meta_loss")
         self.guards.tasks_in(tasks)
+        self._refuse_changed()
         searches = self.guards.searches
         with self.guards.own_loop(), self._saving():
             loss = (
@@ -389,6 +391,12 @@ class MetaDDP(nn.Module):
         ):  # an algorithm that does not call loss_out itself
             self.guards.loss_out(loss, loss_fn)
         return loss
+
+    def _refuse_changed(self) -> None:
+        # After tasks_in: on a checked step the ranks' comparison names a rank-different
+        # freeze on every rank; on the others this rank refuses its own, before any collective.
+        if isinstance(self.sums, OverlappedSum):
+            self.sums.refuse_changed()
 
     def adapt(
         self,
