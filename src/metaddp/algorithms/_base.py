@@ -51,6 +51,7 @@ from ..inner import (
     rmsprop,
     sgd,
 )
+from ._exact import NO_BUFFERS
 from ._learner import Learner
 
 OptimizerFactory = Callable[[LearningRate], InnerOptimizer]
@@ -648,11 +649,7 @@ class Algorithm(nn.Module):
         # that stand for fast weights (CAVIA's context, ProtoMAML's head).
         saved = self.model.state_dict()
         if any(name in saved for name, _ in self.model.named_buffers()):
-            return (
-                "deterministic mode cannot run models with buffers (BatchNorm's running "
-                "statistics are updated in place per task): build BatchNorm layers with "
-                "track_running_stats=False, as MAML does"
-            )
+            return NO_BUFFERS
         return None
 
     def exact_meta_loss(

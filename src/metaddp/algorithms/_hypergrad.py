@@ -75,6 +75,33 @@ class NotPositiveDefinite(FloatingPointError):
         super().__init__(message)
         self.curvature = curvature
 
+    @classmethod
+    def along(cls, what: str, curvature: float, advice: str) -> NotPositiveDefinite:
+        """The error of a solver named ``what`` that met ``p^T A p = curvature``."""
+        return cls(
+            f"{what}: the system matrix is not positive definite along a search direction "
+            f"(p^T A p = {curvature:.3g}); {advice}",
+            curvature,
+        )
+
+
+PROXIMAL_ADVICE = (
+    "increase the proximal strength lam or lower the inner learning rate so that the inner "
+    "solution is near a minimum"
+)
+
+
+def warn_unconverged(what: str, max_iter: int, residual: float, tol: float) -> None:
+    """Warn (:class:`ConvergenceWarning`) where a solver's budget ended above its tolerance."""
+    if tol > 0 and residual > tol:
+        warnings.warn(
+            f"{what} did not converge in {max_iter} iterations: relative residual "
+            f"{residual:.3g} > tolerance {tol:.3g}; the implicit gradient is approximate. Raise "
+            "the iteration budget, or make the system better conditioned.",
+            ConvergenceWarning,
+            stacklevel=4,
+        )
+
 
 def _whole_dot(a: Vectors, b: Vectors) -> Tensor:
     # A tensor for the non-empty vectors the solver works on (an empty right-hand side sums
@@ -95,8 +122,7 @@ def conjugate_gradient(
     max_iter: int,
     tol: float,
     what: str = "conjugate gradient",
-    advice: str = "increase the proximal strength lam or lower the inner learning rate so "
-    "that the inner solution is near a minimum",
+    advice: str = PROXIMAL_ADVICE,
     dot: Callable[[Vectors, Vectors], Tensor] | None = None,
 ) -> tuple[Vectors, float, int]:
     """Solve ``A x = b`` for symmetric positive definite ``A`` given by ``matvec``.
@@ -129,11 +155,7 @@ def conjugate_gradient(
         ap = matvec(p)
         pap = _dot(p, ap)
         if not torch.isfinite(pap) or float(pap) <= 0:
-            raise NotPositiveDefinite(
-                f"{what}: the system matrix is not positive definite along a search direction "
-                f"(p^T A p = {float(pap):.3g}); {advice}",
-                float(pap),
-            )
+            raise NotPositiveDefinite.along(what, float(pap), advice)
         alpha = rr / pap
         x = [xi + alpha * pi for xi, pi in zip(x, p, strict=True)]
         r = [ri - alpha * api for ri, api in zip(r, ap, strict=True)]
@@ -142,14 +164,7 @@ def conjugate_gradient(
         rr = rr_new
         it += 1
     residual = float(rr) ** 0.5 / b_norm
-    if tol > 0 and residual > tol:
-        warnings.warn(
-            f"{what} did not converge in {max_iter} iterations: relative residual "
-            f"{residual:.3g} > tolerance {tol:.3g}; the implicit gradient is approximate. Raise "
-            "the iteration budget, or make the system better conditioned.",
-            ConvergenceWarning,
-            stacklevel=3,
-        )
+    warn_unconverged(what, max_iter, residual, tol)
     return x, residual, it
 
 
