@@ -153,15 +153,7 @@ class ANIL(Algorithm):
         why = self.deterministic_refusal()
         if why is not None:
             raise ValueError(why)
-        factory, named = self._factory, {k: f"head.{k}" for k in self.fast_weights()}
-
-        def build(rates: Params | None) -> InnerOptimizer:  # rates by the model's names
-            if rates is None:
-                assert self.optimizer is not None
-                return self.optimizer
-            assert factory is not None
-            return factory(rates)
-
+        named = {k: f"head.{k}" for k in self.fast_weights()}  # rates by the model's names
         rates = None if self.lr is None else {named[k]: r for k, r in self.lr.as_dict().items()}
         adapted = Adapted(
             self.model,
@@ -172,5 +164,5 @@ class ANIL(Algorithm):
             rates=rates,
             held={f"body.{k}": p for k, p in params_of(self.model.body).items()},
         )
-        adapted.run(self.steps, self.first_order, build)
+        adapted.run(self.steps, self.first_order, self._optimizer_on)
         return adapted.query_loss(n_tasks)

@@ -303,12 +303,19 @@ class Algorithm(nn.Module):
 
     def inner_optimizer(self) -> InnerOptimizer:
         """The inner optimizer, built on the current learned rates when they are learned."""
-        if self.lr is not None:
-            assert self._factory is not None
-            # On sharded weights, each per-entry rate's rows of this rank (where it holds rows).
-            return self._factory(rows_like(self.model, self.lr.as_dict(), self.fast_weights))
-        assert self.optimizer is not None
-        return self.optimizer
+        if self.lr is None:
+            return self._optimizer_on(None)
+        # On sharded weights, each per-entry rate's rows of this rank (where it holds rows).
+        return self._optimizer_on(rows_like(self.model, self.lr.as_dict(), self.fast_weights))
+
+    def _optimizer_on(self, rates: Params | None) -> InnerOptimizer:
+        """The inner optimizer built on ``rates`` (learned rates, as deterministic mode
+        copies them per task), or the fixed one where ``rates`` is ``None``."""
+        if rates is None:
+            assert self.optimizer is not None
+            return self.optimizer
+        assert self._factory is not None
+        return self._factory(rates)
 
     def fast_weights(self) -> Params:
         """The weights adaptation starts from (the meta-parameters themselves)."""

@@ -36,7 +36,6 @@ from ..inner import InnerOptimizer
 from ._layers import stacked_layers
 from ._stacked import per_task
 
-
 NO_BUFFERS = (
     "deterministic mode cannot run models with buffers (BatchNorm's running statistics are "
     "updated in place per task): build BatchNorm layers with track_running_stats=False, as "

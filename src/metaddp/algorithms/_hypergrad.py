@@ -15,32 +15,8 @@ same method for any split, uneven and empty shards included. Terms each rank dif
 on its own (the mixed second derivative ``d/d lambda <grad_phi L_in, v>``) are taken of its
 share, so the final SUM counts each once.
 
-Costs, in units of one inner gradient (one forward and backward on the inner batch), for K
-inner steps; P is the number of inner weights:
-
-========================  ===============================  ======================================
-method                    cost per outer step              bias against unrolled
-========================  ===============================  ======================================
-``Unrolled()``            K forward + ~2K backward, memory  none (the exact gradient of the K-step
-                          K graphs (``memory="low"``: 1)    objective)
-``Truncated(T)``          K + ~2T, memory T graphs          drops the first K - T steps' paths
-``ImplicitCG(m)``         K + 2 + m Hessian-vector prod.    exact at an inner minimum, if CG
-                                                            converges; ignores the path from start
-``Neumann(m, alpha)``     K + 2 + m Hessian-vector prod.    as CG, plus the series' truncation
-                                                            ``(I - alpha H)^(m+1)``
-``T1T2(r)``               K + 3 (no second-order graph)     one-step (truncated, T = 1) gradient
-                                                            with the mixed term by central
-                                                            differences: O(r^2)
-``SAMA(r)``               K + 3 (no second-order graph)     identity base Jacobian at the adapted
-                                                            weights, the optimizer's own step
-                                                            Jacobian (Adam-aware): O(r^2) plus
-                                                            the dropped Hessian
-========================  ===============================  ======================================
-
-References: T1-T2, Luketina et al. 2016 (arXiv:1511.06727); DARTS's finite differences,
-Liu et al. 2019 (arXiv:1806.09055); the implicit function theorem with a Neumann series,
-Lorraine et al. 2020 (arXiv:1911.02590); conjugate gradient for implicit gradients,
-Rajeswaran et al. 2019 (arXiv:1909.04630); SAMA, Choe et al. 2023 (arXiv:2310.05674).
+Each method's cost, memory, bias against ``Unrolled`` and paper: the table of
+docs/bilevel.md.
 """
 
 from __future__ import annotations
