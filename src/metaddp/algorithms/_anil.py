@@ -150,8 +150,7 @@ class ANIL(Algorithm):
         """Deterministic mode: the whole model runs on every chunk (the body too, whose
         features the default mode computes once per task), the head adapted, the body held
         and summed order-free as the head is (:mod:`metaddp.algorithms._exact`)."""
-        why = self.deterministic_refusal()
-        if why is not None:
+        if (why := self.deterministic_refusal()) is not None:
             raise ValueError(why)
         named = {k: f"head.{k}" for k in self.fast_weights()}  # rates by the model's names
         rates = None if self.lr is None else {named[k]: r for k, r in self.lr.as_dict().items()}

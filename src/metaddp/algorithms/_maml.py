@@ -155,8 +155,7 @@ class MAML(Algorithm):
     def exact_meta_loss(
         self, tasks: Sequence[Task], loss_fn: LossFn, n_tasks: int, sums: Any
     ) -> Tensor:
-        why = self.deterministic_refusal()
-        if why is not None:
+        if (why := self.deterministic_refusal()) is not None:
             raise ValueError(why)
         fast = self.fast_weights()
         return exact_meta_loss(
