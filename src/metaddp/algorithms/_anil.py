@@ -131,8 +131,6 @@ class ANIL(Algorithm):
         return self.model.body
 
     def deterministic_refusal(self) -> str | None:
-        """Why this ANIL, as configured, has no deterministic form, or ``None`` (read when
-        the wrapper is built)."""
         if needs_routes(self.model):
             # The default mode draws the body's dropout once per task, on the support and the
             # query; the chunks here run the body at every step, which would draw others.

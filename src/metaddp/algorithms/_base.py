@@ -166,10 +166,6 @@ class Algorithm(nn.Module):
             autocast=autocast is not None,
             learn_lr=learn_lr is not None,
         )
-        # "default": every inner step's graph kept for the outer backward (memory grows with
-        # the steps); "low": every step's weights kept, each step's graph rebuilt one at a
-        # time (metaddp._remat); a Replay: a tree of O(k log_k K) states, replayed. The
-        # same meta-gradient each way.
         self.memory = memory_mode(memory)
         if autocast not in (None, torch.bfloat16, torch.float16):
             raise ValueError(
@@ -597,18 +593,16 @@ class Algorithm(nn.Module):
         # The checks inside the step wait on the device and are read once (metaddp._host):
         # in sync_grads under a MetaDDP, else at the end of this call.
         _host.begin_step()
-        if c.step_ends_in_sync:
-            with self.autocasting(), refusing_draws(c.split):
-                loss = self._meta_loss(tasks, checked, c)
-            c.check_loss(loss, loss_fn)
-            return loss
         try:
             with self.autocasting(), refusing_draws(c.split):
                 loss = self._meta_loss(tasks, checked, c)
             c.check_loss(loss, loss_fn)
+            if c.step_ends_in_sync:
+                return loss
             check_finite_loss(loss)
         except BaseException:
-            _host.discard()
+            if not c.step_ends_in_sync:
+                _host.discard()
             raise
         _host.read()
         return loss

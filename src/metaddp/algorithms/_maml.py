@@ -133,9 +133,6 @@ class MAML(Algorithm):
         return self.adapted_loss(task.support, task.query, loss_fn, reduce=reduce)
 
     def deterministic_refusal(self) -> str | None:
-        """Why this MAML, as configured, has no deterministic form
-        (``MetaDDP(..., deterministic=True)``), or ``None``: one list of rules, read when the
-        wrapper is built and again at every deterministic meta-step (settings can change)."""
         name = type(self).__name__
         if not self.stackable:
             return (
