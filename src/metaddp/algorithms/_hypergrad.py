@@ -358,8 +358,7 @@ class Truncated(Method):
     name = "truncated"
 
     def __post_init__(self) -> None:
-        if isinstance(self.last, bool) or not isinstance(self.last, int) or self.last < 1:
-            raise ValueError(f"Truncated(last=) needs a whole number >= 1, got {self.last!r}")
+        at_least(self.last, "Truncated(last=)")
 
     def reaches_start(self, steps: int) -> bool:
         return self.last >= steps
