@@ -152,9 +152,7 @@ def check_finite_loss(loss: Tensor) -> None:
         finite = torch.isfinite(loss.detach()).reshape(1)
 
     def verdict(ok: list[float]) -> Exception | None:
-        if ok[0]:
-            return None
-        return FloatingPointError(NON_FINITE_LOSS)
+        return None if ok[0] else FloatingPointError(NON_FINITE_LOSS)
 
     _host.check(finite, verdict)
 

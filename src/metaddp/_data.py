@@ -7,6 +7,7 @@ meta-batch sees is the same for any number of processes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import numbers
@@ -23,12 +24,10 @@ from torch.utils.data import default_collate
 def whole(value: Any, what: str) -> int:
     """``value`` as an ``int``; an error for anything that is not a whole number (a float
     count would otherwise be truncated, or divide by a count no batch has)."""
-    if isinstance(value, bool):
-        raise TypeError(f"{what} must be a whole number (an int), got {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{what} must be a whole number (an int), got {value!r}") from None
+    if not isinstance(value, bool):
+        with contextlib.suppress(TypeError):
+            return operator.index(value)
+    raise TypeError(f"{what} must be a whole number (an int), got {value!r}")
 
 
 def at_least(value: object, what: str, least: int = 1) -> None:

@@ -10,11 +10,8 @@ product (reverse over reverse), which holds the Hessian-vector product of the in
 last step is built once, with its graph, as by default: the query pass differentiates through
 it. One step's graph exists at a time, and at K = 1 nothing runs twice.
 
-:func:`rematerialized_loss` goes one step further: the function also computes the query loss
-at the adapted weights, and since the loss is its only output, its whole backward at an
-upstream gradient of one, in the forward; the backward scales that. A task then keeps
-nothing but gradients the size of its inputs until the outer backward, so a meta-batch of
-many tasks holds one task's graph at a time.
+:func:`rematerialized_loss` goes one step further (:class:`_RematerializedLoss`): its
+backward runs in the forward, so a meta-batch of many tasks holds one task's graph at a time.
 
 The result is the default's meta-gradient: the same operations, differentiated by autograd
 (``tests/test_remat.py`` compares them). Through a ``reduce`` the rebuilt step's inner gradient

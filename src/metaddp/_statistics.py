@@ -18,6 +18,7 @@ from torch import Tensor
 
 from . import _host
 from ._adapt import _local_only
+from ._data import at_least
 from ._types import Reduce
 
 
@@ -61,8 +62,7 @@ def class_means(
     Raises (at the step's end, on every process alike, as the step's other checks): a class
     with no sample in the whole batch, or a label outside ``0 .. ways - 1``.
     """
-    if isinstance(ways, bool) or not isinstance(ways, int) or ways < 1:
-        raise ValueError(f"ways must be a positive integer, got {ways!r}")
+    at_least(ways, "ways")
     if labels.dim() != 1 or labels.shape[0] != features.shape[0]:
         raise ValueError(
             f"expected one label per sample: features have {features.shape[0]} samples, "

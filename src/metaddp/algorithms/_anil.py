@@ -131,8 +131,6 @@ class ANIL(Algorithm):
         return self.model.body
 
     def deterministic_refusal(self) -> str | None:
-        """Why this ANIL, as configured, has no deterministic form, or ``None`` (read when
-        the wrapper is built)."""
         if needs_routes(self.model):
             # The default mode draws the body's dropout once per task, on the support and the
             # query; the chunks here run the body at every step, which would draw others.
@@ -150,18 +148,9 @@ class ANIL(Algorithm):
         """Deterministic mode: the whole model runs on every chunk (the body too, whose
         features the default mode computes once per task), the head adapted, the body held
         and summed order-free as the head is (:mod:`metaddp.algorithms._exact`)."""
-        why = self.deterministic_refusal()
-        if why is not None:
+        if (why := self.deterministic_refusal()) is not None:
             raise ValueError(why)
-        factory, named = self._factory, {k: f"head.{k}" for k in self.fast_weights()}
-
-        def build(rates: Params | None) -> InnerOptimizer:  # rates by the model's names
-            if rates is None:
-                assert self.optimizer is not None
-                return self.optimizer
-            assert factory is not None
-            return factory(rates)
-
+        named = {k: f"head.{k}" for k in self.fast_weights()}  # rates by the model's names
         rates = None if self.lr is None else {named[k]: r for k, r in self.lr.as_dict().items()}
         adapted = Adapted(
             self.model,
@@ -172,5 +161,5 @@ class ANIL(Algorithm):
             rates=rates,
             held={f"body.{k}": p for k, p in params_of(self.model.body).items()},
         )
-        adapted.run(self.steps, self.first_order, build)
+        adapted.run(self.steps, self.first_order, self._optimizer_on)
         return adapted.query_loss(n_tasks)

@@ -51,6 +51,7 @@ from ..inner import (
     rmsprop,
     sgd,
 )
+from ._exact import NO_BUFFERS
 from ._learner import Learner
 
 OptimizerFactory = Callable[[LearningRate], InnerOptimizer]
@@ -165,10 +166,6 @@ class Algorithm(nn.Module):
             autocast=autocast is not None,
             learn_lr=learn_lr is not None,
         )
-        # "default": every inner step's graph kept for the outer backward (memory grows with
-        # the steps); "low": every step's weights kept, each step's graph rebuilt one at a
-        # time (metaddp._remat); a Replay: a tree of O(k log_k K) states, replayed. The
-        # same meta-gradient each way.
         self.memory = memory_mode(memory)
         if autocast not in (None, torch.bfloat16, torch.float16):
             raise ValueError(
@@ -302,12 +299,19 @@ class Algorithm(nn.Module):
 
     def inner_optimizer(self) -> InnerOptimizer:
         """The inner optimizer, built on the current learned rates when they are learned."""
-        if self.lr is not None:
-            assert self._factory is not None
-            # On sharded weights, each per-entry rate's rows of this rank (where it holds rows).
-            return self._factory(rows_like(self.model, self.lr.as_dict(), self.fast_weights))
-        assert self.optimizer is not None
-        return self.optimizer
+        if self.lr is None:
+            return self._optimizer_on(None)
+        # On sharded weights, each per-entry rate's rows of this rank (where it holds rows).
+        return self._optimizer_on(rows_like(self.model, self.lr.as_dict(), self.fast_weights))
+
+    def _optimizer_on(self, rates: Params | None) -> InnerOptimizer:
+        """The inner optimizer built on ``rates`` (learned rates, as deterministic mode
+        copies them per task), or the fixed one where ``rates`` is ``None``."""
+        if rates is None:
+            assert self.optimizer is not None
+            return self.optimizer
+        assert self._factory is not None
+        return self._factory(rates)
 
     def fast_weights(self) -> Params:
         """The weights adaptation starts from (the meta-parameters themselves)."""
@@ -589,18 +593,16 @@ class Algorithm(nn.Module):
         # The checks inside the step wait on the device and are read once (metaddp._host):
         # in sync_grads under a MetaDDP, else at the end of this call.
         _host.begin_step()
-        if c.step_ends_in_sync:
-            with self.autocasting(), refusing_draws(c.split):
-                loss = self._meta_loss(tasks, checked, c)
-            c.check_loss(loss, loss_fn)
-            return loss
         try:
             with self.autocasting(), refusing_draws(c.split):
                 loss = self._meta_loss(tasks, checked, c)
             c.check_loss(loss, loss_fn)
+            if c.step_ends_in_sync:
+                return loss
             check_finite_loss(loss)
         except BaseException:
-            _host.discard()
+            if not c.step_ends_in_sync:
+                _host.discard()
             raise
         _host.read()
         return loss
@@ -648,11 +650,7 @@ class Algorithm(nn.Module):
         # that stand for fast weights (CAVIA's context, ProtoMAML's head).
         saved = self.model.state_dict()
         if any(name in saved for name, _ in self.model.named_buffers()):
-            return (
-                "deterministic mode cannot run models with buffers (BatchNorm's running "
-                "statistics are updated in place per task): build BatchNorm layers with "
-                "track_running_stats=False, as MAML does"
-            )
+            return NO_BUFFERS
         return None
 
     def exact_meta_loss(

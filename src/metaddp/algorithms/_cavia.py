@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .._data import at_least
 from .._functional import params_of
 from .._remat import Replay
 from .._types import Params
@@ -67,8 +68,7 @@ class CAVIA(MAML):
         memory: str | Replay = "default",
         autocast: torch.dtype | None = None,
     ) -> None:
-        if isinstance(context, bool) or not isinstance(context, int) or context < 1:
-            raise ValueError(f"context must be a positive number of parameters, got {context!r}")
+        at_least(context, "context (the number of context parameters)")
         if not params_of(model):
             raise ValueError("CAVIA meta-trains the model, which has no trained parameter")
         self.size = context

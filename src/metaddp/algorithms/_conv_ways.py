@@ -20,8 +20,9 @@ device, and a forced way skips the measurement.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -149,21 +150,18 @@ class ConvChoice:
         return best
 
 
-class _sync_allowed:
+@contextlib.contextmanager
+def _sync_allowed(cuda: bool) -> Iterator[None]:
     """Inside, CUDA's sync debug mode is off (the measurement waits on purpose)."""
-
-    def __init__(self, cuda: bool) -> None:
-        self.cuda = cuda
-        self.was: Any = None
-
-    def __enter__(self) -> None:
-        if self.cuda:
-            self.was = torch.cuda.get_sync_debug_mode()
-            torch.cuda.set_sync_debug_mode(0)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.cuda:
-            torch.cuda.set_sync_debug_mode(self.was)
+    if not cuda:
+        yield
+        return
+    was = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(was)
 
 
 GROUPED = ConvChoice("grouped")  # a fixed way never changes: one shared instance serves

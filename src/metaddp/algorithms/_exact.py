@@ -36,6 +36,12 @@ from ..inner import InnerOptimizer
 from ._layers import stacked_layers
 from ._stacked import per_task
 
+NO_BUFFERS = (
+    "deterministic mode cannot run models with buffers (BatchNorm's running statistics are "
+    "updated in place per task): build BatchNorm layers with track_running_stats=False, as "
+    "MAML does"
+)
+
 
 class Sums(Protocol):
     """What the executor asks of the processes (``metaddp.distributed.ExactSums``)."""
@@ -142,11 +148,7 @@ class Adapted:
         extra: Sequence[str] = (),
     ) -> None:
         if any(n not in params and n not in extra for n, _ in model.named_buffers()):
-            raise ValueError(
-                "deterministic mode cannot run models with buffers (BatchNorm's running "
-                "statistics are updated in place per task): build BatchNorm layers with "
-                "track_running_stats=False, as MAML does"
-            )
+            raise ValueError(NO_BUFFERS)
         held = dict(held or {})
         self.model, self.loss_fn, self.sums, self.tasks = model, loss_fn, sums, tasks
         self.names, self.kept = list(params), list(held)
@@ -359,25 +361,10 @@ def exact_meta_loss(
     sums: Sums,
     held: Params | None = None,
 ) -> Tensor:
-    """This rank's share of the meta-batch's mean query loss, every sum order-free.
-
-    Args:
-        model: the network, evaluated functionally on chunk copies of the fast weights.
-        params: the fast weights' starts (the meta-parameters the inner loop adapts).
-        tasks: this rank's tasks, every batch cut into whole chunks (``sums.cut``).
-        n_tasks: tasks in the global meta-batch.
-        steps, first_order: the inner loop.
-        build: the inner optimizer, from a task's learned rates (``None`` without them).
-        rates: the learned rates by parameter name (``None`` without them).
-        sums: the processes' copies and sums.
-        held: trained parameters the inner loop reads but does not adapt (BOIL's head,
-            CAVIA's network): spread to every chunk like the fast weights, so their
-            meta-gradient is summed order-free too.
-
-    Returns:
-        A scalar whose sum over ranks is the meta-loss; its backward leaves the complete
-        meta-gradient on every rank.
-    """
+    """This rank's share of the meta-batch's mean query loss over ``n_tasks`` tasks, every
+    sum order-free: a scalar whose sum over ranks is the meta-loss, and whose backward leaves
+    the complete meta-gradient on every rank. ``steps``, ``first_order`` and ``build`` are
+    :meth:`Adapted.stepping`'s, the rest :class:`Adapted`'s."""
     adapted = Adapted(model, params, tasks, loss_fn, sums=sums, rates=rates, held=held)
     adapted.run(steps, first_order, build)
     return adapted.query_loss(n_tasks)
@@ -420,12 +407,7 @@ def batched_conjugate_gradient(
         pap = task_dot(p, ap)
         bad = active & ~(torch.isfinite(pap) & (pap > 0))
         if bool(bad.any()):
-            worst = float(pap[bad][0])
-            raise NotPositiveDefinite(
-                f"{what}: the system matrix is not positive definite along a search direction "
-                f"(p^T A p = {worst:.3g}); {advice}",
-                worst,
-            )
+            raise NotPositiveDefinite.along(what, float(pap[bad][0]), advice)
         alpha = torch.where(active, rr / torch.where(active, pap, 1.0), 0.0)
         x = [xi + each(alpha, xi) * pi for xi, pi in zip(x, p, strict=True)]
         r = [ri - each(alpha, ri) * api for ri, api in zip(r, ap, strict=True)]

@@ -15,32 +15,8 @@ same method for any split, uneven and empty shards included. Terms each rank dif
 on its own (the mixed second derivative ``d/d lambda <grad_phi L_in, v>``) are taken of its
 share, so the final SUM counts each once.
 
-Costs, in units of one inner gradient (one forward and backward on the inner batch), for K
-inner steps; P is the number of inner weights:
-
-========================  ===============================  ======================================
-method                    cost per outer step              bias against unrolled
-========================  ===============================  ======================================
-``Unrolled()``            K forward + ~2K backward, memory  none (the exact gradient of the K-step
-                          K graphs (``memory="low"``: 1)    objective)
-``Truncated(T)``          K + ~2T, memory T graphs          drops the first K - T steps' paths
-``ImplicitCG(m)``         K + 2 + m Hessian-vector prod.    exact at an inner minimum, if CG
-                                                            converges; ignores the path from start
-``Neumann(m, alpha)``     K + 2 + m Hessian-vector prod.    as CG, plus the series' truncation
-                                                            ``(I - alpha H)^(m+1)``
-``T1T2(r)``               K + 3 (no second-order graph)     one-step (truncated, T = 1) gradient
-                                                            with the mixed term by central
-                                                            differences: O(r^2)
-``SAMA(r)``               K + 3 (no second-order graph)     identity base Jacobian at the adapted
-                                                            weights, the optimizer's own step
-                                                            Jacobian (Adam-aware): O(r^2) plus
-                                                            the dropped Hessian
-========================  ===============================  ======================================
-
-References: T1-T2, Luketina et al. 2016 (arXiv:1511.06727); DARTS's finite differences,
-Liu et al. 2019 (arXiv:1806.09055); the implicit function theorem with a Neumann series,
-Lorraine et al. 2020 (arXiv:1911.02590); conjugate gradient for implicit gradients,
-Rajeswaran et al. 2019 (arXiv:1909.04630); SAMA, Choe et al. 2023 (arXiv:2310.05674).
+Each method's cost, memory, bias against ``Unrolled`` and paper: the table of
+docs/bilevel.md.
 """
 
 from __future__ import annotations
@@ -75,6 +51,33 @@ class NotPositiveDefinite(FloatingPointError):
         super().__init__(message)
         self.curvature = curvature
 
+    @classmethod
+    def along(cls, what: str, curvature: float, advice: str) -> NotPositiveDefinite:
+        """The error of a solver named ``what`` that met ``p^T A p = curvature``."""
+        return cls(
+            f"{what}: the system matrix is not positive definite along a search direction "
+            f"(p^T A p = {curvature:.3g}); {advice}",
+            curvature,
+        )
+
+
+PROXIMAL_ADVICE = (
+    "increase the proximal strength lam or lower the inner learning rate so that the inner "
+    "solution is near a minimum"
+)
+
+
+def warn_unconverged(what: str, max_iter: int, residual: float, tol: float) -> None:
+    """Warn (:class:`ConvergenceWarning`) where a solver's budget ended above its tolerance."""
+    if tol > 0 and residual > tol:
+        warnings.warn(
+            f"{what} did not converge in {max_iter} iterations: relative residual "
+            f"{residual:.3g} > tolerance {tol:.3g}; the implicit gradient is approximate. Raise "
+            "the iteration budget, or make the system better conditioned.",
+            ConvergenceWarning,
+            stacklevel=4,
+        )
+
 
 def _whole_dot(a: Vectors, b: Vectors) -> Tensor:
     # A tensor for the non-empty vectors the solver works on (an empty right-hand side sums
@@ -95,8 +98,7 @@ def conjugate_gradient(
     max_iter: int,
     tol: float,
     what: str = "conjugate gradient",
-    advice: str = "increase the proximal strength lam or lower the inner learning rate so "
-    "that the inner solution is near a minimum",
+    advice: str = PROXIMAL_ADVICE,
     dot: Callable[[Vectors, Vectors], Tensor] | None = None,
 ) -> tuple[Vectors, float, int]:
     """Solve ``A x = b`` for symmetric positive definite ``A`` given by ``matvec``.
@@ -129,11 +131,7 @@ def conjugate_gradient(
         ap = matvec(p)
         pap = _dot(p, ap)
         if not torch.isfinite(pap) or float(pap) <= 0:
-            raise NotPositiveDefinite(
-                f"{what}: the system matrix is not positive definite along a search direction "
-                f"(p^T A p = {float(pap):.3g}); {advice}",
-                float(pap),
-            )
+            raise NotPositiveDefinite.along(what, float(pap), advice)
         alpha = rr / pap
         x = [xi + alpha * pi for xi, pi in zip(x, p, strict=True)]
         r = [ri - alpha * api for ri, api in zip(r, ap, strict=True)]
@@ -142,14 +140,7 @@ def conjugate_gradient(
         rr = rr_new
         it += 1
     residual = float(rr) ** 0.5 / b_norm
-    if tol > 0 and residual > tol:
-        warnings.warn(
-            f"{what} did not converge in {max_iter} iterations: relative residual "
-            f"{residual:.3g} > tolerance {tol:.3g}; the implicit gradient is approximate. Raise "
-            "the iteration budget, or make the system better conditioned.",
-            ConvergenceWarning,
-            stacklevel=3,
-        )
+    warn_unconverged(what, max_iter, residual, tol)
     return x, residual, it
 
 
@@ -367,8 +358,7 @@ class Truncated(Method):
     name = "truncated"
 
     def __post_init__(self) -> None:
-        if isinstance(self.last, bool) or not isinstance(self.last, int) or self.last < 1:
-            raise ValueError(f"Truncated(last=) needs a whole number >= 1, got {self.last!r}")
+        at_least(self.last, "Truncated(last=)")
 
     def reaches_start(self, steps: int) -> bool:
         return self.last >= steps

@@ -19,7 +19,6 @@ gradient equals the single-process one.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
@@ -34,11 +33,12 @@ from ..inner import InnerOptimizer
 from ._base import Algorithm, OptimizerFactory, local_fraction
 from ._exact import Adapted, batched_conjugate_gradient, task_dot
 from ._hypergrad import (
-    ConvergenceWarning,
+    PROXIMAL_ADVICE,
     Vectors,
     conjugate_gradient,
     dot_of,
     hessian_products,
+    warn_unconverged,
 )
 
 
@@ -176,17 +176,9 @@ class IMAML(Algorithm):
             max_iter=self.cg_steps,
             tol=self.cg_tol,
             what="iMAML conjugate gradient",
-            advice="increase the proximal strength lam or lower the inner learning rate so "
-            "that the inner solution is near a minimum",
+            advice=PROXIMAL_ADVICE,
         )
-        if self.cg_tol > 0 and residual > self.cg_tol:
-            warnings.warn(
-                f"iMAML conjugate gradient did not converge in {self.cg_steps} iterations: "
-                f"relative residual {residual:.3g} > tolerance {self.cg_tol:.3g}; the implicit "
-                "gradient is approximate",
-                ConvergenceWarning,
-                stacklevel=2,
-            )
+        warn_unconverged("iMAML conjugate gradient", self.cg_steps, residual, self.cg_tol)
         self.last_cg = (residual, iters)
         # Value: the query loss; gradient: the implicit meta-gradient, summed over the tasks.
         start = [adapted.start[k] for k in theta]

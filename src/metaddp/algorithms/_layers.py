@@ -30,44 +30,27 @@ from ._conv_ways import GROUPED, ConvChoice
 _CONVS = {torch.conv1d: 1, torch.conv2d: 2, torch.conv3d: 3}
 
 
-def _conv_signature(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):  # noqa: ANN001, ANN202
-    pass
-
-
-def _batch_norm_signature(  # noqa: ANN202
-    input,  # noqa: ANN001
-    running_mean,  # noqa: ANN001
-    running_var,  # noqa: ANN001
-    weight=None,  # noqa: ANN001
-    bias=None,  # noqa: ANN001
-    training=False,  # noqa: ANN001
-    momentum=0.1,  # noqa: ANN001
-    eps=1e-5,  # noqa: ANN001
-):
-    pass
-
-
-def _max_pool_signature(  # noqa: ANN202
-    input,  # noqa: ANN001
-    kernel_size,  # noqa: ANN001
-    stride=None,  # noqa: ANN001
-    padding=0,  # noqa: ANN001
-    dilation=1,  # noqa: ANN001
-    ceil_mode=False,  # noqa: ANN001
-    return_indices=False,  # noqa: ANN001
-):
-    pass
+def _signature(*names: str, **defaults: Any) -> inspect.Signature:
+    """Parameters ``names`` without defaults, then ``defaults``, positional or by keyword."""
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    return inspect.Signature(
+        [inspect.Parameter(n, kind) for n in names]
+        + [inspect.Parameter(n, kind, default=d) for n, d in defaults.items()]
+    )
 
 
 # PyTorch's own argument names and defaults: Python binds a routed call to them.
 _SIGNATURES = {
-    name: inspect.signature(f)
-    for name, f in (
-        ("conv", _conv_signature),
-        ("batch_norm", _batch_norm_signature),
-        ("max_pool2d", _max_pool_signature),
-    )
-}
+    "conv": _signature("input", "weight", bias=None, stride=1, padding=0, dilation=1, groups=1),
+    "batch_norm": _signature(
+        "input", "running_mean", "running_var",
+        weight=None, bias=None, training=False, momentum=0.1, eps=1e-5,
+    ),
+    "max_pool2d": _signature(
+        "input", "kernel_size",
+        stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False,
+    ),
+}  # fmt: skip
 
 
 def _bind(name: str, args: tuple, kwargs: dict) -> dict[str, Any] | None:

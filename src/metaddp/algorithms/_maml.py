@@ -17,7 +17,7 @@ from .. import forward as _draws
 from .._data import Task
 from .._functional import params_of
 from .._remat import Replay
-from .._types import LossFn, Params, Reduce, Supports
+from .._types import LossFn, Reduce, Supports
 from ..inner import DEFAULT_LOSS_SCALE, InnerOptimizer, LossScale
 from ._base import Algorithm, OptimizerFactory
 from ._conv_ways import ConvChoice
@@ -133,9 +133,6 @@ class MAML(Algorithm):
         return self.adapted_loss(task.support, task.query, loss_fn, reduce=reduce)
 
     def deterministic_refusal(self) -> str | None:
-        """Why this MAML, as configured, has no deterministic form
-        (``MetaDDP(..., deterministic=True)``), or ``None``: one list of rules, read when the
-        wrapper is built and again at every deterministic meta-step (settings can change)."""
         name = type(self).__name__
         if not self.stackable:
             return (
@@ -155,18 +152,8 @@ class MAML(Algorithm):
     def exact_meta_loss(
         self, tasks: Sequence[Task], loss_fn: LossFn, n_tasks: int, sums: Any
     ) -> Tensor:
-        why = self.deterministic_refusal()
-        if why is not None:
+        if (why := self.deterministic_refusal()) is not None:
             raise ValueError(why)
-        factory = self._factory
-
-        def build(rates: Params | None) -> InnerOptimizer:
-            if rates is None:
-                assert self.optimizer is not None
-                return self.optimizer
-            assert factory is not None
-            return factory(rates)
-
         fast = self.fast_weights()
         return exact_meta_loss(
             self.model,
@@ -176,7 +163,7 @@ class MAML(Algorithm):
             n_tasks=n_tasks,
             steps=self.steps,
             first_order=self.first_order,
-            build=build,
+            build=self._optimizer_on,
             rates=None if self.lr is None else self.lr.as_dict(),
             sums=sums,
             held={k: p for k, p in params_of(self.model).items() if k not in fast},

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .._adapt import batch_share, inner_loop, inner_steps
-from .._data import Batch, Task
+from .._data import Batch, Task, at_least
 from .._types import LossFn, Params, Reduce, Supports
 from ..inner import InnerOptimizer, per_step_sgd
 from ._base import need_loss
@@ -102,9 +102,8 @@ class MAMLPlusPlus(MAML):
         batched: bool | None = False,
         conv: str = "auto",
     ) -> None:
-        for name, v in (("msl_steps", msl_steps), ("first_order_steps", first_order_steps)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+        at_least(msl_steps, "msl_steps", least=0)
+        at_least(first_order_steps, "first_order_steps", least=0)
         super().__init__(
             model,
             inner_lr=inner_lr,
@@ -170,8 +169,7 @@ class MAMLPlusPlus(MAML):
         return weights, stats or None
 
     def at_step(self, step: int) -> None:
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"the meta-step must be an integer >= 0, got {step!r}")
+        at_least(step, "the meta-step", least=0)
         super().at_step(step)
         self.meta_step, self.told = step, True
 
@@ -251,8 +249,7 @@ class MAMLPlusPlus(MAML):
     ) -> Tensor:
         """Deterministic mode: MAML's chunked inner loop (:mod:`metaddp.algorithms._exact`)
         with the per-step rates, each step's query loss weighted as :meth:`task_loss`'s."""
-        why = self.deterministic_refusal()
-        if why is not None:
+        if (why := self.deterministic_refusal()) is not None:
             raise ValueError(why)
         self._require_told()
         rates = dict(zip(self.names, self.lslr, strict=True))

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._adapt import batch_share, inner_loop
-from .._data import Batch, Task
+from .._data import Batch, Task, at_least
 from .._functional import call, params_of
 from .._share import share
 from .._statistics import class_means
@@ -43,10 +43,7 @@ def squared_distances(queries: Tensor, prototypes: Tensor) -> Tensor:
 
 
 def positive_ways(ways: int) -> int:
-    if isinstance(ways, bool) or not isinstance(ways, int) or ways < 1:
-        raise ValueError(
-            f"ways (the number of classes per task) must be a positive integer, got {ways!r}"
-        )
+    at_least(ways, "ways (the number of classes per task)")
     return ways
 
 

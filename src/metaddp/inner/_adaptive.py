@@ -1,10 +1,5 @@
 """Inner optimizers that divide each entry's step by its gradients' running magnitude:
 RMSprop and Adagrad, as ``torch.optim`` defines them, differentiable to any order.
-
-Like :func:`metaddp.inner.adam`, each takes an ``eps_root`` inside the square root: the derivative
-of ``sqrt(s)`` is infinite at ``s = 0``, so an entry whose gradients are exactly zero would
-make a second-order meta-gradient NaN. ``eps_root=0`` reproduces ``torch.optim`` bit for bit
-in the first order.
 """
 
 from __future__ import annotations
@@ -49,7 +44,8 @@ def rmsprop(
         weight_decay: L2 penalty: the gradient becomes ``g + weight_decay * p`` first.
         momentum: momentum factor (0: none).
         centered: divide by the gradients' estimated variance instead of their second moment.
-        eps_root: added inside the square root (see the module's note).
+        eps_root: added inside the square root, as :func:`metaddp.inner.adam`'s (``0``:
+            ``torch.optim`` bit for bit in the first order).
     """
     if not 0 <= alpha < 1:
         raise ValueError(f"RMSprop needs 0 <= alpha < 1, got {alpha}")
@@ -111,7 +107,8 @@ def adagrad(
         weight_decay: L2 penalty: the gradient becomes ``g + weight_decay * p`` first.
         initial_accumulator_value: the squared-gradient sum's starting value.
         eps: added to the denominator, outside the square root.
-        eps_root: added inside the square root (see the module's note).
+        eps_root: added inside the square root, as :func:`metaddp.inner.adam`'s (``0``:
+            ``torch.optim`` bit for bit in the first order).
     """
     lr_decay, eps = nonnegative(lr_decay, "lr_decay"), nonnegative(eps, "eps")
     weight_decay = nonnegative(weight_decay, "weight_decay")

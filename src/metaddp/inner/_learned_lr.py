@@ -37,23 +37,16 @@ class LearnedLR(nn.Module):
             raise ValueError("LearnedLR needs at least one parameter to give a learning rate to")
         self.per = per
         self.names = list(params)
-        first = next(iter(params.values()))
+
+        def rate(p: Tensor, shape: tuple[int, ...]) -> nn.Parameter:
+            return nn.Parameter(torch.full(shape, float(init), dtype=p.dtype, device=p.device))
+
         if per == "scalar":
-            self.scalar = nn.Parameter(
-                torch.tensor(float(init), dtype=first.dtype, device=first.device)
-            )
+            self.scalar = rate(next(iter(params.values())), ())
         else:
             # nn.ParameterDict keys may not contain '.', so rates are stored by position.
             self.rates = nn.ParameterList(
-                nn.Parameter(
-                    torch.full(
-                        () if per == "tensor" else p.shape,
-                        float(init),
-                        dtype=p.dtype,
-                        device=p.device,
-                    )
-                )
-                for p in params.values()
+                rate(p, () if per == "tensor" else tuple(p.shape)) for p in params.values()
             )
 
     def as_dict(self) -> dict[str, Tensor]:

@@ -8,19 +8,13 @@ it; ``scale`` is a power of two, so both steps are exact in binary floating poin
 exponent changes) and where nothing under- or overflows the step is the unscaled one, bit
 for bit.
 
-When the scale is too large the float16 backward overflows: if any reduced (SUMmed over the
-ranks that split the task) inner gradient is not finite, the step is skipped, the fast
-weights and the optimizer's slots keep their values, and the scale is multiplied by
-``backoff`` for the task's next inner step. All of it is decided on the device by
-``torch.where``: no host read, no Python branch on a device value, and every rank that splits
-a task reads the same reduced gradient, so they all skip together without another collective.
-
-A skipped step's discarded gradient holds Inf or NaN, and the outer backward still passes
-zeros through the graph that made them: ``0 * inf`` is NaN, which would reach the
-meta-gradient. So the tensors a scaled step's forward reads are *watched*
-(:meth:`TaskScale.watch`): an identity whose backward gives zeros, through ``torch.where``,
-where the step was skipped. A skipped step then contributes exactly nothing to the
-meta-gradient, which is that of the inner loop without the step.
+A step whose reduced gradient overflowed is skipped (:class:`LossScale`), decided on the
+device (:func:`metaddp.functional.inner_step`'s ``scale=``). Its discarded gradient holds Inf
+or NaN, and the outer backward still passes zeros through the graph that made them: ``0 *
+inf`` is NaN, which would reach the meta-gradient. So the tensors a scaled step's forward
+reads are *watched* (:meth:`TaskScale.watch`): an identity whose backward gives zeros,
+through ``torch.where``, where the step was skipped. A skipped step then contributes exactly
+nothing to the meta-gradient, which is that of the inner loop without the step.
 """
 
 from __future__ import annotations

@@ -37,20 +37,14 @@ class InnerOptimizer(NamedTuple):
         """Whether ``update`` returns new gradients rather than a step (a transformation,
         such as :func:`metaddp.inner.clip_by_global_norm`, meant to come first in
         :func:`metaddp.inner.chain`): applied as a step, it would climb the loss."""
-        try:
-            return self.update in _TRANSFORMS
-        except TypeError:
-            return False
+        return _known(self.update, _TRANSFORMS)
 
     @property
     def entrywise(self) -> bool:
         """Whether ``update`` treats every entry on its own, with rates that are numbers or
         one number per tensor (learned or not): on each rank's rows of sharded weights it
         gives the rows of the whole update. True only of this module's own updates."""
-        try:
-            return self.update in _ENTRYWISE or self.update in _ROWWISE
-        except TypeError:
-            return False
+        return _known(self.update, _ENTRYWISE, _ROWWISE)
 
     @property
     def rowwise(self) -> bool:
@@ -59,27 +53,24 @@ class InnerOptimizer(NamedTuple):
         task's own update, bit for bit (a stacked meta-batch then applies it without
         ``torch.vmap``). True only of this module's own updates with Python-number rates:
         any other function, a wrapper of one of them included, may look across entries."""
-        try:
-            return self.update in _ROWWISE
-        except TypeError:  # a callable that cannot be weakly referenced is not one of them
-            return False
+        return _known(self.update, _ROWWISE)
 
 
-# The update functions known to be entry by entry (weakly held: they die with their optimizer).
+# The update functions known to be rowwise, entrywise (or rowwise) and transformations, as
+# InnerOptimizer's properties say; and the tensors that require grad which an update function
+# reads as its learning rates. All weakly held: they die with their optimizer.
+def _known(update: Callable[..., Any], *sets: weakref.WeakSet[Callable[..., Any]]) -> bool:
+    """Whether ``update`` is in one of ``sets`` (a callable that cannot be weakly referenced
+    is in none)."""
+    try:
+        return any(update in known for known in sets)
+    except TypeError:
+        return False
+
+
 _ROWWISE: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
-
-# The update functions known to treat every entry on its own whatever the tensor's extent:
-# the rowwise ones, and those whose rates are one number per tensor (a 0-d tensor, learned or
-# not; per_step_sgd's [steps] rates). On each rank's rows of sharded weights they give the
-# rows of the whole update.
 _ENTRYWISE: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
-
-# The update functions that return new gradients, not steps (clip_by_global_norm).
 _TRANSFORMS: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
-
-
-# The tensors that require grad which an update function reads as its learning rates
-# (weakly keyed: an entry dies with its optimizer).
 _LEARNED: weakref.WeakKeyDictionary[Callable[..., Any], tuple[Tensor, ...]] = (
     weakref.WeakKeyDictionary()
 )

@@ -5,7 +5,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import Any, cast
 
 from ._family import SPLITS, TaskFamily
 from ._fewshot import NORMS, ConvNet, FewShotImages, nearest_mean_accuracy, rotations
@@ -13,56 +14,27 @@ from ._fonts import FontSetError
 from .omniglot import LayoutError
 from .sinusoid import Sinusoid
 
-FAMILIES = (
-    "sinusoid",
-    "digits",
-    "glyphs",
-    "omniglot",
-    "miniimagenet",
-    "noisy-digits",
-    "noisy-run",
-    "sequences",
-    "ttt",
-)
+# Each family's module and class, imported when asked for (some need optional packages).
+_CLASSES = {
+    "sinusoid": "sinusoid.Sinusoid",
+    "digits": "digits.Digits",
+    "glyphs": "glyphs.Glyphs",
+    "omniglot": "omniglot.Omniglot",
+    "miniimagenet": "miniimagenet.MiniImageNet",
+    "noisy-digits": "noisy.NoisyDigits",
+    "noisy-run": "noisy.NoisyRun",
+    "sequences": "sequences.Sequences",
+    "ttt": "ttt.TTT",
+}
+FAMILIES = tuple(_CLASSES)
 
 
 def family_class(name: str) -> type[TaskFamily]:
     """The class of family ``name``, importing optional dependencies only when needed."""
-    if name == "sinusoid":
-        return Sinusoid
-    if name == "digits":
-        from .digits import Digits
-
-        return Digits
-    if name == "glyphs":
-        from .glyphs import Glyphs
-
-        return Glyphs
-    if name == "omniglot":
-        from .omniglot import Omniglot
-
-        return Omniglot
-    if name == "noisy-digits":
-        from .noisy import NoisyDigits
-
-        return NoisyDigits
-    if name == "noisy-run":
-        from .noisy import NoisyRun
-
-        return NoisyRun
-    if name == "sequences":
-        from .sequences import Sequences
-
-        return Sequences
-    if name == "ttt":
-        from .ttt import TTT
-
-        return TTT
-    if name == "miniimagenet":
-        from .miniimagenet import MiniImageNet
-
-        return MiniImageNet
-    raise ValueError(f"unknown task {name!r}; choose from {', '.join(FAMILIES)}")
+    if name not in _CLASSES:
+        raise ValueError(f"unknown task {name!r}; choose from {', '.join(FAMILIES)}")
+    module, cls = _CLASSES[name].split(".")
+    return cast(type[TaskFamily], getattr(importlib.import_module(f".{module}", __name__), cls))
 
 
 def make(

@@ -128,12 +128,8 @@ class FewShotImages(TaskFamily):
         hidden: int = 32,
         norm: str = "batch",
     ) -> None:
-        self.ways, self.shots, self.query, self.hidden = (
-            int(ways),
-            int(shots),
-            int(query),
-            int(hidden),
-        )
+        self.ways, self.shots = int(ways), int(shots)
+        self.query, self.hidden = int(query), int(hidden)
         if norm not in NORMS:
             raise ValueError(f"unknown norm {norm!r}; choose from {', '.join(NORMS)}")
         self.norm = norm

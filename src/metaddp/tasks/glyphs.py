@@ -26,8 +26,9 @@ import hashlib
 import os
 import sys
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -46,6 +47,7 @@ EVAL_SHARE = 0.4
 # class: identical outlines (Latin/Greek/Cyrillic capitals) reach 0.99-1.0, while distinct
 # characters of one font that differ in a stroke ("O"/"Q", "E"/"F") stay below 0.95.
 ALIKE = 0.95
+T = TypeVar("T")
 
 
 def cache_folder(data: str | Path | None = None) -> Path:
@@ -69,16 +71,16 @@ def rank_of(seed: int, text: str) -> str:
     return hashlib.sha256(f"{seed}|{text}".encode()).hexdigest()
 
 
-def progress(total: int, desc: str, enabled: bool) -> Any:
-    """A tqdm bar on stderr when tqdm is installed and ``enabled``, else None."""
+def progress(items: Iterable[T], total: int, desc: str, enabled: bool) -> Iterable[T]:
+    """``items``, counted by a tqdm bar on stderr when tqdm is installed and ``enabled``."""
     if not enabled:
-        return None
+        return items
     try:
         from tqdm import tqdm
     except ImportError:
         print(f"{desc} ...", file=sys.stderr)
-        return None
-    return tqdm(total=total, desc=desc, unit="item", dynamic_ncols=True, leave=False)
+        return items
+    return tqdm(items, total=total, desc=desc, unit="item", dynamic_ncols=True, leave=False)
 
 
 def distinct(renders: dict[int, dict[int, torch.Tensor]], fonts: int) -> set[int]:
@@ -126,8 +128,7 @@ def clean_drawings(
     """Per candidate code point, its clean ``[SIZE, SIZE]`` uint8 drawing in each font that
     draws it with some ink; code points drawn by fewer than ``MIN_FONTS`` fonts are left out."""
     renders: dict[int, dict[int, torch.Tensor]] = {cp: {} for cp in candidates}
-    bar = progress(len(fonts), "glyphs: reading fonts", show)
-    for i, font in fonts.items():
+    for i, font in progress(fonts.items(), len(fonts), "glyphs: reading fonts", show):
         cps = sorted(cp for cp, fs in candidates.items() if i in fs)
         drawn = [(cp, _render.clean(font, chr(cp))) for cp in cps]
         inked = [(cp, d) for cp, d in drawn if d is not None]
@@ -136,10 +137,6 @@ def clean_drawings(
             for (cp, _), s in zip(inked, small, strict=True):
                 if int(s.max()) > 127:  # some ink, not a blank or hairline glyph
                     renders[cp][i] = s[0]
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
     return {cp: by for cp, by in renders.items() if len(by) >= MIN_FONTS}
 
 
@@ -203,14 +200,9 @@ def build(fonts: list[_fonts.FontFile], seed: int = SEED, show: bool = True) -> 
     chars = [cp for a in alphabets for cp in chosen[a]]
     images = torch.empty(len(chars), DRAWERS, 1, SIZE, SIZE, dtype=torch.uint8)
     drawer_font = torch.empty(len(chars), DRAWERS, dtype=torch.long)
-    bar = progress(len(chars), "glyphs: drawing characters", show)
-    for c, cp in enumerate(chars):
+    for c, cp in progress(enumerate(chars), len(chars), "glyphs: drawing characters", show):
         images[c], picks = draw(cp, sorted(renders[cp]), loaded, seed)
         drawer_font[c] = torch.tensor(picks)
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
     index = {a: i for i, a in enumerate(alphabets)}
     return {
         "version": VERSION,

@@ -261,10 +261,8 @@ class MiniImageNet(FewShotImages):
         hidden: int = 32,
         norm: str = "batch",
     ) -> None:
-        if root is None:
-            raise LayoutError("the miniimagenet task needs --data FOLDER (a miniImageNet layout)")
+        self.check_data(None if root is None else str(root))
         self.root = Path(root)
-        self.check_data(str(self.root))
         classes = {s: load_split(self.root, d) for s, d in SPLITS.items()}
         self.class_names = {s: sorted(c) for s, c in classes.items()}
         pools = {s: [c[name] for name in sorted(c)] for s, c in classes.items()}

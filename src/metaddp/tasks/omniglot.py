@@ -9,6 +9,7 @@ inverted so that strokes are 1 and paper 0. Needs Pillow (the ``images`` extra).
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -102,12 +103,8 @@ class Omniglot(FewShotImages):
             raise LayoutError("the omniglot task needs --data FOLDER (in the Omniglot layout)")
         self.root, self.rotate = Path(root), bool(rotate)
         found = characters(self.root)
-        self.alphabets = {
-            split: {
-                a: sum(c.parent.name == a for c in chars) for a in {c.parent.name for c in chars}
-            }
-            for split, chars in found.items()
-        }
+        # Per split, alphabet -> characters.
+        self.alphabets = {s: dict(Counter(c.parent.name for c in cs)) for s, cs in found.items()}
         pools = {
             split: [r for c in chars for r in rotations(load_character(c), self.rotate)]
             for split, chars in found.items()

@@ -105,8 +105,6 @@ class Sinusoid(TaskFamily):
         device: torch.device | None = None,
     ) -> list[Path]:
         """Finn et al. 2017, fig. 2, on held-out task 0 (``adaptation.png``)."""
-        if device is None:
-            device = torch.device("cpu")
         path = Path(folder) / "adaptation.png"
         adaptation_figure(
             algorithm,
@@ -116,7 +114,7 @@ class Sinusoid(TaskFamily):
             steps=(1, 10),
             path=path,
             dtype=dtype,
-            device=device,
+            device=torch.device("cpu") if device is None else device,
         )
         return [path]
 

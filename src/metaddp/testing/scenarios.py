@@ -198,9 +198,9 @@ class Problem:
             return self.family.task(self.seed, index)
         g = generator_for(self.seed, index)
         n = self.n_support + self.n_query
+        # Drawn in float32 whatever the default dtype, so the data never depends on it.
+        f32 = torch.float32
         if self.model == "mlp":
-            # Drawn in float32 whatever the default dtype, so the data never depends on it.
-            f32 = torch.float32
             amp = 0.1 + 4.9 * torch.rand((), generator=g, dtype=f32)
             phase = torch.pi * torch.rand((), generator=g, dtype=f32)
             x = 10 * torch.rand(n, 1, generator=g, dtype=f32) - 5
@@ -208,15 +208,14 @@ class Problem:
         elif self.model == "transformer":
             # Sequences of 5 steps of 2 features; the target weighs a sine of the first feature
             # by the second, averaged over the steps, with a task's own amplitude and phase.
-            f32 = torch.float32
             amp = 0.5 + torch.rand((), generator=g, dtype=f32)
             phase = torch.pi * torch.rand((), generator=g, dtype=f32)
             x = torch.randn(n, 5, 2, generator=g, dtype=f32)
             y = amp * (torch.sin(x[..., 0] + phase) * x[..., 1]).mean(dim=1)
         else:
-            protos = torch.randn(3, 1, 8, 8, generator=g, dtype=torch.float32)
+            protos = torch.randn(3, 1, 8, 8, generator=g, dtype=f32)
             y = torch.arange(n) % 3
-            x = protos[y] + 0.5 * torch.randn(n, 1, 8, 8, generator=g, dtype=torch.float32)
+            x = protos[y] + 0.5 * torch.randn(n, 1, 8, 8, generator=g, dtype=f32)
         x = x.to(self.dtype)
         y = y if self.model == "conv" else y.to(self.dtype)
         s, q = slice(0, self.n_support), slice(self.n_support, n)
