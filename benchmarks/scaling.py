@@ -40,7 +40,7 @@ def worker(case: Case, layout: str, repeats: int) -> dict:
         step()
     times = step_times(step, repeats)
     p = sum(q.numel() for q in net.parameters())
-    k, t_local = case.steps, len(tasks)
+    k, t_local = case.steps, len(tasks.tasks)
     inner = 2 * k * t_local * p if (layout == "sample" and world > 1) else 0
     minimum = (inner + (p if world > 1 else 0)) * 4  # float32
     return dict(median_s=statistics.median(times), bytes=stats.bytes, calls=stats.calls,

@@ -58,7 +58,7 @@ def count_worker(configs):
             m.sync_grads()
         n_params = sum(p.numel() for p in net.parameters())
         out.append(dict(calls=stats.calls, elements=stats.elements, bytes=stats.bytes,
-                        n_local=len(tasks), P=n_params, tensors=len(list(net.parameters()))))
+                        n_local=len(tasks.tasks), P=n_params, tensors=len(list(net.parameters()))))
     return out
 
 

@@ -239,3 +239,17 @@ def test_check_mode_catches_a_local_sample_count(checks, world):
         for key in ("local size", "local size through adapt"):
             assert r[key].startswith("ValueError"), r[key]
             assert "holds all" in r[key] and "Batch.local(x, y, n)" in r[key], r[key]
+
+
+def test_a_meta_batch_has_no_len_that_a_meta_loss_could_be_divided_by():
+    # len() of a rank's part would be its own task count at several processes and the global
+    # one at one: `loss / len(batch)` would change with the world size, so it is an error.
+    tasks = [md.Task(md.Batch(torch.full((2, 1), float(i)), torch.zeros(2), 2),
+                     md.Batch(torch.zeros(1, 1), torch.zeros(1), 1)) for i in range(5)]
+    part = md.MetaBatch.shard(tasks, task_index=1, task_parts=2)
+    with pytest.raises(TypeError, match=r"batch\.n is the number of tasks in the global"):
+        len(part)
+    assert part.n == 5 and len(part.tasks) == 3 and part.indices == range(2, 5)
+    assert [t.support.x[0, 0].item() for t in part] == [2.0, 3.0, 4.0]
+    assert [t.support.x[0, 0].item() for t in reversed(part)] == [4.0, 3.0, 2.0]
+    assert list(part) == list(part.tasks) and bool(part) and part[1] is part.tasks[1]

@@ -336,8 +336,23 @@ class MetaBatch(Sequence[Task]):
     def __getitem__(self, i):
         return self.tasks[i]
 
+    def __iter__(self) -> Iterator[Task]:
+        return iter(self.tasks)
+
+    def __reversed__(self) -> Iterator[Task]:
+        return reversed(self.tasks)
+
+    def __bool__(self) -> bool:
+        return bool(self.tasks)
+
     def __len__(self) -> int:
-        return len(self.tasks)
+        # A count that is the global one at one process and a rank's at several: a meta-loss
+        # divided by it would change with the number of processes, so there is none.
+        raise TypeError(
+            "len() of a MetaBatch is not defined: batch.n is the number of tasks in the global "
+            "meta-batch (divide a meta-loss by it), len(batch.tasks) the number this process "
+            "holds"
+        )
 
     def __repr__(self) -> str:
         return (

@@ -624,6 +624,7 @@ class Algorithm(nn.Module):
         if n_tasks <= 0:
             raise ValueError("a meta-batch needs at least one task, and no rank holds any")
         draws = self._draws(tasks, n_tasks)  # every rank advances the step, tasks or none
+        tasks = tuple(tasks)  # this rank's tasks (a MetaBatch has no len(): it is ambiguous)
         if c.exact is not None:
             with draws, _draws.stacked_tasks(len(tasks)):  # chunks keyed by their samples
                 return self.exact_meta_loss(tasks, loss_fn, n_tasks, c.exact)

@@ -441,7 +441,7 @@ class StepGuards:
         hold the same number of tasks, and every task's shards add up to the global sizes
         its batches declare (three small collectives)."""
         group = self.mesh.sample_group
-        low, top = extremes([len(tasks)], group)
+        low, top = extremes([len(tuple(tasks))], group)
         if low != top:
             raise OutOfSyncError(
                 "the ranks that split tasks' samples hold different numbers of tasks "
