@@ -7,6 +7,7 @@ sample group stays on one machine as long as ``samples`` divides the processes p
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import gc
 import os
@@ -65,7 +66,16 @@ def init(backend: str | None = None, timeout: timedelta | float = DEFAULT_TIMEOU
         dist.init_process_group(
             backend=backend, store=store, rank=rank, world_size=world, timeout=timeout
         )
+    atexit.register(_leave_at_exit)
     return dist.get_world_size()
+
+
+def _leave_at_exit() -> None:
+    """:func:`shutdown` at the interpreter's exit, for a program that joined with :func:`init`
+    and did not leave: waiting for the others only where no exception ended it (one that
+    did is in ``sys.last_value``)."""
+    if dist.is_initialized():
+        shutdown(wait=getattr(sys, "last_value", None) is None)
 
 
 def _attempt_store(timeout: timedelta) -> dist.Store | None:
@@ -121,7 +131,8 @@ def shutdown(*, wait: bool = True) -> None:
     the wait). Called while an exception propagates (``finally:``), or with
     ``wait=False``, it leaves at once: where the others may still be inside a collective
     (a rank that stops on an error of its own), a wait would join it, and they learn of the
-    error from the closed connections sooner."""
+    error from the closed connections sooner. A program that joined with :func:`init` and
+    does not call it leaves this way at exit, waiting unless an exception ended it."""
     if not dist.is_initialized():
         return
     try:
