@@ -223,6 +223,11 @@ def test_refusals():
         md.Bilevel(net, train_inner=True)
     with pytest.raises(TypeError, match="no clone"):
         md.Bilevel(net, penalty=lambda fast: fast["weight"].sum()).clone()
+    # Rates computed from outer parameters once, not by a function that builds the optimizer:
+    # the error names the function form, even where the parameters are given as outer=.
+    hp = nn.ParameterDict({k: nn.Parameter(torch.tensor(-2.0)) for k in ("weight", "bias")})
+    with pytest.raises(ValueError, match=r"computed tensors.*optimizer=lambda: md\.inner\.sgd"):
+        md.Bilevel(net, outer=hp, optimizer=md.inner.sgd({k: hp[k].exp() for k in hp}), start="outer")
 
 
 def test_minibatch_refusals_name_the_mistake():

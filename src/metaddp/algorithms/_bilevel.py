@@ -238,9 +238,18 @@ class Bilevel(Algorithm):
         ours = {id(p) for p in self.parameters()}
         outside = [r for r in learned_rates(self.optimizer) if id(r) not in ours]
         if outside:
+            made = any(r.grad_fn is not None for r in outside)
             raise ValueError(
                 f"the inner optimizer learns {len(outside)} rate(s) that are not parameters of "
-                "this problem: pass the module that holds them as outer="
+                "this problem: "
+                + (
+                    "they are computed tensors, made once when the optimizer was built, which "
+                    "would not follow the parameters they come from: pass a function that "
+                    "builds the optimizer, optimizer=lambda: md.inner.sgd({...}), and the "
+                    "module that holds those parameters as outer="
+                    if made
+                    else "pass the module that holds them as outer="
+                )
             )
 
     def inner_optimizer(self) -> InnerOptimizer:
