@@ -385,6 +385,65 @@ def test_a_rate_given_to_the_optimizer_as_a_tensor_gets_its_meta_gradient(make, 
     assert rel(grads["low"], grads["default"]) < RTOL
 
 
+def _log_rates(memory: object, kind: str) -> dict[str, torch.Tensor]:
+    """The meta-gradient with per-tensor rates computed from log-rates by an optimizer
+    factory, each time it is called: Bilevel's ``optimizer=lambda: ...`` (docs/bilevel.md) or
+    MAML's ``learn_lr`` with a factory of the rates."""
+    torch.manual_seed(0)
+    model = MLP.build_model()
+    names = [k for k, _ in model.named_parameters()]
+    if kind == "bilevel":
+        hp = torch.nn.ParameterDict(
+            {k.replace(".", "_"): torch.nn.Parameter(torch.tensor(-2.3 + 0.1 * i))
+             for i, k in enumerate(names)})
+        alg: md.Algorithm = md.Bilevel(
+            model, outer=hp, start="outer", steps=3, memory=memory,
+            optimizer=lambda: md.sgd({k: hp[k.replace(".", "_")].exp() for k in names}))
+    else:
+        alg = md.MAML(model, inner_lr=0.1, steps=3, learn_lr="tensor", memory=memory,
+                      optimizer=lambda lr: md.sgd({k: v.exp() * 0.5 for k, v in lr.items()}),
+                      batched=kind == "maml-stacked")
+    if kind != "maml-adapt":
+        return meta_grads(alg, MLP)
+    for task in MLP.tasks():  # the rematerialized inner loop alone: the query pass is ours
+        fast = alg.adapt(task.support, MLP.loss_fn)
+        md.share(MLP.loss_fn(alg(task.query.x, fast=fast), task.query.y), task.query).backward()
+    return {k: q.grad.clone() for k, q in alg.named_parameters() if q.grad is not None}
+
+
+@pytest.mark.parametrize("memory", ["low", md.Replay(k=2)], ids=str)
+@pytest.mark.parametrize("kind", ["bilevel", "maml-stacked", "maml-one-by-one", "maml-adapt"])
+def test_rates_a_factory_computes_from_parameters_get_the_default_meta_gradient(kind, memory):
+    # The factory's rates (exp of a log-rate) are built anew for every step: one graph of
+    # them, walked back through by every rebuilt step, was freed by the first ("Trying to
+    # backward through the graph a second time").
+    want, got = _log_rates("default", kind), _log_rates(memory, kind)
+    assert all(float(g.abs().max()) > 0 for g in want.values())  # the log-rates' included
+    # Float64: the same operations, but the rates' gradients go through exp's backward step
+    # by step instead of once for their sum, and the steps' in another order: a few roundings
+    # apart (observed <= 8.6e-16 of the largest entry; eps = 2.2e-16), where a missed or
+    # doubled path through the rates moves the meta-gradient by 1e-2 or more.
+    assert rel(got, want) < 5e-15
+
+
+@pytest.mark.parametrize("memory", ["low", md.Replay(k=2)], ids=str)
+def test_distilled_images_get_the_default_meta_gradient_once(memory):
+    # The images are both an outer parameter and the inner batch's inputs: the function took
+    # them as two inputs and counted their gradient more than once.
+    grads = {}
+    for mode in ("default", memory):
+        real = MLP.tasks()[0].query
+        torch.manual_seed(0)
+        images = torch.nn.Parameter(torch.randn(6, *real.x.shape[1:], dtype=real.x.dtype))
+        alg = md.Bilevel(MLP.build_model(), outer=torch.nn.ParameterDict({"images": images}),
+                         start="outer", steps=3, inner_lr=0.1, memory=mode)
+        alg.meta_loss([md.Task(md.Batch(images, real.y[:6], 6), real)], MLP.loss_fn).backward()
+        grads[str(mode)] = {k: q.grad.clone() for k, q in alg.named_parameters()}
+    # Float64, the same operations a few sums apart (observed 8.6e-18; eps = 2.2e-16), where
+    # a gradient counted twice is off by its own size (0.63 here).
+    assert rel(grads[str(memory)], grads["default"]) < 5e-15
+
+
 @pytest.mark.parametrize("through,steps", [("meta_loss", 1), ("meta_loss", 3), ("adapt", 3)])
 def test_a_tensor_from_outside_that_needs_a_gradient_is_refused(through, steps):
     # A weight the loss function captures is no input of the low mode's function, whose

@@ -44,6 +44,10 @@ LossOf = Callable[[Params, "Params | None"], Tensor]
 StepLoss = Callable[[Params, "Params | None", int], Tensor]
 """``loss_of(fast, buffers, k)``: inner step ``k``'s support loss share at ``fast``, with the
 module's own buffers (``None``) or the given ones."""
+Optimizer = InnerOptimizer | Callable[[], InnerOptimizer]
+"""The inner optimizer, or a function of nothing that builds it (on learned rates computed
+from the function's inputs): built again for every step, so that each rebuilt step's
+vector-Jacobian product walks back through a graph of the rates of its own."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +152,7 @@ class _Loop:
         self,
         loss_of: StepLoss,
         names: list[str],
-        optimizer: InnerOptimizer,
+        optimizer: Optimizer,
         steps: int,
         reduce: Reduce,
         buffers: Params,
@@ -158,7 +162,12 @@ class _Loop:
         draws: _draws.DrawScope | None = None,
         tree: int | None = None,
     ) -> None:
-        self.loss_of, self.names, self.optimizer = loss_of, names, optimizer
+        self.loss_of, self.names = loss_of, names
+        # Rates computed once (``hp.exp()``) would have one graph, which the first step's
+        # vector-Jacobian product frees: every step builds the optimizer anew instead.
+        self.optimizer: Callable[[], InnerOptimizer] = (
+            (lambda: optimizer) if isinstance(optimizer, InnerOptimizer) else optimizer
+        )
         # Parts per level of the replay tree (Replay), or None: every step's state kept.
         self.tree = tree
         # The dropout keys of the loop's forwards, numbered once: step k's forward is forward
@@ -201,7 +210,7 @@ class _Loop:
             loss,
             fast,
             state,
-            self.optimizer,
+            self.optimizer(),
             step=k,
             reduce=self.reduce,
             first_order=not create_graph,
@@ -325,7 +334,7 @@ def _refuse_outside(
 def _sweep(loop: _Loop, fast: Params, steps: int) -> tuple[list[Kept], Params, State]:
     """``steps`` first-order steps from ``fast``: the states where the replay tree's parts
     start (every step's without a tree), and the weights and state after the last."""
-    state = loop.optimizer.init(fast)
+    state = loop.optimizer().init(fast)
     starts = set(_starts(0, steps, loop.tree)) if steps else set()
     kept = []
     for k in range(steps):
@@ -422,7 +431,7 @@ def rematerialized_loop(
     params: Params,
     *,
     steps: int,
-    optimizer: InnerOptimizer,
+    optimizer: Optimizer,
     reduce: Reduce,
     extras: Sequence[Tensor] = (),
     buffers: Params | None = None,
@@ -434,9 +443,13 @@ def rematerialized_loop(
     Args:
         loss_of: this rank's share of step k's support loss at the given fast weights.
         params: the weights to start from.
-        steps, optimizer, reduce: as :func:`metaddp.functional.inner_loop`.
+        steps, reduce: as :func:`metaddp.functional.inner_loop`.
+        optimizer: the inner optimizer, or a function of nothing that builds it
+            (:data:`Optimizer`): one whose learned rates are computed from the extras
+            (``hp.exp()``) must be the latter.
         extras: every other tensor the steps depend on that needs a gradient (learned rates
-            the optimizer reads, features ``loss_of`` reads).
+            the optimizer reads, or the parameters a built one computes them from; features
+            ``loss_of`` reads).
         buffers: the module's buffers by name (BatchNorm's running statistics), which a step
             updates in place: a rebuilt step runs on copies, so they move once per step, as
             by default.
@@ -458,7 +471,7 @@ def rematerialized_loop(
         assert loop.put is not None  # set by the forward
         fast, state = dict(zip(names, out[:n], strict=True)), loop.put(out[n:])
     else:
-        fast, state = dict(params), optimizer.init(dict(params))
+        fast, state = dict(params), loop.optimizer().init(dict(params))
     loop.looked = True  # the last step is the caller's graph: autograd reaches every tensor
     return loop.step(fast, state, steps - 1, create_graph=True, check=True)[0]
 
@@ -469,7 +482,7 @@ def rematerialized_loss(
     params: Params,
     *,
     steps: int,
-    optimizer: InnerOptimizer,
+    optimizer: Optimizer,
     reduce: Reduce,
     extras: Sequence[Tensor] = (),
     buffers: Params | None = None,

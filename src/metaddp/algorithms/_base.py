@@ -380,7 +380,7 @@ class Algorithm(nn.Module):
                 lambda fast, buffers, _: batch_share(module, fast, support, loss_fn, buffers),
                 start,
                 steps=steps,
-                optimizer=self.inner_optimizer(),
+                optimizer=self.inner_optimizer,  # built for each step: a factory's rates anew
                 reduce=reduce,
                 extras=self._needing_grad(support),
                 buffers=dict(module.named_buffers()),
@@ -471,7 +471,7 @@ class Algorithm(nn.Module):
             lambda fast, buffers: batch_share(module, fast, query, loss_fn, buffers),
             self.fast_weights(),
             steps=self.steps,
-            optimizer=self.inner_optimizer(),
+            optimizer=self.inner_optimizer,  # built for each step: a factory's rates anew
             reduce=reduce,
             extras=self._needing_grad(support, query),
             buffers=dict(module.named_buffers()),

@@ -115,7 +115,8 @@ class Bilevel(Algorithm):
         inner_lr: the inner SGD step, when ``optimizer`` is not given.
         optimizer: a differentiable inner optimizer (``metaddp.inner.sgd``,
             ``metaddp.inner.adam``), or a function of nothing that builds one at every
-            meta-loss (for rates computed from outer variables,
+            meta-loss, and at every rebuilt step of ``memory="low"`` (for rates computed
+            from outer variables,
             ``lambda: md.inner.sgd({k: v.exp() for k, v in log_lrs.items()})``), or a factory
             of the rate (``md.inner.adam``), called with ``inner_lr``.
         method: the hypergradient method (:class:`metaddp.bilevel.Unrolled` by default;
@@ -369,7 +370,7 @@ class Bilevel(Algorithm):
                 lambda fast, buffers: p.outer(fast),
                 p.start,
                 steps=p.steps,
-                optimizer=p.optimizer,
+                optimizer=self.inner_optimizer,  # built for each step: a factory's rates anew
                 reduce=reduce,
                 extras=self._outer_tensors(task, p.optimizer),
                 check=check_finite,
@@ -387,10 +388,14 @@ class Bilevel(Algorithm):
         others = self._outer_params()
         if self.start == "outer" and self.penalty is not None:
             others += [p for p in self.model.parameters() if p.requires_grad]
-        known = {id(p) for p in others}
-        rates = [r for r in learned_rates(optimizer) if id(r) not in known]
+        read = learned_rates(optimizer)
+        # A rate computed from tensors (optimizer=lambda: sgd(hp["a"].exp())) is computed anew
+        # for every rebuilt step: the leaves it is computed from are the inputs, not it.
+        rates = [r for r in read if r.is_leaf] + unknown_leaves(read, others)
         inputs = [b.x for b in (task.support, task.query) if b.x.requires_grad]
-        return others + rates + inputs
+        # Once each (distilled images are outer parameters and the inner batch's inputs): a
+        # tensor listed twice would have its gradient counted twice.
+        return list({id(t): t for t in (*others, *rates, *inputs)}.values())
 
     def meta_loss(
         self, tasks: Sequence[Task], loss_fn: LossFn | None = None, *, reduce: Reduce | None = None

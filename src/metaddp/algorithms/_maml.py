@@ -181,7 +181,7 @@ class MAML(Algorithm):
                     tasks,
                     loss_fn,
                     steps=self.steps,
-                    optimizer=self.inner_optimizer(),
+                    optimizer=self.inner_optimizer,
                     reduce=reduce,
                     conv=self.conv,
                     **self.stacked_options(),

@@ -213,7 +213,7 @@ def stacked_task_losses(
     loss_fn: LossFn,
     *,
     steps: int,
-    optimizer: InnerOptimizer,
+    optimizer: InnerOptimizer | Callable[[], InnerOptimizer],
     first_order: bool = False,
     reduce: Reduce,
     rematerialize: bool = False,
@@ -233,7 +233,9 @@ def stacked_task_losses(
         tasks: this rank's tasks; :func:`batchable` must accept them.
         loss_fn: per-sample loss, ``reduction='none'``.
         steps: inner steps.
-        optimizer: differentiable inner optimizer, applied to each task (:func:`per_task`).
+        optimizer: differentiable inner optimizer, applied to each task (:func:`per_task`), or
+            a function of nothing that builds it (on rates computed from ``extras``):
+            ``rematerialize`` builds it for each step.
         first_order: treat inner gradients as constants.
         reduce: differentiable SUM of the inner gradients over the ranks sharing the tasks'
             samples (identity on one process); called once per inner step for all tasks.
@@ -260,7 +262,8 @@ def stacked_task_losses(
     # expand() is a view: every task starts from the meta-parameters, and the gradient flowing
     # back through it into params[k] is the sum over tasks, as in the loop.
     fast: Params = {k: params[k].unsqueeze(0).expand(n_local, *params[k].shape) for k in names}
-    optimizer = per_task(optimizer, n_local)
+    build = (lambda o=optimizer: o) if isinstance(optimizer, InnerOptimizer) else optimizer
+    optimizer = per_task(build(), n_local)
     stats = TaskStatistics(model, n_local) if tracking(model) else None
     remat = rematerialize and not first_order and torch.is_grad_enabled()
     if stats is not None and remat:
@@ -280,7 +283,7 @@ def stacked_task_losses(
             lambda w, _: stacked_shares(model, w, qx, qy, qn, loss_fn, conv=conv, start=q0).sum(),
             fast,
             steps=steps,
-            optimizer=optimizer,
+            optimizer=lambda: per_task(build(), n_local),
             reduce=reduce,
             extras=list(extras),
             check=check_finite,
