@@ -134,3 +134,20 @@ def test_a_moved_shard_keeps_its_start_and_predictions_are_keyed():
     torch.testing.assert_close(maml.predict(part), whole[3:], rtol=0, atol=0)
     maml.at_step(1)
     assert not torch.equal(maml.predict(part), whole[3:])  # another step, other masks
+
+
+def test_a_hand_loop_that_draws_is_refused_on_one_process_as_on_several():
+    # The same script at 1 process and at 2 (tests/test_silent_cells.py): the error, not the
+    # one-process number that a second process would then refuse.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 8), nn.Dropout(0.5), nn.Linear(8, 1)).double()
+    learner = md.MetaDDP(md.MAML(net, inner_lr=0.1))
+    x = torch.linspace(-1, 1, 4, dtype=torch.float64)[:, None]
+    with pytest.raises(ValueError, match="draws random numbers where metaddp cannot key them"):
+        md.functional.call(learner.module.model, md.params_of(learner.module.model), x)
+    with learner.local():  # one rank's own work may draw
+        assert md.functional.call(learner.module.model, md.params_of(learner.module.model), x).shape == (4, 1)
+    task = md.Task(md.Batch(x, x, 4), md.Batch(x, x, 4))
+    loss = learner.meta_loss(learner.shard([task]), lambda p, y: (p - y) ** 2)  # keyed: runs
+    assert torch.isfinite(loss)
+    md.shutdown()

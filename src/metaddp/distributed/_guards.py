@@ -290,16 +290,14 @@ class StepGuards:
         # With shard=True: the ids of the sharded parameters and the group holding the same
         # rows (set by the wrapper once it has cut them).
         self.sharded: tuple[set[int], Any] | None = None
-        # Forwards that draw outside metaddp's keyed loops (a clone() or hand loop's), where
-        # ranks split the work: refused where they run; nothing is registered on one rank.
+        # Forwards that draw outside metaddp's keyed loops (a clone() or hand loop's): refused
+        # where they run, on one process too, so a script that runs at one runs at any.
         # Verdicts of this rank's work noted during the step (Collectives.note), by kind.
         self._verdicts: dict[str, Tensor] = {}
         # Whether a forward may have moved buffers since the wrapper was built (task groups'
         # running statistics then differ legitimately, even before the first sum).
         self.moved = False
-        self.unkeyed = (
-            UnkeyedDraws(module, lambda: not self._local) if group_size(mesh.group) > 1 else None
-        )
+        self.unkeyed = UnkeyedDraws(module, lambda: not self._local)
 
     # --- state ----------------------------------------------------------------------------
 

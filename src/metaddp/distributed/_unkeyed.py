@@ -14,7 +14,7 @@ processes (0.5 in the largest entry of a two-layer MLP at 2 processes).
 ranks raise together. Any other such module (``F.dropout`` or ``torch.randn`` in its own
 code) is refused after it ran if it changed a default generator's state: host copies of a
 few kilobytes, no device wait. Inside ``learner.local()`` (one rank's own work) nothing is
-refused, and on one process nothing is registered.
+refused. One process refuses as many do: a script written on one runs on any.
 """
 
 from __future__ import annotations
