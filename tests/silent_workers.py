@@ -179,6 +179,42 @@ def global_statistic() -> dict:
     return _outcome(step)
 
 
+def over_largest_target(p, y):  # each loss over the batch's largest target
+    return (p - y) ** 2 / y.abs().max()
+
+
+def over_largest_loss(p, y):  # each loss over the batch's largest loss, held constant
+    losses = (p - y) ** 2
+    return losses / losses.detach().max()
+
+
+EXTREME = {"target": over_largest_target, "loss": over_largest_loss,
+           # Additive: each sample's loss is its own, averaged or summed over its outputs.
+           "mean": lambda p, y: ((p - y) ** 2).mean(1), "sum": lambda p, y: ((p - y) ** 2).sum(1)}
+
+
+def extreme_sample(loss: str, last: bool, where: str = "loop") -> dict:
+    """meta_loss on 8 samples per batch, two outputs each, whose largest target (and loss)
+    is the first of each 4-sample part of the batch, or its last (``last``): what a rank holds
+    at 2 processes. Returns the meta-gradient or the error."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    alg = md.MAML(net, inner_lr=0.1, batched=where == "stacked")
+    learner = md.MetaDDP(alg, md.Mesh.create())
+    part = [0.1, 0.2, 0.3, 3.0] if last else [3.0, 0.1, 0.2, 0.3]
+    x = torch.tensor(part + [v + 0.05 for v in part], dtype=torch.float64)[:, None]
+    y = torch.cat([2 * x, -x], 1)
+    fn = EXTREME[loss]
+    tasks_ = [md.Task(md.Batch(x, y * (i + 1), 8), md.Batch(x, y * (i + 2), 8)) for i in range(2)]
+
+    def step() -> list[float]:
+        learner.meta_loss(learner.shard(tasks_), fn).backward()
+        learner.sync_grads()
+        return _grads(learner)
+
+    return _outcome(step)
+
+
 # --- state that differs across ranks -------------------------------------------------------
 
 

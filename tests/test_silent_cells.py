@@ -196,6 +196,29 @@ def test_the_same_loss_on_one_process_or_with_global_sums_is_exact():
             torch.testing.assert_close(torch.tensor(out["grad"]), torch.tensor(want["grad"]), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("where", ["loop", "stacked"])
+@pytest.mark.parametrize("last", [False, True], ids=["largest-first", "largest-last"])
+@pytest.mark.parametrize("loss", ["target", "loss"])
+def test_a_loss_over_its_batch_largest_is_refused_wherever_the_largest_sits(loss, last, where):
+    # Each loss divided by the largest target (or the largest loss) of the rank's own 4
+    # samples: at 2 processes the meta-gradient was 3e-3 (target) and 9e-4 (loss) off the
+    # one-process one, without an error, where the largest sample came first in a rank's
+    # part (the old check compared the first half alone, whose largest was the whole's).
+    for out in run_local(W.extreme_sample, 2, loss, last, where, threads=1):
+        assert out.get("error", "").startswith("the loss function does not give one loss per sample"), out
+
+
+@pytest.mark.parametrize("loss", ["mean", "sum"])
+def test_a_loss_averaged_or_summed_over_a_sample_outputs_is_no_false_alarm(loss):
+    # Each sample's loss its own: the check passes, and 2 processes give the one-process
+    # meta-gradient. float64: the sums of halves differ from the whole's in the last few
+    # places, 1e-12 above them and far below any statistic of a part.
+    for last in (False, True):
+        (want,) = run_local(W.extreme_sample, 1, loss, last, threads=1)
+        for out in run_local(W.extreme_sample, 2, loss, last, threads=1):
+            torch.testing.assert_close(torch.tensor(out["grad"]), torch.tensor(want["grad"]), rtol=1e-12, atol=1e-12)
+
+
 # --- state that differs across ranks -------------------------------------------------------
 
 
