@@ -3,6 +3,9 @@ code writes by hand, with dropout left on, each returning its meta-gradient or i
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import torch
 from torch import nn
 
@@ -89,6 +92,48 @@ def call_loop(layout: str, dropout: float, functional: bool = False) -> dict:
     learner.zero_grad()
     out["after local, eval"] = _outcome(step)
     return out
+
+
+class Noisy(nn.Module):
+    """Noise added to each input in the forward: from a torch generator of the module's own,
+    numpy's global one, or Python's."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.g = how, torch.Generator().manual_seed(0)
+        self.a, self.b = nn.Linear(1, 8), nn.Linear(8, 1)
+
+    def forward(self, x):
+        if self.how == "generator":
+            x = x + 0.1 * torch.randn(x.shape, generator=self.g, dtype=x.dtype)
+        elif self.how == "numpy":
+            x = x + 0.1 * torch.from_numpy(np.random.randn(*x.shape)).to(x.dtype)
+        elif self.how == "random":
+            x = x + 0.1 * torch.tensor([[random.gauss(0, 1)] for _ in x], dtype=x.dtype)
+        return self.b(torch.tanh(self.a(x)))
+
+
+def noisy_forward(how: str, batched: bool | None, where: str = "meta_loss") -> dict:
+    """A meta-step of a model whose forward draws noise (:class:`Noisy`), by meta_loss or by
+    adapt; the meta-gradient or the error."""
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    net = Noisy(how).double()
+    learner = md.MetaDDP(md.MAML(net, inner_lr=0.1, batched=batched), md.Mesh.create())
+
+    def step() -> list[float]:
+        tasks = learner.shard(_tasks())
+        if where == "adapt":
+            learner.adapt(tasks[0].support, MSE)
+        learner.meta_loss(tasks, MSE).backward()
+        learner.sync_grads()
+        return _grads(learner)
+
+    try:
+        return _outcome(step)
+    except RuntimeError as e:  # stacked tasks refuse any draw
+        return {"error": str(e)}
 
 
 # --- losses that read a statistic of their own batch --------------------------------------

@@ -168,6 +168,40 @@ def test_deterministic_mode_refuses_batched_at_construction():
     md.MetaDDP(md.MAML(P64.build_model()), deterministic=True).release()
 
 
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("where", ["meta_loss", "adapt"])
+def test_a_draw_from_a_generator_of_the_model_own_is_refused_one_by_one(where, world):
+    # torch.randn(x.shape, generator=self.g) in the forward: every process drew the same
+    # numbers from its own copy of the generator for other samples. With batched=False the
+    # meta-gradient at 2 processes was 0.067 off the one-process one (largest entry),
+    # without an error; the default generators' states, compared, had not moved. Refused at
+    # sync_grads on every rank of the first (checked) step, at any size, as a draw from
+    # torch's default generator is at once.
+    own = "the model or the loss function drew random numbers from a generator of its own"
+    for out in run_local(W.noisy_forward, world, "generator", False, where, threads=1):
+        assert out.get("error", "").startswith(own), out
+
+
+@pytest.mark.parametrize("batched", [False, None])
+@pytest.mark.parametrize("how", ["numpy", "random"])
+def test_a_draw_from_numpy_or_python_in_a_forward_is_refused(how, batched):
+    # Noise from np.random.randn in the forward gave a meta-gradient 0.069 (one by one) and
+    # 0.094 (stacked: vmap does not see numpy) off the one-process one at 2 processes
+    # (largest entry), silently; from random.gauss, 0.022 and 0.028. numpy's and Python's
+    # global generators' states are compared on checked steps now, refused at sync_grads.
+    drew = "the model or the loss function drew random numbers from a generator of its own"
+    for out in run_local(W.noisy_forward, 2, how, batched, threads=1):
+        assert out.get("error", "").startswith(drew), out
+
+
+def test_a_draw_stacked_tasks_cannot_make_is_named_by_its_line():
+    # Stacked (batched=None picks them for this model), torch.vmap refuses the draw; the
+    # error said "(a dropout call)" for any draw. It now names the line of the forward.
+    line = "x = x + 0.1 * torch.randn(x.shape, generator=self.g, dtype=x.dtype), silent_workers.py:"
+    for out in run_local(W.noisy_forward, 2, "generator", None, threads=1):
+        assert out["error"].startswith(f"the model or the loss function draws random numbers in the forward ({line}")
+
+
 # --- a loss that reads a statistic of its own batch ---------------------------------------
 
 
