@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from ._binding import sharding_of
+from ._data import KEYED
 from .forward import routes
 
 Params = dict[str, Tensor]
@@ -159,8 +160,9 @@ def _host_states() -> list[Any]:
 
 class OtherDraws(TorchFunctionMode):
     """After the block, ``drew`` says whether it drew what :func:`refusing_draws` does not
-    see: a torch call given a generator (``generator=g``), or a draw from numpy's global
-    generator or Python's, whose states are compared. It sees every torch call made in
+    see: a torch call given a generator (``generator=g``) other than one keyed by global
+    indices (:func:`metaddp.generator_for`: a bilevel minibatch's), or a draw from numpy's
+    global generator or Python's, whose states are compared. It sees every torch call made in
     Python, and reads numpy's state in a fraction of a millisecond: a cost kept to the
     steps that are checked."""
 
@@ -174,7 +176,8 @@ class OtherDraws(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
-        if kwargs.get("generator") is not None:
+        g = kwargs.get("generator")
+        if g is not None and g not in KEYED:
             self.drew = True
         return func(*args, **kwargs)
 
