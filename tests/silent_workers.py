@@ -96,7 +96,7 @@ def call_loop(layout: str, dropout: float, functional: bool = False) -> dict:
 
 class Noisy(nn.Module):
     """Noise added to each input in the forward: from a torch generator of the module's own,
-    numpy's global one, or Python's."""
+    torch's default one, numpy's global one, or Python's."""
 
     def __init__(self, how: str) -> None:
         super().__init__()
@@ -108,6 +108,8 @@ class Noisy(nn.Module):
             x = x + 0.1 * torch.randn(x.shape, generator=self.g, dtype=x.dtype)
         elif self.how == "numpy":
             x = x + 0.1 * torch.from_numpy(np.random.randn(*x.shape)).to(x.dtype)
+        elif self.how == "torch":
+            x = x + 0.1 * torch.randn(x.shape, dtype=x.dtype)
         elif self.how == "random":
             x = x + 0.1 * torch.tensor([[random.gauss(0, 1)] for _ in x], dtype=x.dtype)
         return self.b(torch.tanh(self.a(x)))
@@ -134,6 +136,26 @@ def noisy_forward(how: str, batched: bool | None, where: str = "meta_loss") -> d
         return _outcome(step)
     except RuntimeError as e:  # stacked tasks refuse any draw
         return {"error": str(e)}
+
+
+def noisy_clone(how: str) -> dict:
+    """learn2learn's clone() loop on a model whose forward draws noise (:class:`Noisy`)."""
+    torch.manual_seed(0)
+    net = Noisy(how).double()
+    learner = md.MetaDDP(md.MAML(net, inner_lr=0.1), md.Mesh.create())
+
+    def step() -> list[float]:
+        tasks = learner.shard(_tasks())
+        total = torch.zeros((), dtype=torch.float64)
+        for t in tasks:
+            clone = learner.clone()
+            clone.adapt(md.share(MSE(clone(t.support.x), t.support.y), t.support))
+            total = total + md.share(MSE(clone(t.query.x), t.query.y), t.query) / tasks.n
+        total.backward()
+        learner.sync_grads()
+        return _grads(learner)
+
+    return _outcome(step)
 
 
 # --- losses that read a statistic of their own batch --------------------------------------

@@ -202,6 +202,19 @@ def test_a_draw_stacked_tasks_cannot_make_is_named_by_its_line():
         assert out["error"].startswith(f"the model or the loss function draws random numbers in the forward ({line}")
 
 
+def test_a_draw_in_a_module_forward_run_by_clone_is_refused():
+    # torch.randn in a module's own forward, which names no dropout: clone()'s forwards of it
+    # were not hooked, and at 2 processes the meta-gradient was 0.049 off the one-process
+    # one (largest entry), silently. A forward whose source may draw is hooked now.
+    for out in run_local(W.noisy_clone, 2, "torch", threads=1):
+        assert out.get("error", "").startswith("model (Noisy) draws random numbers where metaddp cannot key"), out
+    # The same module drawing nothing ("none"): hooked, and the one-process answer (float64
+    # sums of halves: 1e-12 above their last places, as above).
+    (want,) = run_local(W.noisy_clone, 1, "none", threads=1)
+    for out in run_local(W.noisy_clone, 2, "none", threads=1):
+        torch.testing.assert_close(torch.tensor(out["grad"]), torch.tensor(want["grad"]), rtol=1e-12, atol=1e-12)
+
+
 # --- a loss that reads a statistic of its own batch ---------------------------------------
 
 
