@@ -3,6 +3,9 @@ code writes by hand, with dropout left on, each returning its meta-gradient or i
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import torch
 from torch import nn
 
@@ -91,6 +94,70 @@ def call_loop(layout: str, dropout: float, functional: bool = False) -> dict:
     return out
 
 
+class Noisy(nn.Module):
+    """Noise added to each input in the forward: from a torch generator of the module's own,
+    torch's default one, numpy's global one, or Python's."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.g = how, torch.Generator().manual_seed(0)
+        self.a, self.b = nn.Linear(1, 8), nn.Linear(8, 1)
+
+    def forward(self, x):
+        if self.how == "generator":
+            x = x + 0.1 * torch.randn(x.shape, generator=self.g, dtype=x.dtype)
+        elif self.how == "numpy":
+            x = x + 0.1 * torch.from_numpy(np.random.randn(*x.shape)).to(x.dtype)
+        elif self.how == "torch":
+            x = x + 0.1 * torch.randn(x.shape, dtype=x.dtype)
+        elif self.how == "random":
+            x = x + 0.1 * torch.tensor([[random.gauss(0, 1)] for _ in x], dtype=x.dtype)
+        return self.b(torch.tanh(self.a(x)))
+
+
+def noisy_forward(how: str, batched: bool | None, where: str = "meta_loss") -> dict:
+    """A meta-step of a model whose forward draws noise (:class:`Noisy`), by meta_loss or by
+    adapt; the meta-gradient or the error."""
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    net = Noisy(how).double()
+    learner = md.MetaDDP(md.MAML(net, inner_lr=0.1, batched=batched), md.Mesh.create())
+
+    def step() -> list[float]:
+        tasks = learner.shard(_tasks())
+        if where == "adapt":
+            learner.adapt(tasks[0].support, MSE)
+        learner.meta_loss(tasks, MSE).backward()
+        learner.sync_grads()
+        return _grads(learner)
+
+    try:
+        return _outcome(step)
+    except RuntimeError as e:  # stacked tasks refuse any draw
+        return {"error": str(e)}
+
+
+def noisy_clone(how: str) -> dict:
+    """learn2learn's clone() loop on a model whose forward draws noise (:class:`Noisy`)."""
+    torch.manual_seed(0)
+    net = Noisy(how).double()
+    learner = md.MetaDDP(md.MAML(net, inner_lr=0.1), md.Mesh.create())
+
+    def step() -> list[float]:
+        tasks = learner.shard(_tasks())
+        total = torch.zeros((), dtype=torch.float64)
+        for t in tasks:
+            clone = learner.clone()
+            clone.adapt(md.share(MSE(clone(t.support.x), t.support.y), t.support))
+            total = total + md.share(MSE(clone(t.query.x), t.query.y), t.query) / tasks.n
+        total.backward()
+        learner.sync_grads()
+        return _grads(learner)
+
+    return _outcome(step)
+
+
 # --- losses that read a statistic of their own batch --------------------------------------
 
 
@@ -173,6 +240,42 @@ def global_statistic() -> dict:
     def step() -> list[float]:
         loss = learner.meta_loss(learner.shard(_tasks()), normalised)
         loss.backward()
+        learner.sync_grads()
+        return _grads(learner)
+
+    return _outcome(step)
+
+
+def over_largest_target(p, y):  # each loss over the batch's largest target
+    return (p - y) ** 2 / y.abs().max()
+
+
+def over_largest_loss(p, y):  # each loss over the batch's largest loss, held constant
+    losses = (p - y) ** 2
+    return losses / losses.detach().max()
+
+
+EXTREME = {"target": over_largest_target, "loss": over_largest_loss,
+           # Additive: each sample's loss is its own, averaged or summed over its outputs.
+           "mean": lambda p, y: ((p - y) ** 2).mean(1), "sum": lambda p, y: ((p - y) ** 2).sum(1)}
+
+
+def extreme_sample(loss: str, last: bool, where: str = "loop") -> dict:
+    """meta_loss on 8 samples per batch, two outputs each, whose largest target (and loss)
+    is the first of each 4-sample part of the batch, or its last (``last``): what a rank holds
+    at 2 processes. Returns the meta-gradient or the error."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    alg = md.MAML(net, inner_lr=0.1, batched=where == "stacked")
+    learner = md.MetaDDP(alg, md.Mesh.create())
+    part = [0.1, 0.2, 0.3, 3.0] if last else [3.0, 0.1, 0.2, 0.3]
+    x = torch.tensor(part + [v + 0.05 for v in part], dtype=torch.float64)[:, None]
+    y = torch.cat([2 * x, -x], 1)
+    fn = EXTREME[loss]
+    tasks_ = [md.Task(md.Batch(x, y * (i + 1), 8), md.Batch(x, y * (i + 2), 8)) for i in range(2)]
+
+    def step() -> list[float]:
+        learner.meta_loss(learner.shard(tasks_), fn).backward()
         learner.sync_grads()
         return _grads(learner)
 

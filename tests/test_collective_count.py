@@ -75,8 +75,9 @@ def test_collectives_per_meta_step(counts):
             # Final reduction: every gradient, one has-gradient flag per tensor, the
             # single-backward vote that decides when sums may start early, the meta-loss
             # share (the guards' finiteness check rides along), the guards' verdicts (one
-            # loss per sample? a finite meta-gradient?), one tag.
-            final = c["P"] + c["tensors"] + 5
+            # loss per sample? a draw from a generator of its own, numpy's or Python's? a
+            # finite meta-gradient?), one tag.
+            final = c["P"] + c["tensors"] + 6
             if layout == "task":
                 assert c["calls"] == 1, where
                 assert c["elements"] == final, where

@@ -168,6 +168,53 @@ def test_deterministic_mode_refuses_batched_at_construction():
     md.MetaDDP(md.MAML(P64.build_model()), deterministic=True).release()
 
 
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("where", ["meta_loss", "adapt"])
+def test_a_draw_from_a_generator_of_the_model_own_is_refused_one_by_one(where, world):
+    # torch.randn(x.shape, generator=self.g) in the forward: every process drew the same
+    # numbers from its own copy of the generator for other samples. With batched=False the
+    # meta-gradient at 2 processes was 0.067 off the one-process one (largest entry),
+    # without an error; the default generators' states, compared, had not moved. Refused at
+    # sync_grads on every rank of the first (checked) step, at any size, as a draw from
+    # torch's default generator is at once.
+    own = "the model or the loss function drew random numbers from a generator of its own"
+    for out in run_local(W.noisy_forward, world, "generator", False, where, threads=1):
+        assert out.get("error", "").startswith(own), out
+
+
+@pytest.mark.parametrize("batched", [False, None])
+@pytest.mark.parametrize("how", ["numpy", "random"])
+def test_a_draw_from_numpy_or_python_in_a_forward_is_refused(how, batched):
+    # Noise from np.random.randn in the forward gave a meta-gradient 0.069 (one by one) and
+    # 0.094 (stacked: vmap does not see numpy) off the one-process one at 2 processes
+    # (largest entry), silently; from random.gauss, 0.022 and 0.028. numpy's and Python's
+    # global generators' states are compared on checked steps now, refused at sync_grads.
+    drew = "the model or the loss function drew random numbers from a generator of its own"
+    for out in run_local(W.noisy_forward, 2, how, batched, threads=1):
+        assert out.get("error", "").startswith(drew), out
+
+
+def test_a_draw_stacked_tasks_cannot_make_is_named_by_its_line():
+    # Stacked (batched=None picks them for this model), torch.vmap refuses the draw; the
+    # error said "(a dropout call)" for any draw. It now names the line of the forward.
+    line = "x = x + 0.1 * torch.randn(x.shape, generator=self.g, dtype=x.dtype), silent_workers.py:"
+    for out in run_local(W.noisy_forward, 2, "generator", None, threads=1):
+        assert out["error"].startswith(f"the model or the loss function draws random numbers in the forward ({line}")
+
+
+def test_a_draw_in_a_module_forward_run_by_clone_is_refused():
+    # torch.randn in a module's own forward, which names no dropout: clone()'s forwards of it
+    # were not hooked, and at 2 processes the meta-gradient was 0.049 off the one-process
+    # one (largest entry), silently. A forward whose source may draw is hooked now.
+    for out in run_local(W.noisy_clone, 2, "torch", threads=1):
+        assert out.get("error", "").startswith("model (Noisy) draws random numbers where metaddp cannot key"), out
+    # The same module drawing nothing ("none"): hooked, and the one-process answer (float64
+    # sums of halves: 1e-12 above their last places, as above).
+    (want,) = run_local(W.noisy_clone, 1, "none", threads=1)
+    for out in run_local(W.noisy_clone, 2, "none", threads=1):
+        torch.testing.assert_close(torch.tensor(out["grad"]), torch.tensor(want["grad"]), rtol=1e-12, atol=1e-12)
+
+
 # --- a loss that reads a statistic of its own batch ---------------------------------------
 
 
@@ -193,6 +240,29 @@ def test_the_same_loss_on_one_process_or_with_global_sums_is_exact():
     torch.testing.assert_close(torch.tensor(one["grad"]), torch.tensor(want["grad"]), rtol=1e-12, atol=1e-12)
     for world in (2, 3):
         for out in run_local(W.global_statistic, world, threads=1):
+            torch.testing.assert_close(torch.tensor(out["grad"]), torch.tensor(want["grad"]), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("where", ["loop", "stacked"])
+@pytest.mark.parametrize("last", [False, True], ids=["largest-first", "largest-last"])
+@pytest.mark.parametrize("loss", ["target", "loss"])
+def test_a_loss_over_its_batch_largest_is_refused_wherever_the_largest_sits(loss, last, where):
+    # Each loss divided by the largest target (or the largest loss) of the rank's own 4
+    # samples: at 2 processes the meta-gradient was 3e-3 (target) and 9e-4 (loss) off the
+    # one-process one, without an error, where the largest sample came first in a rank's
+    # part (the old check compared the first half alone, whose largest was the whole's).
+    for out in run_local(W.extreme_sample, 2, loss, last, where, threads=1):
+        assert out.get("error", "").startswith("the loss function does not give one loss per sample"), out
+
+
+@pytest.mark.parametrize("loss", ["mean", "sum"])
+def test_a_loss_averaged_or_summed_over_a_sample_outputs_is_no_false_alarm(loss):
+    # Each sample's loss its own: the check passes, and 2 processes give the one-process
+    # meta-gradient. float64: the sums of halves differ from the whole's in the last few
+    # places, 1e-12 above them and far below any statistic of a part.
+    for last in (False, True):
+        (want,) = run_local(W.extreme_sample, 1, loss, last, threads=1)
+        for out in run_local(W.extreme_sample, 2, loss, last, threads=1):
             torch.testing.assert_close(torch.tensor(out["grad"]), torch.tensor(want["grad"]), rtol=1e-12, atol=1e-12)
 
 

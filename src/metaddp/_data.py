@@ -12,6 +12,7 @@ import hashlib
 import math
 import numbers
 import operator
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, overload
 
@@ -368,9 +369,16 @@ def seed_for(seed: int, *index: int) -> int:
     return int.from_bytes(h.digest(), "little") & (2**63 - 1)
 
 
+KEYED: weakref.WeakSet[torch.Generator] = weakref.WeakSet()
+"""The generators :func:`generator_for` made: keyed by global indices, so their draws are
+the same on every process (the checked step's watch for ``generator=`` passes them)."""
+
+
 def generator_for(seed: int, *index: int) -> torch.Generator:
     """A ``torch.Generator`` for the item with these global indices (e.g. step, task)."""
-    return torch.Generator().manual_seed(seed_for(seed, *index))
+    g = torch.Generator().manual_seed(seed_for(seed, *index))
+    KEYED.add(g)
+    return g
 
 
 class ShardSampler(torch.utils.data.Sampler[list[int]]):

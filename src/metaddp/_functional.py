@@ -7,13 +7,19 @@ swaps the tensors in for the duration of one call and restores the originals.
 from __future__ import annotations
 
 import contextlib
+import os
+import random
+import traceback
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
+import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from ._binding import sharding_of
+from ._data import KEYED
 from .forward import routes
 
 Params = dict[str, Tensor]
@@ -117,7 +123,8 @@ def refusing_draws(split: bool) -> Iterator[None]:
     process draws from its own, so the numbers, and the meta-gradient, would change with the
     number of processes and the split. Dropout in metaddp's own forwards draws no number from
     them (:mod:`metaddp.forward`); layers whose draws cannot be keyed are refused before they
-    run (:func:`metaddp.forward.unkeyable_layers`); this sees the rest."""
+    run (:func:`metaddp.forward.unkeyable_layers`); this sees the rest of torch's default
+    generators' draws (:class:`OtherDraws` sees others, on checked steps)."""
     if not split:
         yield
         return
@@ -132,6 +139,58 @@ def refusing_draws(split: bool) -> Iterator[None]:
             "in the forwards of meta_loss and adapt (docs/guarantees.md); remove other draws, "
             "or call model.eval(); learner.local() runs such a model on one process"
         )
+
+
+OTHER_DRAWS = (
+    "the model or the loss function drew random numbers from a generator of its own "
+    "(torch.randn(..., generator=g) in a forward), numpy's (np.random.randn) or Python's "
+    "(random.gauss): every process draws its own, so the numbers, and the meta-gradient, "
+    "would change with the number of processes and the split of the samples. metaddp keys "
+    "dropout in the forwards of meta_loss and adapt (docs/guarantees.md); draw other noise "
+    "with the tasks (in make_task: then it is split with the samples), or remove it; "
+    "learner.local() runs such a model on one process"
+)
+
+
+def _host_states() -> list[Any]:
+    """numpy's global generator's state and Python's, compared by value."""
+    _, keys, *rest = cast(tuple[str, np.ndarray, Any, Any, Any], np.random.get_state())
+    return [keys.tobytes(), tuple(rest), random.getstate()]
+
+
+class OtherDraws(TorchFunctionMode):
+    """After the block, ``drew`` says whether it drew what :func:`refusing_draws` does not
+    see: a torch call given a generator (``generator=g``) other than one keyed by global
+    indices (:func:`metaddp.generator_for`: a bilevel minibatch's), or a draw from numpy's
+    global generator or Python's, whose states are compared. It sees every torch call made in
+    Python, and reads numpy's state in a fraction of a millisecond: a cost kept to the
+    steps that are checked."""
+
+    def __enter__(self) -> OtherDraws:
+        self.drew, self._host = False, _host_states()
+        return cast(OtherDraws, super().__enter__())
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self.drew = self.drew or self._host != _host_states()
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
+        kwargs = kwargs or {}
+        g = kwargs.get("generator")
+        if g is not None and g not in KEYED:
+            self.drew = True
+        return func(*args, **kwargs)
+
+
+def drawn_at(error: BaseException) -> str:
+    """What drew, for ``torch.vmap``'s refusal of a random operation (which names none): the
+    line of the innermost frame outside torch and metaddp (the model's or the loss
+    function's code), else the draws it may be."""
+    ours = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        if not frame.filename.startswith(ours) and frame.line:
+            return f"{frame.line}, {os.path.basename(frame.filename)}:{frame.lineno}"
+    return "dropout, torch.rand*, ..."
 
 
 def refuse_data_parallel(model: nn.Module) -> None:

@@ -100,13 +100,14 @@ def one_per_sample(losses: Tensor) -> Tensor:
 
 
 NOT_PER_SAMPLE = (
-    "the loss function does not give one loss per sample: on the first half of a rank's "
-    "samples it gives other losses for them than on all of them, so it reads a statistic of "
-    "its batch (a normalisation by the batch's sum or mean, label counts, a variance, "
-    "prototypes of the batch). Where ranks split a task's samples each rank sees its own shard "
-    "only, so the meta-gradient would change with the number of processes. Compute such "
-    "statistics over the whole batch with md.data.global_sums(..., reduce=learner.reduce) or "
-    "md.data.class_means, or give each rank whole tasks (Mesh.create(tasks=world))"
+    "the loss function does not give one loss per sample: on a part of a rank's samples (its "
+    "first sample, or the rest) it gives other losses for them than on all of them, so it "
+    "reads a statistic of its batch (a normalisation by the batch's sum, mean or largest "
+    "value, label counts, a variance, prototypes of the batch). Where ranks split a task's "
+    "samples each rank sees its own shard only, so the meta-gradient would change with the "
+    "number of processes. Compute such statistics over the whole batch with "
+    "md.data.global_sums(..., reduce=learner.reduce) or md.data.class_means, or give each "
+    "rank whole tasks (Mesh.create(tasks=world))"
 )
 
 
@@ -114,13 +115,14 @@ class PerSampleCheck:
     """``loss_fn``, checked on its first call with a sample or more where ranks split a
     task's samples: a share is the rank's part of the mean only if each sample's loss depends
     on that sample alone (or on sums over the whole batch). The check cuts the rank's samples
-    once more, calls ``loss_fn`` on the first half (no graph) and compares: a loss that reads
-    a statistic of its own batch gives other values there. The verdict, a bool on the device,
-    goes to ``note``, which sums it over the ranks with the step (every rank judges alike,
-    those with fewer than two samples too). A loss whose call made a collective
-    (:func:`metaddp.data.global_sums`) sums its statistics over the ranks itself and is not
-    cut. Checked functions are remembered in ``seen``; calls under ``torch.vmap`` (stacked
-    tasks) are not checked: :meth:`probe` checks outside it.
+    once more, in its first sample and the rest, calls ``loss_fn`` on each part (no graph)
+    and compares: a loss that reads a statistic of its own batch gives other values on one
+    part at least. The verdict, a bool on the device, goes to ``note``, which sums it over
+    the ranks with the step (every rank judges alike, those with fewer than two samples
+    too). A loss whose call made a collective (:func:`metaddp.data.global_sums`) sums its
+    statistics over the ranks itself and is not cut. Checked functions are remembered in
+    ``seen``; calls under ``torch.vmap`` (stacked tasks) are not checked: :meth:`probe`
+    checks outside it.
     """
 
     def __init__(
@@ -156,24 +158,28 @@ class PerSampleCheck:
             self(prediction.detach(), target)
 
     def _differs(self, prediction: Tensor, target: Tensor, losses: Tensor) -> Tensor:
-        """Whether the losses of the first half of the samples change when the batch is
-        cut to them; with one sample, when it is given twice (a batch's sum doubles)."""
+        """Whether the samples' losses change when the batch is cut in two, its first sample
+        and the rest, each part given alone: a statistic of the batch (its largest, its sum,
+        its counts) differs from a part's on one side at least, wherever its extreme sample
+        sits. With one sample, whether it changes when the sample is given twice (a batch's
+        sum doubles)."""
         n = prediction.shape[0]
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a statistic of one sample may warn (var)
             p, t = prediction.detach(), target
             if n >= 2:
-                h = n // 2
-                other = self.loss_fn(p[:h], t[:h])
+                cut = [one_per_sample(self.loss_fn(p[a:b], t[a:b])) for a, b in ((0, 1), (1, n))]
+                if [c.shape for c in cut] != [(1,), (n - 1,)]:  # not one loss per sample there
+                    return torch.ones(1, dtype=torch.bool, device=losses.device)
+                part, whole_ = torch.cat(cut), one_per_sample(losses.detach())
             else:
-                h = 1
-                other = self.loss_fn(torch.cat([p, p]), torch.cat([t, t]))[:1]
-            part, whole_ = one_per_sample(other), one_per_sample(losses[:h].detach())
+                doubled = self.loss_fn(torch.cat([p, p]), torch.cat([t, t]))
+                part, whole_ = one_per_sample(doubled)[:1], one_per_sample(losses.detach())
             # The same per-sample operations on fewer rows round alike, or within a few
             # units in the last place where a reduction inside a sample is blocked
             # otherwise: 64 of them. A statistic of another batch moves a loss by far more
             # (1e-4 of it for a variance offset by 1000). A statistic that has no value on
-            # the cut (a variance of one sample) differs too; a loss that is not finite to
+            # a part (a variance of one sample) differs too; a loss that is not finite to
             # begin with is the finiteness check's.
             scale = whole_.abs().max().clamp(min=torch.finfo(whole_.dtype).tiny)
             same = (part - whole_).abs() <= 64 * torch.finfo(whole_.dtype).eps * scale

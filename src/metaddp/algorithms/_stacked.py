@@ -31,7 +31,7 @@ from .. import forward as _draws
 from .._adapt import check_finite, inner_step
 from .._binding import sharding_of
 from .._data import Batch, Task
-from .._functional import call, random_layers
+from .._functional import call, drawn_at, random_layers
 from .._remat import Replay, rematerialized_loss
 from .._share import check_per_sample, share
 from .._types import LossFn, Params, Reduce
@@ -126,10 +126,11 @@ def stacked_shares(
             if "random operation" not in str(e):
                 raise
             raise RuntimeError(
-                "the model draws random numbers in its forward (a dropout call): stacked tasks "
-                "cannot draw them. On one process, build the algorithm with batched=False to "
-                "adapt the tasks one by one; under MetaDDP on several processes, which would "
-                "each draw their own, set the dropout to 0 or call model.eval()"
+                "the model or the loss function draws random numbers in the forward "
+                f"({drawn_at(e)}): stacked tasks cannot draw them. On one process, build the "
+                "algorithm with batched=False to adapt the tasks one by one; under MetaDDP, "
+                "where each process would draw its own, remove the draw (dropout: set it to 0 "
+                "or call model.eval())"
             ) from e
     if probe is not None and predictions.dim() > 1 and x.shape[1]:  # [T, n, ...], not shares
         probe(predictions[0], y[0])

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from .. import _host
 from .._adapt import NON_FINITE_LOSS, finite_flags
 from .._data import Batch, BatchKey, MetaBatch, Task, batch_name, named_batches
-from .._functional import refuse_data_parallel, require_trained
+from .._functional import OTHER_DRAWS, OtherDraws, refuse_data_parallel, require_trained
 from .._reach import listing, shapes, unknown_leaves
 from .._share import NOT_PER_SAMPLE, share_of
 from .._types import LossFn, Supports
@@ -67,6 +67,7 @@ _SAME = 1e-9
 # step's gradients (every rank raises alike): kind -> the error.
 VERDICTS: dict[str, Exception] = {
     "per_sample": ValueError(NOT_PER_SAMPLE),
+    "draws": ValueError(OTHER_DRAWS),
     "gradient": FloatingPointError(
         "the meta-gradient is not finite (NaN or Inf) on some rank, though the meta-loss is: "
         "a second-order term divided by zero or a square root at zero (adam(eps_root=0) with "
@@ -704,6 +705,18 @@ class StepGuards:
         if held := self._still_summed():
             self._refuse_summed(held, "no backward has added to them since")
 
+    @contextlib.contextmanager
+    def other_draws(self) -> Iterator[None]:
+        """On a checked step, note draws from a torch generator of the caller's own, numpy's
+        or Python's in the block (:class:`metaddp._functional.OtherDraws`), outside
+        ``learner.local()``."""
+        if self._local or not self.schedule.due():
+            yield
+            return
+        with OtherDraws() as seen:
+            yield
+        self.note("draws", torch.tensor([seen.drew]))
+
     def note(self, kind: str, flag: Tensor) -> None:
         """A verdict of this rank's work in the step (``kind`` one of :data:`VERDICTS`; a
         1-element bool tensor, true for a mistake), summed over the ranks with the step."""
@@ -741,8 +754,9 @@ class StepGuards:
         self._update_weight_check()
         # A non-finite meta-loss explains a non-finite gradient: said first.
         ranks = dict(zip(VERDICTS, found, strict=True))
-        if ranks["per_sample"] > 0:
-            raise ValueError(*VERDICTS["per_sample"].args)
+        for kind in ("per_sample", "draws"):
+            if ranks[kind] > 0:
+                raise ValueError(*VERDICTS[kind].args)
         if not math.isfinite(loss_sum):
             raise FloatingPointError(NON_FINITE_LOSS)
         if ranks["gradient"] > 0:

@@ -380,7 +380,7 @@ class MetaDDP(nn.Module):
         self.guards.tasks_in(tasks)
         self._refuse_changed()
         searches = self.guards.searches
-        with self.guards.own_loop(), self._saving():
+        with self.guards.own_loop(), self._saving(), self.guards.other_draws():
             loss = (
                 algorithm.meta_loss(tasks)
                 if loss_fn is None
@@ -414,7 +414,7 @@ class MetaDDP(nn.Module):
         self.guards.moved = True
         if self.guards.schedule.due():
             self.guards.check_batch_sizes(batches)
-        with self.guards.own_loop(), self._saving():
+        with self.guards.own_loop(), self._saving(), self.guards.other_draws():
             return self._algorithm("adapt").adapt(support, loss_fn, steps=steps, **options)
 
     def clone(self) -> Any:

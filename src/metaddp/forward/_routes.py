@@ -289,12 +289,16 @@ _ROUTED = (
     nn.RReLU,
 )
 _TOKENS = ("dropout", "attention", "rrelu", "multi_head")
+# What else a forward's source may draw with (torch.randn, torch.bernoulli, np.random, a
+# generator): hooked outside metaddp's loops (metaddp.distributed), not routed.
+_DRAWS = ("rand", "bernoulli", "normal_", "torch.normal", "multinomial", "poisson", "generator")
 
 
 @functools.cache
-def _forward_may_route(cls: Any) -> bool:
-    """Whether a module class's ``forward`` may call what the routing sees: torch.nn's own
-    layers by their type, any other by its source (no source: assume it may)."""
+def _forward_may_route(cls: Any, tokens: tuple[str, ...] = _TOKENS) -> bool:
+    """Whether a module class's ``forward`` may call what the routing sees (or what
+    ``tokens`` name): torch.nn's own layers by their type, any other by its source (no
+    source: assume it may)."""
     if issubclass(cls, _ROUTED):
         return True
     if cls.__module__.startswith("torch.nn."):
@@ -303,13 +307,14 @@ def _forward_may_route(cls: Any) -> bool:
         source = inspect.getsource(cls.forward)
     except (OSError, TypeError, AttributeError):
         return True
-    return any(token in source.lower() for token in _TOKENS)
+    return any(token in source.lower() for token in tokens)
 
 
 def may_draw(module: nn.Module) -> bool:
     """Whether ``module``'s own ``forward`` may draw or call attention (its type: torch.nn's
-    dropout and attention layers; any other by its source)."""
-    return _forward_may_route(cast(Any, type(module)))
+    dropout and attention layers; any other by its source: dropout, attention, or a call
+    such as ``torch.randn``)."""
+    return _forward_may_route(cast(Any, type(module)), _TOKENS + _DRAWS)
 
 
 def needs_routes(model: nn.Module) -> bool:
