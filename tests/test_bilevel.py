@@ -338,3 +338,25 @@ def test_optimizer_forms():
     assert all(torch.equal(outs[0][k], o[k]) for o in outs[1:] for k in outs[0])
     with pytest.raises(TypeError, match="nn.Module"):
         md.Bilevel(nn.Linear(2, 2), outer={"w": torch.zeros(2)}, start="current")
+
+
+@pytest.mark.parametrize("memory", ["default", "low"])
+def test_rates_computed_once_and_returned_again_are_refused(memory):
+    # The factory's rates must be built at every call: one computed once has its graph spent
+    # by the first backward through it, which PyTorch would report in its own words.
+    torch.manual_seed(0)
+    net = nn.Linear(3, 1).double()
+    hp = nn.ParameterDict({k: nn.Parameter(torch.tensor(-2.0, dtype=torch.float64)) for k in ("weight", "bias")})
+    once = {k: hp[k].exp() for k in hp}
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+    task = md.Task(md.Batch(x[:4], y[:4], 4), md.Batch(x[4:], y[4:], 4))
+    loss_fn = lambda p, t: (p - t) ** 2  # noqa: E731
+    fresh = md.Bilevel(net, outer=hp, optimizer=lambda: md.inner.sgd({k: hp[k].exp() for k in hp}),
+                       start="outer", steps=2, memory=memory)
+    for _ in range(2):  # the documented form: every call builds its rates
+        fresh.meta_loss([task], loss_fn).backward()
+    assert all(p.grad is not None and p.grad.abs() > 0 for p in hp.values())
+    reused = md.Bilevel(net, outer=hp, optimizer=lambda: md.inner.sgd(once), start="outer", steps=2, memory=memory)
+    with pytest.raises(ValueError, match="returned a learned rate it had returned before"):
+        for _ in range(2):
+            reused.meta_loss([task], loss_fn).backward()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import weakref
 from collections.abc import Callable, Sequence
 from typing import ClassVar, cast
 
@@ -189,6 +190,7 @@ class Bilevel(Algorithm):
                 builder, optimizer = cast(Callable[[], InnerOptimizer], optimizer), None
         super().__init__(model, inner_lr=inner_lr, steps=steps, optimizer=optimizer, memory=memory)
         self._build = builder
+        self._made: list[weakref.ref[Tensor]] = []  # the rates the last build computed
         if start == "outer" and penalty is None and not method.reaches_start(self.steps):
             raise ValueError(
                 f"start='outer' with {type(method).__name__}: that method has no path to the "
@@ -258,6 +260,17 @@ class Bilevel(Algorithm):
             built = self._build()
             if not isinstance(built, InnerOptimizer):
                 raise TypeError(f"optimizer() must return an InnerOptimizer, got {built!r}")
+            # A rate computed once and returned again: its graph is spent by the first
+            # backward through it (PyTorch's "backward through the graph a second time").
+            made = [r for r in learned_rates(built) if r.grad_fn is not None]
+            if any(r is seen() for r in made for seen in self._made):
+                raise ValueError(
+                    "optimizer() returned a learned rate it had returned before, computed "
+                    "once from the parameters: compute the rates inside the function "
+                    "(optimizer=lambda: md.inner.sgd({k: hp[k].exp() ...})), so that every "
+                    "call builds them anew"
+                )
+            self._made = [weakref.ref(r) for r in made]
             return built
         return super().inner_optimizer()
 
