@@ -41,3 +41,12 @@ def test_ranks_keep_freed_memory_for_the_next_step(monkeypatch):
     # have reused for its own bookkeeping); returned, less than a tenth of it stays.
     assert kept > 240, kept
     assert returned < 25, returned
+
+
+def test_leaving_waits_for_every_process_at_the_store_and_no_longer_than_its_bound():
+    # shutdown()'s wait meets at the group's store, not in a collective that a peer one step
+    # behind would take for its own (and hold until the group's 5-minute timeout).
+    got = run_local(workers.meetings_at_the_store, 2, threads=1)
+    for rank in got:  # both came: each meeting ends long before its 30 s bound
+        assert rank["first"] < 20 and rank["second"] < 20
+    assert 0.3 <= got[0]["alone"] < 20  # nobody else came: it gives up after its 0.3 s

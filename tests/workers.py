@@ -610,3 +610,23 @@ def clone_loop_growing() -> dict:
         out.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]).tolist())
     alg.release()
     return {"weights": out}
+
+
+def meetings_at_the_store() -> dict:
+    """Two meetings of every rank, then rank 0 alone at a third (the others never come)."""
+    import time
+
+    from metaddp.distributed import _mesh
+
+    out = {}
+    for name in ("first", "second"):
+        start = time.monotonic()
+        _mesh._meet_at_store(dist.get_world_size(), 30)
+        out[name] = time.monotonic() - start
+    dist.barrier()
+    if dist.get_rank() == 0:
+        start = time.monotonic()
+        _mesh._meet_at_store(dist.get_world_size(), 0.3)
+        out["alone"] = time.monotonic() - start
+    dist.barrier()
+    return out

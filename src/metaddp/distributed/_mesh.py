@@ -12,6 +12,7 @@ import dataclasses
 import gc
 import os
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -124,15 +125,16 @@ def _subgroup_options(backend: str) -> object | None:
 def shutdown(*, wait: bool = True) -> None:
     """Leave the process group (a no-op when none was joined).
 
-    With gloo and ``wait``, on a normal exit, the processes first wait for each other, for
-    at most half a minute: one that tears its connections down while another still reads
-    them can make that one abort ("terminate called without an active exception", a SIGABRT
-    at exit, seen in about one run in six of a 2-process program, and in none of 24 with
-    the wait). Called while an exception propagates (``finally:``), or with
-    ``wait=False``, it leaves at once: where the others may still be inside a collective
-    (a rank that stops on an error of its own), a wait would join it, and they learn of the
-    error from the closed connections sooner. A program that joined with :func:`init` and
-    does not call it leaves this way at exit, waiting unless an exception ended it."""
+    With gloo and ``wait``, on a normal exit, the processes first wait for each other at the
+    group's store (not in a collective), for at most half a minute: one that tears its
+    connections down while another still reads them can make that one abort ("terminate called
+    without an active exception", a SIGABRT at exit, seen in about one run in six of a 2-process
+    program, and in none of 24 with the wait). Called while an exception propagates
+    (``finally:``), or with ``wait=False``, it leaves at once: where the others may still be
+    inside a collective (a rank that stops on an error of its own), a wait would join it, and
+    they learn of the error from the closed connections sooner. A program that joined with
+    :func:`init` and does not call it leaves this way at exit, waiting unless an exception ended
+    it."""
     if not dist.is_initialized():
         return
     try:
@@ -142,7 +144,7 @@ def shutdown(*, wait: bool = True) -> None:
             and dist.get_backend() == "gloo"
             and dist.get_world_size() > 1
         ):
-            dist.barrier(async_op=True).wait(timeout=timedelta(seconds=_LEAVING_S))
+            _meet_at_store(dist.get_world_size(), _LEAVING_S)
     except Exception:  # noqa: BLE001 (a peer gone or late: leave all the same)
         pass
     finally:
@@ -153,6 +155,23 @@ def shutdown(*, wait: bool = True) -> None:
 
 
 _LEAVING_S = 30  # the most shutdown() waits for the other processes (gloo)
+
+
+def _meet_at_store(world: int, seconds: float) -> None:
+    """Wait until every process has come here, at most ``seconds``: through the group's
+    store, not a collective, which a peer still inside a collective (a step more than this
+    one) would take for its own and wait on until the group's timeout. Each arrival adds 1
+    to one counter; the processes leave at the next multiple of ``world``, so a store that
+    outlives the group (an elastic agent's) serves every later meeting too."""
+    store = dist.distributed_c10d._get_default_store()
+    arrived = store.add(_LEAVING_KEY, 1)
+    everyone = -(-arrived // world) * world
+    deadline = time.monotonic() + seconds
+    while store.add(_LEAVING_KEY, 0) < everyone and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+_LEAVING_KEY = "metaddp/leaving"
 
 
 def rank() -> int:

@@ -73,15 +73,15 @@ class MetaDDP(nn.Module):
             instead of the first and a sparse sample of later ones, and before every forward
             of a module with parameters the weights it runs on must be identical on the ranks
             that split a task's samples, inside metaddp's own loops too.
-        deterministic: the same bits at any number of processes and layout (MAML,
-            first-order MAML, Meta-SGD): every batch is cut by global index into at most
-            ``chunks`` chunks, each computed alone, and every sum is a fixed-point integer
-            sum (:mod:`metaddp.algorithms._exact`). :meth:`shard` cuts tasks into whole
-            chunks; the meta-gradient is complete on every rank after the backward, and
-            :meth:`sync_grads` only reads the step's checks. It turns oneDNN off (whose CPU
+        deterministic: the same bits at any number of processes and layout (every built-in
+            algorithm; docs/algorithms.md lists what it refuses): every batch is cut by global
+            index into at most ``chunks`` chunks, each computed alone, and every sum is a
+            fixed-point integer sum (:mod:`metaddp.algorithms._exact`). :meth:`shard` cuts tasks
+            into whole chunks; the meta-gradient is complete on every rank after the backward,
+            and :meth:`sync_grads` only reads the step's checks. It turns oneDNN off (whose CPU
             convolutions change with the batch's shape) and, for a module on a GPU, sets
-            ``torch.use_deterministic_algorithms(True)``; bits agree for the same torch
-            build, device type and thread count. Costs in BENCHMARKS.md.
+            ``torch.use_deterministic_algorithms(True)``; bits agree for the same torch build,
+            device type and thread count. Costs in BENCHMARKS.md.
         chunks: with ``deterministic``, the most chunks a batch is cut into. Keep it fixed
             across the runs to compare; sample axes longer than it leave ranks idle.
         shard: keep only this rank's rows of every meta-parameter of the model (ZeRO-3 over
