@@ -151,3 +151,20 @@ def test_a_hand_loop_that_draws_is_refused_on_one_process_as_on_several():
     loss = learner.meta_loss(learner.shard([task]), lambda p, y: (p - y) ** 2)  # keyed: runs
     assert torch.isfinite(loss)
     md.shutdown()
+
+
+def test_a_deep_copy_of_a_wrapped_model_is_a_plain_module_that_may_draw():
+    # copy.deepcopy carries the wrapper's hooks along; they refuse only on the modules they
+    # were put on, so a copy (an EMA model, one rank's evaluation) draws as PyTorch does.
+    import copy
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 8), nn.Dropout(0.5), nn.Linear(8, 1)).double()
+    learner = md.MetaDDP(md.MAML(net, inner_lr=0.1))
+    twin = copy.deepcopy(net)
+    x = torch.linspace(-1, 1, 4, dtype=torch.float64)[:, None]
+    assert twin(x).shape == (4, 1)
+    with pytest.raises(ValueError, match="draws random numbers where metaddp cannot key them"):
+        net(x)
+    learner.release()
+    md.shutdown()

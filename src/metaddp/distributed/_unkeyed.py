@@ -59,8 +59,11 @@ class UnkeyedDraws:
         # The generator states before each running forward that may draw (nested forwards).
         self._before: list[tuple[nn.Module, list[bytes]]] = []
         self._handles: list[RemovableHandle] = []
+        # The hooked modules: a copy of one (copy.deepcopy) carries the hooks, not the checks.
+        self._ids: set[int] = set()
         for name, m in root.named_modules():
             if may_draw(m):
+                self._ids.add(id(m))
                 label = f"{name or 'the model'} ({type(m).__name__})"
                 self._handles.append(
                     m.register_forward_pre_hook(functools.partial(self._pre, label))
@@ -71,7 +74,7 @@ class UnkeyedDraws:
 
     def _pre(self, label: str, module: nn.Module, args: Any) -> None:
         why = unkeyed_here()
-        if why is None or not self.refusing():
+        if why is None or id(module) not in self._ids or not self.refusing():
             return  # metaddp's own loops key every draw; local() work may draw
         if draws_when_called(module):
             raise refusal(label, why)
@@ -87,4 +90,4 @@ class UnkeyedDraws:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
-        self._handles = []
+        self._handles, self._ids = [], set()
