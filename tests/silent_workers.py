@@ -40,18 +40,7 @@ def anil_clone(layout: str, dropout: float) -> dict:
     body = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Dropout(dropout)).double()
     learner = md.MetaDDP(md.ANIL(body, nn.Linear(8, 1).double(), inner_lr=0.1), _mesh(layout))
 
-    def step() -> list[float]:
-        mine = learner.shard(_tasks())
-        total = torch.zeros((), dtype=torch.float64)
-        for t in mine:
-            fast = learner.clone()
-            fast.adapt(md.share(MSE(fast(t.support.x), t.support.y), t.support))
-            total = total + md.share(MSE(fast(t.query.x), t.query.y), t.query) / mine.n
-        total.backward()
-        learner.sync_grads()
-        return _grads(learner)
-
-    return _outcome(step)
+    return _outcome(lambda: _clone_loop_step(learner))
 
 
 class FunctionalDropout(nn.Module):
@@ -144,18 +133,7 @@ def noisy_clone(how: str) -> dict:
     net = Noisy(how).double()
     learner = md.MetaDDP(md.MAML(net, inner_lr=0.1), md.Mesh.create())
 
-    def step() -> list[float]:
-        tasks = learner.shard(_tasks())
-        total = torch.zeros((), dtype=torch.float64)
-        for t in tasks:
-            clone = learner.clone()
-            clone.adapt(md.share(MSE(clone(t.support.x), t.support.y), t.support))
-            total = total + md.share(MSE(clone(t.query.x), t.query.y), t.query) / tasks.n
-        total.backward()
-        learner.sync_grads()
-        return _grads(learner)
-
-    return _outcome(step)
+    return _outcome(lambda: _clone_loop_step(learner))
 
 
 # --- losses that read a statistic of their own batch --------------------------------------
@@ -465,3 +443,17 @@ def accumulated_running_statistics() -> str:
         learner.sync_grads()
 
     return _error_of(step)
+
+
+def _clone_loop_step(learner: md.MetaDDP) -> list[float]:
+    """One meta-step of the documented clone() loop: one inner step per task, query shares
+    over the global task count, then the gradient SUM."""
+    mine = learner.shard(_tasks())
+    total = torch.zeros((), dtype=torch.float64)
+    for t in mine:
+        fast = learner.clone()
+        fast.adapt(md.share(MSE(fast(t.support.x), t.support.y), t.support))
+        total = total + md.share(MSE(fast(t.query.x), t.query.y), t.query) / mine.n
+    total.backward()
+    learner.sync_grads()
+    return _grads(learner)

@@ -67,6 +67,7 @@ def init(backend: str | None = None, timeout: timedelta | float = DEFAULT_TIMEOU
         dist.init_process_group(
             backend=backend, store=store, rank=rank, world_size=world, timeout=timeout
         )
+    atexit.unregister(_leave_at_exit)  # once, however often a program joins and leaves
     atexit.register(_leave_at_exit)
     return dist.get_world_size()
 
