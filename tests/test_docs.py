@@ -1,6 +1,9 @@
 """The README's one-screen API is the script the tests run (examples/quickstart.py)."""
 
+import re
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,31 +41,37 @@ def readme_commands() -> list[str]:
     return [l for l in lines if l.startswith(".venv/bin/")]
 
 
-def test_every_readme_command_runs_as_written(tmp_path):
+def readme_streams() -> list[list[str]]:
+    """The README's commands that the pool below runs, in streams: a command that names a run
+    folder follows the ones before it that name it too."""
+    streams: dict[str, list[str]] = {}
+    for command in readme_commands():
+        if " -m pytest " in command:
+            assert (ROOT / command.split()[-1]).exists(), command  # the suite runs it itself
+            continue
+        folder = next((w for w in command.split() if w.startswith("runs/")), command)
+        streams.setdefault(folder, []).append(command)
+    return list(streams.values())
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory) -> dict[str, list]:
+    """Every README command and every documented program marked to run on any number of
+    processes (at 1 process, then at 2), two runs at a time (one per core, one torch thread
+    each), the longest first, so that the README's glyphs run overlaps the rest. Per test
+    below: its jobs' outcomes, in its own order."""
     import os
     import shutil
     import subprocess
     import sys
     from concurrent.futures import ThreadPoolExecutor
 
-    commands = readme_commands()
-    assert len(commands) >= 5
+    # The glyphs drawn by the first glyphs run go to a folder of the test's own.
+    env = dict(os.environ, METADDP_CACHE=str(tmp_path_factory.mktemp("cache")), OMP_NUM_THREADS="1")
+    env.pop("LOCAL_RANK", None)
     bin_dir = str(Path(sys.executable).parent) + "/"
-    # A command that names a run folder waits for the ones before it that name it too; the
-    # others run beside them, two at a time (one per core), the longest-written first.
-    streams: dict[str, list[str]] = {}
-    for command in commands:
-        if " -m pytest " in command:
-            assert (ROOT / command.split()[-1]).exists(), command  # the suite runs it itself
-            continue
-        folder = next((w for w in command.split() if w.startswith("runs/")), command)
-        streams.setdefault(folder, []).append(command)
 
-    # The glyphs drawn by the first glyphs run go to a folder of the test's own; one thread
-    # per command, two commands at a time.
-    env = dict(os.environ, METADDP_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
-
-    def run(stream: list[str]) -> list[str]:
+    def readme(stream: list[str]) -> list[str]:
         failures = []
         for command in stream:
             done = subprocess.run(command.replace(".venv/bin/", bin_dir), shell=True, cwd=ROOT,
@@ -71,11 +80,28 @@ def test_every_readme_command_runs_as_written(tmp_path):
                 failures.append(f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
         return failures
 
-    order = sorted(streams.values(), key=lambda stream: -len(" ".join(stream)))
+    def program(job: tuple[str, tuple[str, ...]]) -> tuple[str, list[str]]:
+        name, launcher = job
+        done = subprocess.run([sys.executable, *launcher, name], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=180)
+        if done.returncode != 0:
+            return f"{name} {launcher}\n{done.stdout}\n{done.stderr[-3000:]}", []
+        return "", re.findall(r"-?\d+\.\d+", done.stdout)  # the printed numbers
+
+    streams = sorted(readme_streams(), key=lambda stream: -len(" ".join(stream)))
+    jobs = [(p, launcher) for p in any_world_programs()
+            for launcher in ((), ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"))]
+    work = [(readme, s) for s in streams] + [(program, j) for j in jobs]
     with ThreadPoolExecutor(2) as pool:
-        failures = [f for fs in pool.map(run, order) for f in fs]
+        outcomes = list(pool.map(lambda fn_arg: fn_arg[0](fn_arg[1]), work))
     for folder in ("first", "glyphs-first"):
         shutil.rmtree(ROOT / "runs" / folder, ignore_errors=True)
+    return {"readme": outcomes[: len(streams)], "programs": outcomes[len(streams):]}
+
+
+def test_every_readme_command_runs_as_written(ran):
+    assert len(readme_commands()) >= 5
+    failures = [f for fs in ran["readme"] for f in fs]
     assert not failures, "\n\n".join(failures)
 
 
@@ -120,49 +146,49 @@ def named_program(before: str, body: str) -> str | None:
     return found.group(0) if found else None
 
 
-def test_every_named_program_exists_and_the_marked_ones_agree_at_1_and_2_processes():
-    import importlib.util
-    import os
-    import re
-    import subprocess
-    import sys
-    from concurrent.futures import ThreadPoolExecutor
-
+def named_programs() -> dict[str, bool]:
+    """Every program a page's python block names, and whether it is marked to run on any
+    number of processes; asserts that each exists and that a block marked as a complete
+    program other than README's (the test above) holds only lines of its file."""
     named = {}
     for name, lang, before, body in doc_blocks():
         if lang == "python" and (program := named_program(before, body)):
             assert (ROOT / program).is_file(), f"{name} names {program}, which is not there"
             text = (ROOT / program).read_text()
             named[program] = ANY_WORLD in body or ANY_WORLD in text
-            if PROGRAM in body and name != "README.md":  # README's: the test above
+            if PROGRAM in body and name != "README.md":
                 missing = [line for line in code_lines(body) if line not in code_lines(text)]
                 assert not missing, f"{name}: lines not in {program}: {missing}"
+    return named
+
+
+def any_world_programs() -> list[str]:
+    """The named programs marked to run on any number of processes, but the README's own
+    (its commands run examples/quickstart.py at 1 and 2 processes already) and, without the
+    optional extra metaddp[hf], those that need transformers."""
+    import importlib.util
+
+    readme = " ".join(readme_commands())
+    programs = [p for p, any_world in sorted(named_programs().items()) if any_world and p not in readme]
+    if importlib.util.find_spec("transformers") is None:
+        programs = [p for p in programs if "transformers" not in (ROOT / p).read_text()]
+    return programs
+
+
+def test_every_named_program_exists_and_the_marked_ones_agree_at_1_and_2_processes(ran):
+    named = named_programs()
     unnamed = [(name, body.strip().splitlines()[0]) for name, lang, before, body in doc_blocks()
                if lang == "python" and not named_program(before, body)]
     assert not unnamed, f"python blocks that are not a complete program and name none: {unnamed}"
     assert {"examples/algorithms_loop.py", "examples/bilevel_reweight.py", "examples/migration_higher.py",
             "examples/migration_learn2learn.py", "examples/quickstart.py", "examples/algorithms_modes.py",
             "examples/algorithms_hf.py", "examples/algorithms_graphs.py"} <= set(named)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("LOCAL_RANK", None)
-    # The README's own commands run examples/quickstart.py at 1 and 2 processes already.
-    readme = " ".join(readme_commands())
-    programs = [p for p, any_world in sorted(named.items()) if any_world and p not in readme]
-    if importlib.util.find_spec("transformers") is None:  # the optional extra metaddp[hf]
-        programs = [p for p in programs if "transformers" not in (ROOT / p).read_text()]
-
-    def run(job: tuple[str, tuple[str, ...]]) -> list[str]:
-        program, launcher = job
-        done = subprocess.run([sys.executable, *launcher, program], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=180)
-        assert done.returncode == 0, f"{program} {launcher}\n{done.stdout}\n{done.stderr[-3000:]}"
-        return re.findall(r"-?\d+\.\d+", done.stdout)  # the printed numbers
-
-    # Two runs at a time, one per core: each program at 1 process, then at 2.
-    jobs = [(p, launcher) for p in programs
-            for launcher in ((), ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"))]
-    with ThreadPoolExecutor(2) as pool:
-        printed = list(pool.map(run, jobs))
+    programs = any_world_programs()
+    outcomes = ran["programs"]
+    assert len(outcomes) == 2 * len(programs) > 0
+    failures = [failure for failure, _ in outcomes if failure]
+    assert not failures, "\n\n".join(failures)
+    printed = [numbers for _, numbers in outcomes]
     for program, one, two in zip(programs, printed[0::2], printed[1::2]):
         assert one and len(one) == len(two), (program, one, two)
         # float32 sums taken in another order at 2 processes differ by rounding (1e-7

@@ -80,9 +80,7 @@ def test_a_stop_signal_checkpoints_and_the_run_resumes(tmp_path, nproc, sig):
 
 def test_a_killed_process_is_restarted_and_nothing_is_lost_or_repeated(tmp_path):
     common = ["--nproc", "2", "--steps", "160", "--checkpoint-every", "40"]
-    whole = subprocess.run([sys.executable, "-m", "metaddp", "train", *TINY, *common, "--out",
-                            str(tmp_path / "whole")], capture_output=True, text=True, timeout=300)
-    assert whole.returncode == 0, whole.stderr
+    whole = start(*common, "--out", str(tmp_path / "whole"))  # the uninterrupted run, beside it
     run = tmp_path / "run"
     proc = start(*common, "--max-restarts", "1", "--out", str(run))
     wait_for(lambda: (run / "checkpoint.pt").exists() and len(rows(run)) >= 50)
@@ -91,6 +89,8 @@ def test_a_killed_process_is_restarted_and_nothing_is_lost_or_repeated(tmp_path)
     os.kill(workers[1], signal.SIGKILL)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
+    _, whole_err = whole.communicate(timeout=300)
+    assert whole.returncode == 0, whole_err
     # The restart is said in one line, with the step it continues from.
     assert re.search(r"a process failed; restart 1 of 1, from step \d+", err), err
     assert len(rows(run)) == 160  # the steps after the last checkpoint were trained again ...
