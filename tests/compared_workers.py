@@ -74,9 +74,18 @@ def name(p: S.Problem) -> str:
     return f"{what}-{p.model}-{p.layout}" + (f"-at{p.meta_step}" if p.meta_step else "") + modes
 
 
-def run_all() -> list[dict]:
-    """Every problem's result on this rank, then the hand-written prototypical network's."""
-    return [S.run(p) for p in problems()] + [user_written(USER_PROBLEM)]
+def runs_at(p: S.Problem, world: int) -> bool:
+    """Whether ``p`` runs at ``world`` processes: every problem at 1 to 3 (3 cuts every split
+    unevenly), at 4 the hybrid layout's, the one mesh (2 task groups x 2 ranks) that 2 and 3
+    processes do not make."""
+    return world != 4 or p.layout == "hybrid"
+
+
+def run_all() -> list[dict | None]:
+    """Every problem's result on this rank (``None`` where it does not run, :func:`runs_at`),
+    then the hand-written prototypical network's."""
+    world = md.world_size()
+    return [S.run(p) if runs_at(p, world) else None for p in problems()] + [user_written(USER_PROBLEM)]
 
 
 USER_PROBLEM = S.Problem(algorithm="protonet", model="conv", layout="sample", n_tasks=3)
