@@ -71,14 +71,10 @@ def ran(tmp_path_factory) -> dict[str, list]:
     env.pop("LOCAL_RANK", None)
     bin_dir = str(Path(sys.executable).parent) + "/"
 
-    def readme(stream: list[str]) -> list[str]:
-        failures = []
-        for command in stream:
-            done = subprocess.run(command.replace(".venv/bin/", bin_dir), shell=True, cwd=ROOT,
-                                  capture_output=True, text=True, timeout=300, env=env)
-            if done.returncode != 0:
-                failures.append(f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-        return failures
+    def readme(stream: list[str]) -> list[tuple[str, subprocess.CompletedProcess]]:
+        return [(command, subprocess.run(command.replace(".venv/bin/", bin_dir), shell=True, cwd=ROOT,
+                                         capture_output=True, text=True, timeout=300, env=env))
+                for command in stream]
 
     def program(job: tuple[str, tuple[str, ...]]) -> tuple[str, list[str]]:
         name, launcher = job
@@ -96,13 +92,38 @@ def ran(tmp_path_factory) -> dict[str, list]:
         outcomes = list(pool.map(lambda fn_arg: fn_arg[0](fn_arg[1]), work))
     for folder in ("first", "glyphs-first"):
         shutil.rmtree(ROOT / "runs" / folder, ignore_errors=True)
-    return {"readme": outcomes[: len(streams)], "programs": outcomes[len(streams):]}
+    return {"readme": dict(done for stream in outcomes[: len(streams)] for done in stream),
+            "programs": outcomes[len(streams):]}
 
 
 def test_every_readme_command_runs_as_written(ran):
     assert len(readme_commands()) >= 5
-    failures = [f for fs in ran["readme"] for f in fs]
+    failures = [f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+                for command, done in ran["readme"].items() if done.returncode != 0]
     assert not failures, "\n\n".join(failures)
+
+
+def test_the_readme_verify_command_prints_the_readme_table(ran):
+    """The README's table, measured on real gloo processes by its own command: the user's DDP
+    recipe gives 7.02 on one process and 6.52 on two, metaddp 7.02 on both, first and second
+    order."""
+    (command,) = [c for c in ran["readme"] if " verify " in c]
+    lines = ran["readme"][command].stdout.strip().splitlines()
+    rows = [l for l in lines if l.startswith("seed ")]
+    assert len(rows) == 4  # metaddp's two checks (1st, 2nd order) x two world sizes
+    # The grad-norm column, printed to 3 significant digits: grad2 after one step.
+    assert [l.split()[-3] for l in rows] == ["7.02"] * 4
+    at = lines.index("ranks    plain DDP recipe  metaddp, 1st order  metaddp, 2nd order")
+    # Compared as the printed text: the table prints two decimals, as the README does, and
+    # the values (7.02 and 6.52 within 5e-7 in float32) are far from a rounding boundary.
+    table = [["1", "7.02", "7.02", "7.02"], ["2", "6.52", "7.02", "7.02"]]
+    assert [l.split() for l in lines[at + 1 : at + 3]] == table
+    assert lines[-1].startswith("worst relative difference: ")
+    assert lines[-1].endswith("every world size agrees within tolerance")
+    readme = (ROOT / "README.md").read_text()
+    for row in table:  # and the README's table shows the same numbers (a changed one in bold)
+        assert re.search(r"\|\s*" + r"\s*\|\s*".join(rf"(\*\*)?{re.escape(v)}(\*\*)?" for v in row) + r"\s*\|",
+                         readme), row
 
 
 def test_the_capability_table_is_what_the_classes_declare():
