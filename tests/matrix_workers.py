@@ -34,8 +34,20 @@ def offered(algorithm: str, mode: str) -> bool:
     if mode == "stacked":
         return isinstance(alg, MAML)
     if mode == "low":
-        return "memory" in inspect.signature(type(alg).__init__).parameters
+        return takes(type(alg), "memory")
     return True
+
+
+def takes(cls: type, name: str) -> bool:
+    """Whether ``cls(...)`` takes the keyword ``name``: in its own signature, or in one of
+    the classes its ``**settings`` are passed on to."""
+    for c in cls.__mro__:
+        params = inspect.signature(c.__init__).parameters  # type: ignore[misc]
+        if name in params:
+            return True
+        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            return False
+    return False
 
 
 def declared(algorithm: str, mode: str) -> bool:

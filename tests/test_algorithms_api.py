@@ -207,6 +207,27 @@ def test_bad_algorithm_arguments():
         MAML(fresh(), steps=-1)
     with pytest.raises(TypeError):
         MAML(fresh(), 0.1)  # options are keyword-only
+    with pytest.raises(TypeError, match="per="):
+        MetaSGD(fresh(), learn_lr="scalar")
+    with pytest.raises(TypeError, match="inner_rate"):
+        metaddp.BOIL(nn.Linear(1, 2), nn.Linear(2, 1), inner_rate=0.1)  # a misspelt setting
+
+
+def test_the_inner_settings_are_named_once():
+    """The algorithms that pass ``**settings`` on take what ``Algorithm`` takes, whose
+    signature holds the defaults: the settings type and that signature agree."""
+    import inspect
+
+    from metaddp.algorithms._base import Algorithm, InnerSettings
+    from metaddp.algorithms._maml import MAMLSettings
+
+    def keywords(f):
+        return {n for n, p in inspect.signature(f).parameters.items() if p.kind is p.KEYWORD_ONLY}
+
+    assert set(InnerSettings.__annotations__) == keywords(Algorithm.__init__)
+    assert set(MAMLSettings.__annotations__) == keywords(Algorithm.__init__) | keywords(MAML.__init__)
+    cavia = metaddp.CAVIA(nn.Linear(3, 1), context=2)
+    assert cavia.inner_lr == 1.0 and metaddp.CAVIA(nn.Linear(3, 1), context=2, inner_lr=0.5).inner_lr == 0.5
 
 
 def test_anil_clone_adapts_the_head_and_equals_meta_loss():

@@ -11,18 +11,15 @@ task's own, so dropout in the body draws masks keyed by the samples (:mod:`metad
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Unpack
 
-import torch
 from torch import Tensor, nn
 
 from .._data import Batch, Task
 from .._functional import call, params_of
-from .._remat import Replay
 from .._types import LossFn, Params, Reduce, Supports
 from ..forward import keyed_forward, needs_routes
-from ..inner import DEFAULT_LOSS_SCALE, InnerOptimizer, LossScale
-from ._base import Algorithm, OptimizerFactory, need_loss
+from ._base import Algorithm, InnerSettings, need_loss
 from ._exact import Adapted
 
 
@@ -54,31 +51,8 @@ class ANIL(Algorithm):
         deterministic=True, low_memory=True, autocast=True, learn_lr=True, sharded=True
     )
 
-    def __init__(
-        self,
-        body: nn.Module,
-        head: nn.Module,
-        *,
-        inner_lr: float = 0.01,
-        steps: int = 1,
-        first_order: bool = False,
-        optimizer: InnerOptimizer | OptimizerFactory | None = None,
-        learn_lr: str | None = None,
-        memory: str | Replay = "default",
-        autocast: torch.dtype | None = None,
-        loss_scale: LossScale | bool | None = DEFAULT_LOSS_SCALE,
-    ) -> None:
-        super().__init__(
-            BodyHead(body, head),
-            inner_lr=inner_lr,
-            steps=steps,
-            first_order=first_order,
-            optimizer=optimizer,
-            learn_lr=learn_lr,
-            memory=memory,
-            autocast=autocast,
-            loss_scale=loss_scale,
-        )
+    def __init__(self, body: nn.Module, head: nn.Module, **settings: Unpack[InnerSettings]) -> None:
+        super().__init__(BodyHead(body, head), **settings)
 
     def adapted_module(self) -> nn.Module:
         return self.model.head

@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypedDict
 
 import torch
 from torch import Tensor, nn
@@ -55,6 +55,22 @@ from ._exact import NO_BUFFERS
 from ._learner import Learner
 
 OptimizerFactory = Callable[[LearningRate], InnerOptimizer]
+
+
+class InnerSettings(TypedDict, total=False):
+    """The inner loop's settings, as :class:`Algorithm` takes them (its signature holds the
+    defaults; :class:`metaddp.MAML` documents each). The algorithms built on it take them as
+    ``**settings`` and pass them on, so a setting is named in one signature."""
+
+    inner_lr: float
+    steps: int
+    first_order: bool
+    optimizer: InnerOptimizer | OptimizerFactory | None
+    learn_lr: str | None
+    memory: str | Replay
+    autocast: torch.dtype | None
+    loss_scale: LossScale | bool | None
+
 
 # Where dropout cannot be keyed (metaddp.forward): the error says why.
 PREDICTION = -1  # the forward number of predict(): none of the loops' (0, 1, 2, ...)

@@ -10,16 +10,14 @@ forward as the meta-parameter it is.
 
 from __future__ import annotations
 
-import torch
+from typing import Unpack
+
 from torch import nn
 
 from .._functional import params_of
-from .._remat import Replay
 from .._types import Params
-from ..inner import InnerOptimizer
 from ._anil import BodyHead
-from ._base import OptimizerFactory
-from ._maml import MAML
+from ._maml import MAML, MAMLSettings
 
 
 class BOIL(MAML):
@@ -36,35 +34,10 @@ class BOIL(MAML):
 
     model: BodyHead
 
-    def __init__(
-        self,
-        body: nn.Module,
-        head: nn.Module,
-        *,
-        inner_lr: float = 0.01,
-        steps: int = 1,
-        first_order: bool = False,
-        optimizer: InnerOptimizer | OptimizerFactory | None = None,
-        learn_lr: str | None = None,
-        batched: bool | None = None,
-        memory: str | Replay = "default",
-        autocast: torch.dtype | None = None,
-        conv: str = "auto",
-    ) -> None:
+    def __init__(self, body: nn.Module, head: nn.Module, **settings: Unpack[MAMLSettings]) -> None:
         if not params_of(body):
             raise ValueError("BOIL adapts the body, which has no trained parameter")
-        super().__init__(
-            BodyHead(body, head),
-            inner_lr=inner_lr,
-            steps=steps,
-            first_order=first_order,
-            optimizer=optimizer,
-            learn_lr=learn_lr,
-            batched=batched,
-            memory=memory,
-            autocast=autocast,
-            conv=conv,
-        )
+        super().__init__(BodyHead(body, head), **settings)
 
     def fast_weights(self) -> Params:
         """The body's meta-parameters, named as in the model; the head keeps its own."""

@@ -11,17 +11,16 @@ they are, so they get their second-order meta-gradient through the context's ste
 
 from __future__ import annotations
 
+from typing import Unpack
+
 import torch
 from torch import Tensor, nn
 
 from .._data import at_least
 from .._functional import params_of
-from .._remat import Replay
 from .._types import Params
-from ..inner import InnerOptimizer
-from ._base import OptimizerFactory
 from ._hypergrad import held
-from ._maml import MAML
+from ._maml import MAML, MAMLSettings
 
 
 class WithContext(nn.Module):
@@ -54,35 +53,13 @@ class CAVIA(MAML):
 
     model: WithContext
 
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        context: int,
-        inner_lr: float = 1.0,
-        steps: int = 1,
-        first_order: bool = False,
-        optimizer: InnerOptimizer | OptimizerFactory | None = None,
-        learn_lr: str | None = None,
-        batched: bool | None = None,
-        memory: str | Replay = "default",
-        autocast: torch.dtype | None = None,
-    ) -> None:
+    def __init__(self, model: nn.Module, *, context: int, **settings: Unpack[MAMLSettings]) -> None:
         at_least(context, "context (the number of context parameters)")
         if not params_of(model):
             raise ValueError("CAVIA meta-trains the model, which has no trained parameter")
         self.size = context
-        super().__init__(
-            WithContext(model, context),
-            inner_lr=inner_lr,
-            steps=steps,
-            first_order=first_order,
-            optimizer=optimizer,
-            learn_lr=learn_lr,
-            batched=batched,
-            memory=memory,
-            autocast=autocast,
-        )
+        settings.setdefault("inner_lr", 1.0)  # the paper's rate for the context
+        super().__init__(WithContext(model, context), **settings)
 
     def settings(self) -> dict[str, object]:
         return dict(super().settings(), context=self.size)

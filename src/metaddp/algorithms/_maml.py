@@ -8,7 +8,7 @@ by one, with the same meta-gradient.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Unpack
 
 import torch
 from torch import Tensor, nn
@@ -16,13 +16,18 @@ from torch import Tensor, nn
 from .. import forward as _draws
 from .._data import Task
 from .._functional import params_of
-from .._remat import Replay
 from .._types import LossFn, Reduce, Supports
-from ..inner import DEFAULT_LOSS_SCALE, InnerOptimizer, LossScale
-from ._base import Algorithm, OptimizerFactory
+from ._base import Algorithm, InnerSettings
 from ._conv_ways import ConvChoice
 from ._exact import exact_meta_loss
 from ._stacked import stacked_task_losses, use_batched
+
+
+class MAMLSettings(InnerSettings, total=False):
+    """:class:`MAML`'s settings, which the algorithms built on it take as ``**settings``."""
+
+    batched: bool | None
+    conv: str
 
 
 class MAML(Algorithm):
@@ -30,9 +35,9 @@ class MAML(Algorithm):
 
     Args:
         model: the network; its parameters are the meta-parameters.
-        inner_lr: step size of the inner optimizer (its initial value when learned).
-        steps: inner steps per task.
-        first_order: drop second-order terms (first-order MAML).
+        inner_lr: step size of the inner optimizer (its initial value when learned); 0.01.
+        steps: inner steps per task; 1.
+        first_order: drop second-order terms (first-order MAML); ``False``.
         optimizer: a differentiable inner optimizer (``metaddp.inner.sgd(0.1, momentum=0.9)``...)
             replacing SGD; with ``learn_lr``, a factory taking the learning rate instead
             (``metaddp.inner.sgd``, ``functools.partial(metaddp.inner.adam, b1=0.5)``).
@@ -52,6 +57,9 @@ class MAML(Algorithm):
             dtype (``torch.bfloat16`` or ``torch.float16``); the meta-parameters, gradients and
             reductions keep the parameters' dtype. Faster matrix work on a GPU, at the
             precision measured in BENCHMARKS.md.
+        loss_scale: the inner steps' dynamic loss scaling under float16
+            (:class:`metaddp.inner.LossScale`; the default scales float16 autocast and
+            nothing else), or ``None``/``False``: none.
         batched: run a rank's tasks stacked along a task dimension (``True``), one by one
             (``False``), or choose (``None``: by device and model, see ``use_batched``); same
             result.
@@ -82,28 +90,11 @@ class MAML(Algorithm):
         self,
         model: nn.Module,
         *,
-        inner_lr: float = 0.01,
-        steps: int = 1,
-        first_order: bool = False,
-        optimizer: InnerOptimizer | OptimizerFactory | None = None,
-        learn_lr: str | None = None,
         batched: bool | None = None,
-        memory: str | Replay = "default",
-        autocast: torch.dtype | None = None,
         conv: str = "auto",
-        loss_scale: LossScale | bool | None = DEFAULT_LOSS_SCALE,
+        **settings: Unpack[InnerSettings],
     ) -> None:
-        super().__init__(
-            model,
-            inner_lr=inner_lr,
-            steps=steps,
-            first_order=first_order,
-            optimizer=optimizer,
-            learn_lr=learn_lr,
-            memory=memory,
-            autocast=autocast,
-            loss_scale=loss_scale,
-        )
+        super().__init__(model, **settings)
         self.batched = batched
         self.conv = ConvChoice(conv)
 

@@ -8,13 +8,11 @@ module (:attr:`MAML.lr`), so :class:`metaddp.MetaDDP` keeps them in sync across 
 
 from __future__ import annotations
 
-import torch
+from typing import Unpack
+
 from torch import nn
 
-from .._remat import Replay
-from ..inner import DEFAULT_LOSS_SCALE, LossScale
-from ._base import OptimizerFactory
-from ._maml import MAML
+from ._maml import MAML, MAMLSettings
 
 
 class MetaSGD(MAML):
@@ -31,28 +29,9 @@ class MetaSGD(MAML):
     """
 
     def __init__(
-        self,
-        model: nn.Module,
-        *,
-        inner_lr: float = 0.01,
-        steps: int = 1,
-        first_order: bool = False,
-        optimizer: OptimizerFactory | None = None,
-        per: str = "parameter",
-        batched: bool | None = None,
-        memory: str | Replay = "default",
-        autocast: torch.dtype | None = None,
-        loss_scale: LossScale | bool | None = DEFAULT_LOSS_SCALE,
+        self, model: nn.Module, *, per: str = "parameter", **settings: Unpack[MAMLSettings]
     ) -> None:
-        super().__init__(
-            model,
-            inner_lr=inner_lr,
-            steps=steps,
-            first_order=first_order,
-            optimizer=optimizer,
-            learn_lr=per,
-            memory=memory,
-            autocast=autocast,
-            batched=batched,
-            loss_scale=loss_scale,
-        )
+        if "learn_lr" in settings:
+            raise TypeError("MetaSGD learns its rates: say how with per=, not learn_lr")
+        settings["learn_lr"] = per
+        super().__init__(model, **settings)
