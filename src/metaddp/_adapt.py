@@ -10,8 +10,8 @@ gradient of the global loss), and applies a pure inner optimizer out of place.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import overload
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, overload
 
 import torch
 from torch import Tensor, nn
@@ -277,6 +277,46 @@ def _kept_state(finite: Tensor, new: State, old: State) -> State:
     return tree_unflatten(leaves, spec)
 
 
+StepLoss = Callable[[Params, int], Tensor]
+"""``loss(fast, k)``: this process's share of inner step ``k``'s loss at ``fast``."""
+
+
+def descend(
+    loss: StepLoss,
+    fast: Params,
+    state: State,
+    optimizer: InnerOptimizer,
+    steps: Iterable[int],
+    *,
+    restart: Callable[[Params, State], tuple[Params, State]] | None = None,
+    first_order: bool = False,
+    **step: Any,
+) -> Iterator[tuple[Params, State]]:
+    """The K-step loop, written once: for each ``k`` of ``steps``, :func:`inner_step` on
+    ``loss(fast, k)``, yielding the weights and optimizer state after it. Every path's loop
+    is this one: the per-task loop (:func:`inner_steps`), stacked tasks, deterministic mode's
+    chunks, the hypergradient methods' unrolls and their steps without a graph.
+
+    Args:
+        restart: the steps keep no graph between them: each is taken first order with no
+            graph of its own, and ``restart(fast, state)`` makes the next step's start
+            (tensors that need a gradient with no path back).
+        first_order, step: as :func:`inner_step` (``reduce``, ``extra_grad``, ``scale``,
+            ``check``).
+    """
+    for k in steps:
+        with torch.enable_grad():
+            share = loss(fast, k)
+        with torch.set_grad_enabled(restart is None):
+            fast, state = inner_step(
+                share, fast, state, optimizer, step=k,
+                first_order=first_order or restart is not None, **step,
+            )  # fmt: skip
+        if restart is not None:
+            fast, state = restart(fast, state)
+        yield fast, state
+
+
 def batch_share(
     model: nn.Module,
     params: Mapping[str, Tensor],
@@ -369,36 +409,30 @@ def inner_steps(
     loss_scale: LossScale | None = None,
     at: StepInputs | None = None,
 ) -> Iterator[Params]:
-    """The K-step loop, written once: yields the fast weights after each of ``steps`` inner
-    steps, so that a caller scores every step (MAML++'s multi-step loss) or only the last
-    (:func:`inner_loop`). Under loss scaling every tensor a step's forward reads that needs
-    a gradient is watched (:meth:`metaddp.inner.TaskScale.watch`), ``at``'s weights too.
+    """The per-task loop (:func:`descend` on the support share): yields the fast weights
+    after each of ``steps`` inner steps, so that a caller scores every step (MAML++'s
+    multi-step loss) or only the last (:func:`inner_loop`). Under loss scaling every tensor
+    a step's forward reads that needs a gradient is watched
+    (:meth:`metaddp.inner.TaskScale.watch`), ``at``'s weights too.
 
     Arguments as :func:`inner_loop`; ``at`` gives each step's other weights and buffers.
     """
-    fast: Params = dict(params)
-    state = optimizer.init(fast)
+    start: Params = dict(params)
     scale = None
-    if loss_scale is not None and fast:
-        scale = loss_scale.start(next(iter(fast.values())))
-    for step in range(steps):
+    if loss_scale is not None and start:
+        scale = loss_scale.start(next(iter(start.values())))
+
+    def loss(fast: Params, step: int) -> Tensor:
         held, step_buffers = ({}, buffers) if at is None else at(step)
-        with torch.enable_grad():
-            weights, batch = {**fast, **held}, support
-            if scale is not None:
-                weights, batch = _watched_inputs(scale, model, weights, support)
-            loss = batch_share(model, weights, batch, loss_fn, step_buffers)
-            fast, state = inner_step(
-                loss,
-                fast,
-                state,
-                optimizer,
-                step=step,
-                reduce=reduce,
-                first_order=first_order,
-                extra_grad=extra_grad,
-                scale=scale,
-            )
+        weights, batch = {**fast, **held}, support
+        if scale is not None:
+            weights, batch = _watched_inputs(scale, model, weights, support)
+        return batch_share(model, weights, batch, loss_fn, step_buffers)
+
+    for fast, _ in descend(
+        loss, start, optimizer.init(start), optimizer, range(steps), reduce=reduce,
+        first_order=first_order, extra_grad=extra_grad, scale=scale,
+    ):  # fmt: skip
         yield fast
 
 

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _mask, forward
-from .._adapt import inner_step
+from .._adapt import descend
 from .._data import Batch, Chunks, Task
 from .._functional import call
 from .._share import check_per_sample, one_per_sample
@@ -192,30 +192,20 @@ class Adapted:
                 yield self.fast
             return
         n_local, sums = self.n_local, self.sums
-        fast = {**self.start, **(extra or {})}
+        start = {**self.start, **(extra or {})}
         optimizer = per_task(build, n_local, self.rates)
         support = sums.cut(self.tasks[0].support.n)
         sx, sy, sm, sw = _chunked([t.support for t in self.tasks], support)
-        state = optimizer.init(fast)
-        with torch.enable_grad():
-            for step in range(steps):
-                _, values = self.values(fast, sw, sx, sy, sm, support.n, support)
-                # By each task's weights: the chunk copies' backward sums their gradients
-                # order-free (so no reduce follows), and a start made from another
-                # (ProtoMAML's head, from the body's prototypes) passes its part on, as in the
-                # tasks-one-by-one loop.
-                fast, state = inner_step(
-                    values.sum(),
-                    fast,
-                    state,
-                    optimizer,
-                    step=step,
-                    reduce=identity_reduce,
-                    first_order=first_order,
-                    extra_grad=extra_grad,
-                )
-                self.fast = fast
-                yield fast
+        # By each task's weights: the chunk copies' backward sums their gradients order-free
+        # (so no reduce follows), and a start made from another (ProtoMAML's head, from the
+        # body's prototypes) passes its part on, as in the tasks-one-by-one loop.
+        for fast, _ in descend(
+            lambda w, _: self.values(w, sw, sx, sy, sm, support.n, support)[1].sum(),
+            start, optimizer.init(start), optimizer, range(steps), reduce=identity_reduce,
+            first_order=first_order, extra_grad=extra_grad,
+        ):  # fmt: skip
+            self.fast = fast
+            yield fast
 
     def copies_for(self, fast: Params, width: int) -> dict[str, Tensor]:
         """Each task's ``fast`` and held weights, a copy per chunk, ``[T * width, ...]``."""

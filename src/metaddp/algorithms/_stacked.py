@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import forward as _draws
-from .._adapt import check_finite, inner_step
+from .._adapt import check_finite, descend
 from .._binding import sharding_of
 from .._data import Batch, Task
 from .._functional import call, drawn_at, random_layers
@@ -290,18 +290,19 @@ def stacked_task_losses(
             check=check_finite,
             replay=replay,
         )
-    state = optimizer.init(fast)
     weighted: Tensor | None = None
+
+    def loss(w: Params, step: int) -> Tensor:
+        # Task t's share depends on row t only, so the gradient of the sum is every task's
+        # own gradient, row by row (module docstring).
+        return stacked_shares(model, w, sx, sy, sn, loss_fn, buffers, conv=conv, start=s0).sum()
+
+    loop = descend(
+        loss, fast, optimizer.init(fast), optimizer, range(steps), reduce=reduce,
+        first_order=first_order,
+    )  # fmt: skip
     with torch.enable_grad():
-        for step in range(steps):
-            # Task t's share depends on row t only, so the gradient of the sum is every
-            # task's own gradient, row by row (module docstring).
-            total = stacked_shares(
-                model, fast, sx, sy, sn, loss_fn, buffers, conv=conv, start=s0
-            ).sum()
-            fast, state = inner_step(
-                total, fast, state, optimizer, step=step, reduce=reduce, first_order=first_order
-            )
+        for step, (fast, _) in enumerate(loop):
             if step_weights is not None and (w := step_weights[step]):
                 q = stacked_shares(model, fast, qx, qy, qn, loss_fn, buffers, conv=conv, start=q0)
                 weighted = w * q.sum() if weighted is None else weighted + w * q.sum()
