@@ -235,16 +235,21 @@ class _Loop:
         tensors, put = _unzip(new_state)
         return {name: v.detach() for name, v in new.items()}, put([t.detach() for t in tensors])
 
-    def replay(self, fast: Params, state: State, begin: int, end: int) -> list[Kept]:
-        """Steps ``begin`` to ``end`` run again from their start, without a graph, keeping the
-        state where each of the tree's parts of ``[begin, end)`` starts."""
+    def sweep(
+        self, fast: Params, state: State, begin: int, end: int, stop: int, *, rebuilt: bool
+    ) -> tuple[list[Kept], Params, State]:
+        """Steps ``begin`` to ``stop`` without a graph, keeping the state where each of the
+        tree's parts of ``[begin, end)`` starts (every step's without a tree); returns those
+        and the weights and state after the last. ``rebuilt``: steps run again in the
+        backward, on copies of the buffers and unchecked (their first run checked them)."""
         starts = _starts(begin, end, self.tree)
-        kept = [(begin, fast, state)]
-        for k in range(begin, starts[-1]):
-            fast, state = self.plain(fast, state, k, check=False, buffers=self.copies())
+        kept = [(begin, fast, state)] if starts else []
+        for k in range(begin, stop):
+            buffers = self.copies() if rebuilt else None
+            fast, state = self.plain(fast, state, k, check=not rebuilt, buffers=buffers)
             if k + 1 in starts:
                 kept.append((k + 1, fast, state))
-        return kept
+        return kept, fast, state
 
     def walk(
         self,
@@ -256,14 +261,16 @@ class _Loop:
     ) -> tuple[list[Tensor], list[Tensor]]:
         """Pull the adjoint of the weights and optimizer state after step ``end - 1`` back to
         ``kept[0]``'s, part by part in reverse: a one-step part is rebuilt with its graph, a
-        longer one replayed from its kept start (:meth:`replay`) and walked in turn. Returns
+        longer one replayed from its kept start (:meth:`sweep`) and walked in turn. Returns
         the adjoints of ``kept[0]``'s weights and state; adds the extras' into
         ``extra_grads``. ``kept`` is emptied as it goes, so a part's states are freed once
         walked."""
         while kept:
             k, fast, state = kept.pop()
-            if end - k > 1:
-                part = self.replay(fast, state, k, end)
+            if end - k > 1:  # replayed from its start, keeping its own parts' starts
+                part = self.sweep(
+                    fast, state, k, end, _starts(k, end, self.tree)[-1], rebuilt=True
+                )[0]
                 a_fast, a_state = self.walk(part, end, a_fast, a_state, extra_grads)
                 end = k
                 continue
@@ -332,16 +339,8 @@ def _refuse_outside(
 
 
 def _sweep(loop: _Loop, fast: Params, steps: int) -> tuple[list[Kept], Params, State]:
-    """``steps`` first-order steps from ``fast``: the states where the replay tree's parts
-    start (every step's without a tree), and the weights and state after the last."""
-    state = loop.optimizer().init(fast)
-    starts = set(_starts(0, steps, loop.tree)) if steps else set()
-    kept = []
-    for k in range(steps):
-        if k in starts:
-            kept.append((k, fast, state))
-        fast, state = loop.plain(fast, state, k, check=True)
-    return kept, fast, state
+    """``steps`` first-order steps from ``fast`` (:meth:`_Loop.sweep`), checked."""
+    return loop.sweep(fast, loop.optimizer().init(fast), 0, steps, steps, rebuilt=False)
 
 
 class _Rematerialized(torch.autograd.Function):
