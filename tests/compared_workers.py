@@ -81,6 +81,13 @@ def runs_at(p: S.Problem, world: int) -> bool:
     return world != 4 or p.layout == "hybrid"
 
 
+def worlds_of(p: S.Problem, results: dict) -> list[int]:
+    """The worlds of ``results`` where ``p`` ran, checked to be those :func:`runs_at` names."""
+    worlds = [w for w in results if runs_at(p, w)]
+    assert worlds == ([1, 2, 3, 4] if p.layout == "hybrid" else [1, 2, 3])
+    return worlds
+
+
 def run_all() -> list[dict | None]:
     """Every problem's result on this rank (``None`` where it does not run, :func:`runs_at`),
     then the hand-written prototypical network's."""

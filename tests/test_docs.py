@@ -160,8 +160,6 @@ def doc_blocks() -> list[tuple[str, str, str, str]]:
 
 
 def named_program(before: str, body: str) -> str | None:
-    import re
-
     first = body.lstrip().split("\n", 1)[0]
     found = re.search(r"examples/[\w./]+\.py", first if PROGRAM in first else before)
     return found.group(0) if found else None
