@@ -15,7 +15,7 @@ from metaddp.testing import scenarios as S
 
 ALGORITHMS = ("maml", "fomaml", "metasgd", "anil", "boil", "reptile", "imaml", "mamlpp", "protonet",
               "protomaml", "cavia")
-MODES = ("loop", "stacked", "low", "deterministic", "sharded")
+MODES = ("loop", "stacked", "low", "deterministic", "sharded", "dropout", "check")
 LAYOUTS = ("sample", "task")
 CONV = {"protonet", "protomaml"}  # classification: the prototypes need classes
 
@@ -24,7 +24,8 @@ def problem(algorithm: str, mode: str, layout: str) -> S.Problem:
     p = S.Problem(model="conv" if algorithm in CONV else "mlp", algorithm=algorithm, layout=layout,
                   steps=2, n_tasks=3, n_support=7, n_query=5)
     return dataclasses.replace(p, memory="low" if mode == "low" else "default",
-                               deterministic=mode == "deterministic", shard=mode == "sharded")
+                               deterministic=mode == "deterministic", shard=mode == "sharded",
+                               dropout=0.25 if mode == "dropout" else 0.0, check=mode == "check")
 
 
 def offered(algorithm: str, mode: str) -> bool:
@@ -69,7 +70,7 @@ def cell(algorithm: str, mode: str, layout: str) -> dict:
         if isinstance(alg, MAML) and mode in ("loop", "stacked"):
             alg.batched = mode == "stacked"
         learner = md.MetaDDP(alg, md.Mesh.for_layout(layout), deterministic=p.deterministic,
-                             shard=p.shard)
+                             shard=p.shard, check=p.check)
     except (ValueError, TypeError) as e:
         return {"refused": "built", "why": f"{type(e).__name__}: {e}"}
     try:

@@ -1,5 +1,6 @@
 """Every algorithm x mode x layout cell that the algorithms offer, generated from their
-declarations (tests/matrix_workers.py), at 1, 2 and 3 processes: each gives the one-process
+declarations (tests/matrix_workers.py), at 1, 2 and 3 processes (modes: tasks one by one,
+stacked, low memory, deterministic, sharded, dropout in the model, check mode): each gives the one-process
 meta-gradient (bit for bit in deterministic mode) or is refused when the learner is built,
 as declared, with a reason, never later and never by a different number."""
 
@@ -26,7 +27,7 @@ def worlds() -> dict[int, list[dict]]:
 
 def test_every_offered_cell_is_exact_or_refused_when_built(worlds):
     one = worlds[1][0]
-    assert len(one) == 90  # 45 algorithm x mode cells the algorithms take, in 2 layouts
+    assert len(one) == 134  # 67 algorithm x mode cells the algorithms take, in 2 layouts
     for world, ranks in worlds.items():
         for rank, cells in enumerate(ranks):
             assert cells.keys() == one.keys()
@@ -52,6 +53,18 @@ def test_every_offered_cell_is_exact_or_refused_when_built(worlds):
                     else:
                         top = float(want[k].abs().max())
                         assert float((g - want[k]).abs().max()) <= RTOL * max(top, 1.0), f"{where}: {k}"
+
+
+def test_dropout_cells_draw(worlds):
+    # The dropout cells' masks are keyed, not absent: each meta-gradient differs from its
+    # algorithm's without dropout (a mask of p = 0.25 moves it by far more than 1e-6).
+    one = worlds[1][0]
+    for (algorithm, mode, layout), got in one.items():
+        if mode == "dropout":
+            # The same parameters in the same order (a Sequential's dropout shifts the names).
+            plain = one[(algorithm, "loop", layout)]["grads"].values()
+            moved = max(float((g - h).abs().max()) for g, h in zip(got["grads"].values(), plain, strict=True))
+            assert moved > 1e-6, (algorithm, layout)
 
 
 def test_the_refused_cells_are_the_declared_ones(worlds):

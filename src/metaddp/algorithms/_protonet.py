@@ -27,6 +27,7 @@ from .._functional import call, params_of
 from .._share import share
 from .._statistics import class_means
 from .._types import LossFn, Params, Reduce, Supports
+from ..forward import keyed_forward
 from ..inner import InnerOptimizer
 from ._base import Algorithm, OptimizerFactory, need_loss
 from ._exact import Adapted
@@ -76,19 +77,22 @@ class ProtoNet(Algorithm):
         }
 
     def prototypes(self, support: Batch, *, reduce: Reduce) -> Tensor:
-        """The class means of the support set's embeddings, over the whole set."""
-        means, _ = class_means(self.embed(support.x), support.y, self.ways, reduce=reduce)
+        """The class means of the support set's embeddings, over the whole set: the task's
+        first forward, its dropout keyed by the samples."""
+        with keyed_forward(support):
+            embedded = self.embed(support.x)
+        means, _ = class_means(embedded, support.y, self.ways, reduce=reduce)
         return means
 
     def embed(self, x: Tensor) -> Tensor:
         """The model on ``x``, through metaddp's forward (its weights gathered where they are
-        sharded, its dropout keyed by sample)."""
+        sharded; its dropout keyed where the caller names the batch)."""
         return call(self.model, params_of(self.model), x)
 
     def task_loss(self, task: Task, loss_fn: LossFn, *, reduce: Reduce) -> Tensor:
-        logits = self.forward(
-            task.query.x, {PROTOTYPES: self.prototypes(task.support, reduce=reduce)}
-        )
+        fast = {PROTOTYPES: self.prototypes(task.support, reduce=reduce)}
+        with keyed_forward(task.query):  # the task's second forward
+            logits = self.forward(task.query.x, fast)
         return share(loss_fn(logits, task.query.y), task.query)
 
     def exact_meta_loss(
@@ -199,8 +203,10 @@ class ProtoMAML(Algorithm):
         return dict(super().settings(), ways=self.ways)
 
     def start(self, support: Batch, *, reduce: Reduce) -> Params:
-        """The body's meta-parameters and the head at the support set's prototypes."""
-        features = call(self.model, params_of(self.model), support.x, embed=True)
+        """The body's meta-parameters and the head at the support set's prototypes (the
+        task's first forward, its dropout keyed by the samples)."""
+        with keyed_forward(support):
+            features = call(self.model, params_of(self.model), support.x, embed=True)
         means, _ = class_means(features, support.y, self.ways, reduce=reduce)
         c = means.flatten(1)
         return {**params_of(self.model), "weight": 2 * c, "bias": -(c * c).sum(1)}

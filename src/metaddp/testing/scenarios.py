@@ -40,14 +40,20 @@ def ce_per_sample(pred: Tensor, y: Tensor) -> Tensor:
     return F.cross_entropy(pred, y, reduction="none")
 
 
+def _mlp(inputs: int, dropout: float) -> nn.Sequential:
+    """The regression MLP, with dropout after its first layer where ``dropout`` is not 0."""
+    drop = [nn.Dropout(dropout)] if dropout else []
+    return nn.Sequential(
+        nn.Linear(inputs, 16), nn.Tanh(), *drop, nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)
+    )
+
+
 class ContextMLP(nn.Module):
     """The regression MLP with a context vector concatenated to its input (CAVIA's)."""
 
-    def __init__(self, context: int = 2) -> None:
+    def __init__(self, context: int = 2, dropout: float = 0.0) -> None:
         super().__init__()
-        self.net = nn.Sequential(
-            nn.Linear(1 + context, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)
-        )
+        self.net = _mlp(1 + context, dropout)
 
     def forward(self, x: Tensor, context: Tensor) -> Tensor:
         return self.net(torch.cat([x, context.expand(x.shape[0], -1)], dim=1))
@@ -58,9 +64,15 @@ class SmallConv(nn.Module):
     8x8 single-channel images."""
 
     def __init__(
-        self, ways: int = 3, width: int = 4, batchnorm: bool = False, running_stats: bool = True
+        self,
+        ways: int = 3,
+        width: int = 4,
+        batchnorm: bool = False,
+        running_stats: bool = True,
+        dropout: float = 0.0,
     ) -> None:
         super().__init__()
+        self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
         self.conv1 = nn.Conv2d(1, width, 3, padding=1)
         self.conv2 = nn.Conv2d(width, width, 3, padding=1, stride=2)
         self.head = nn.Linear(width * 16, ways)
@@ -69,7 +81,7 @@ class SmallConv(nn.Module):
         self.bn2 = bn() if batchnorm else nn.Identity()
 
     def features(self, x: Tensor) -> Tensor:
-        x = torch.tanh(self.bn1(self.conv1(x)))
+        x = self.drop(torch.tanh(self.bn1(self.conv1(x))))
         x = torch.tanh(self.bn2(self.conv2(x)))
         return x.flatten(1)
 
@@ -87,6 +99,7 @@ class ConvBody(nn.Module):
     def __init__(self, net: SmallConv) -> None:
         super().__init__()
         self.conv1, self.conv2, self.bn1, self.bn2 = net.conv1, net.conv2, net.bn1, net.bn2
+        self.drop = net.drop
 
     forward = SmallConv.features
 
@@ -161,6 +174,8 @@ class Problem:
     meta_step: int = 0  # MAML++: the meta-step its schedules are at
     batched: bool | None = None  # MAML: tasks stacked (True), one by one (False), or chosen
     shard: bool = False  # meta-parameters sharded over the sample axis (MetaDDP(shard=True))
+    dropout: float = 0.0  # mlp and conv: dropout after the first layer, keyed by the samples
+    check: bool = False  # MetaDDP(check=True): every step compared across the ranks
     unit_bytes: int | None = None  # sharded: MetaDDP's unit_bytes (None: its default)
     # model "family": a task family (metaddp.tasks.TaskFamily) whose network, tasks (its train
     # split, task(seed, i)) and per-sample loss make the problem; n_support and n_query are
@@ -171,13 +186,13 @@ class Problem:
         torch.manual_seed(self.seed)
         net: nn.Module
         if self.model == "mlp" and self.algorithm == "cavia":
-            net = ContextMLP()
+            net = ContextMLP(dropout=self.dropout)
         elif self.model == "mlp":
-            net = nn.Sequential(
-                nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)
-            )
+            net = _mlp(1, self.dropout)
         elif self.model == "conv":
-            net = SmallConv(batchnorm=self.batchnorm, running_stats=self.running_stats)
+            net = SmallConv(
+                batchnorm=self.batchnorm, running_stats=self.running_stats, dropout=self.dropout
+            )
         elif self.model == "transformer":
             net = TinyTransformer()
         elif self.model == "family":
@@ -271,6 +286,7 @@ def run(problem: Problem) -> dict:
         deterministic=problem.deterministic,
         chunks=problem.chunks,
         shard=problem.shard,
+        check=problem.check,
         unit_bytes=DEFAULT_UNIT_BYTES if problem.unit_bytes is None else problem.unit_bytes,
     )
     loss = learner.meta_loss(learner.shard(problem.n_tasks, problem.task), problem.loss_fn)
