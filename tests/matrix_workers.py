@@ -15,7 +15,7 @@ from metaddp.testing import scenarios as S
 
 ALGORITHMS = ("maml", "fomaml", "metasgd", "anil", "boil", "reptile", "imaml", "mamlpp", "protonet",
               "protomaml", "cavia")
-MODES = ("loop", "stacked", "low", "deterministic", "sharded", "dropout", "check")
+MODES = ("loop", "stacked", "low", "deterministic", "sharded", "dropout", "check", "clone")
 LAYOUTS = ("sample", "task")
 CONV = {"protonet", "protomaml"}  # classification: the prototypes need classes
 
@@ -36,6 +36,11 @@ def offered(algorithm: str, mode: str) -> bool:
         return isinstance(alg, MAML)
     if mode == "low":
         return takes(type(alg), "memory")
+    if mode == "clone":  # a hand loop over learner.clone(): the algorithms with inner steps to take
+        try:
+            alg.clone(reduce=lambda grads: grads)  # one process's: nothing to sum
+        except TypeError:
+            return False
     return True
 
 
@@ -74,8 +79,10 @@ def cell(algorithm: str, mode: str, layout: str) -> dict:
     except (ValueError, TypeError) as e:
         return {"refused": "built", "why": f"{type(e).__name__}: {e}"}
     try:
-        loss = learner.meta_loss(learner.shard(p.n_tasks, p.task), p.loss_fn)
-        loss.backward()
+        if mode == "clone":
+            hand_loop(learner, p)
+        else:
+            learner.meta_loss(learner.shard(p.n_tasks, p.task), p.loss_fn).backward()
         learner.sync_grads()
         with learner.gathered():
             grads = S.meta_gradient(learner.module)
@@ -84,6 +91,18 @@ def cell(algorithm: str, mode: str, layout: str) -> dict:
     finally:
         learner.release()
     return {"grads": grads}
+
+
+def hand_loop(learner: md.MetaDDP, p: S.Problem) -> None:
+    """The meta-step written as docs/migration.md writes a learn2learn loop: a clone per
+    task, ``steps`` adaptations on its support share, its query share backward."""
+    batch = learner.shard(p.n_tasks, p.task)
+    for task in batch:
+        s, q = task.support, task.query
+        clone = learner.clone()
+        for _ in range(p.steps):
+            clone.adapt(md.share(p.loss_fn(clone(s.x), s.y), s))
+        (md.share(p.loss_fn(clone(q.x), q.y), q) / batch.n).backward()
 
 
 def every_cell() -> dict:

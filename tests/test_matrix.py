@@ -1,6 +1,7 @@
 """Every algorithm x mode x layout cell that the algorithms offer, generated from their
 declarations (tests/matrix_workers.py), at 1, 2 and 3 processes (modes: tasks one by one,
-stacked, low memory, deterministic, sharded, dropout in the model, check mode): each gives the one-process
+stacked, low memory, deterministic, sharded, dropout in the model, check mode, a hand loop
+over ``clone()``): each gives the one-process
 meta-gradient (bit for bit in deterministic mode) or is refused when the learner is built,
 as declared, with a reason, never later and never by a different number."""
 
@@ -27,7 +28,7 @@ def worlds() -> dict[int, list[dict]]:
 
 def test_every_offered_cell_is_exact_or_refused_when_built(worlds):
     one = worlds[1][0]
-    assert len(one) == 134  # 67 algorithm x mode cells the algorithms take, in 2 layouts
+    assert len(one) == 152  # 76 algorithm x mode cells the algorithms take, in 2 layouts
     for world, ranks in worlds.items():
         for rank, cells in enumerate(ranks):
             assert cells.keys() == one.keys()
@@ -65,6 +66,20 @@ def test_dropout_cells_draw(worlds):
             plain = one[(algorithm, "loop", layout)]["grads"].values()
             moved = max(float((g - h).abs().max()) for g, h in zip(got["grads"].values(), plain, strict=True))
             assert moved > 1e-6, (algorithm, layout)
+
+
+def test_a_hand_loop_over_clone_gives_meta_loss_s_meta_gradient(worlds):
+    # Where the meta-gradient is the query loss's after the inner steps (not iMAML's implicit
+    # one, Reptile's displacement or MAML++'s multi-step loss), the hand loop's is meta_loss's:
+    # the same operations, summed in another order (float64 rounding, as RTOL says).
+    one = worlds[1][0]
+    for algorithm in ("maml", "fomaml", "metasgd", "anil", "boil", "cavia"):
+        for layout in M.LAYOUTS:
+            got, want = one[(algorithm, "clone", layout)]["grads"], one[(algorithm, "loop", layout)]["grads"]
+            assert got.keys() == want.keys()
+            for k, g in got.items():
+                top = float(want[k].abs().max())
+                assert float((g - want[k]).abs().max()) <= RTOL * max(top, 1.0), (algorithm, layout, k)
 
 
 def test_the_refused_cells_are_the_declared_ones(worlds):
