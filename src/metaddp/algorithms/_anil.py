@@ -40,8 +40,9 @@ class ANIL(Algorithm):
     Args:
         body: the feature extractor (meta-trained, never adapted).
         head: the part adapted in the inner loop (usually the last linear layer).
-        inner_lr, steps, first_order, optimizer, learn_lr, memory: as :class:`metaddp.MAML`; learned
-            rates cover the head's parameters only.
+        settings: the inner loop's (``inner_lr``, ``steps``, ``first_order``, ``optimizer``,
+            ``learn_lr``, ``memory``, ``autocast``, ``loss_scale``), as :class:`metaddp.MAML`
+            takes them; learned rates cover the head's parameters only.
 
     Fast weights are the head's, named relative to the head (``"weight"``, ``"bias"``).
     """

@@ -26,8 +26,8 @@ class BOIL(MAML):
     Args:
         body: the feature extractor, adapted in the inner loop.
         head: the classifier (usually the last linear layer), held fixed in it.
-        inner_lr, steps, first_order, optimizer, learn_lr, batched, memory, autocast, conv:
-            as :class:`metaddp.MAML`; learned rates cover the body's parameters only.
+        settings: every setting of :class:`metaddp.MAML`; learned rates cover the body's
+            parameters only.
 
     Fast weights are the body's, named as in the model (``"body.<name>"``).
     """

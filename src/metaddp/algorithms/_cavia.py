@@ -45,8 +45,8 @@ class CAVIA(MAML):
     Args:
         model: a network called as ``model(x, context)``, ``context`` of shape ``[context]``.
         context: the number of context parameters.
-        inner_lr, steps, first_order, optimizer, learn_lr, batched, memory, autocast: as
-            :class:`metaddp.MAML` (the paper's inner rate for the context is 1.0).
+        settings: every setting of :class:`metaddp.MAML`; ``inner_lr`` is 1.0 unless given
+            (the paper's inner rate for the context).
 
     Fast weights are ``{"context": [context]}``; ``learner(x, fast)`` runs the model on them.
     """

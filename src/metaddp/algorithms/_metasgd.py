@@ -25,7 +25,7 @@ class MetaSGD(MAML):
         first_order: drop second-order terms (the rates still get their gradient).
         optimizer: a factory taking the learning rate (default :func:`metaddp.inner.sgd`).
         per: ``"parameter"`` (Meta-SGD), ``"tensor"`` or ``"scalar"``.
-        batched, memory: as :class:`MAML`.
+        settings: the other settings of :class:`MAML` (``batched``, ``memory``, ...).
     """
 
     def __init__(
