@@ -30,12 +30,13 @@ def problem(algorithm: str, mode: str, layout: str) -> S.Problem:
 
 def offered(algorithm: str, mode: str) -> bool:
     """Whether the cell is a setting the algorithm takes at all: stacked tasks (``batched``)
-    are MAML's and its subclasses'; ``memory=`` is a parameter of some constructors only."""
+    are MAML's and its subclasses'; ``memory=`` is a parameter of some constructors only,
+    and refused when they are built where the class does not declare it (``supports``)."""
     alg = problem(algorithm, "loop", "sample").build_algorithm()
     if mode == "stacked":
         return isinstance(alg, MAML)
-    if mode == "low":
-        return takes(type(alg), "memory")
+    if mode == "low":  # a constructor that takes memory= refuses it where not declared
+        return takes(type(alg), "memory") and alg.supports.low_memory
     if mode == "clone":  # a hand loop over learner.clone(): the algorithms with inner steps to take
         try:
             alg.clone(reduce=lambda grads: grads)  # one process's: nothing to sum

@@ -15,7 +15,7 @@ so every process scores against the one-process prototypes.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Unpack
 
 import torch
 import torch.nn.functional as F
@@ -28,8 +28,7 @@ from .._share import share
 from .._statistics import class_means
 from .._types import LossFn, Params, Reduce, Supports
 from ..forward import keyed_forward
-from ..inner import InnerOptimizer
-from ._base import Algorithm, OptimizerFactory, need_loss
+from ._base import Algorithm, InnerSettings, need_loss
 from ._exact import Adapted
 
 PROTOTYPES = "prototypes"
@@ -170,7 +169,9 @@ class ProtoMAML(Algorithm):
     Args:
         body: the embedding network (meta-parameters).
         ways: classes per task (labels ``0 .. ways - 1``).
-        inner_lr, steps, first_order, optimizer, autocast: as :class:`metaddp.MAML`.
+        settings: the inner loop's, as :class:`metaddp.MAML` takes them (``inner_lr``,
+            ``steps``, ``first_order``, ``optimizer``, ``autocast``, ``loss_scale``; a learned
+            rate or ``memory="low"`` is refused).
 
     Fast weights are the body's (named ``"body.<name>"``) and ``"weight"`` / ``"bias"``.
     """
@@ -178,25 +179,8 @@ class ProtoMAML(Algorithm):
     model: WithHead
     supports: ClassVar[Supports] = Supports(deterministic=True, autocast=True, sharded=True)
 
-    def __init__(
-        self,
-        body: nn.Module,
-        *,
-        ways: int,
-        inner_lr: float = 0.01,
-        steps: int = 1,
-        first_order: bool = False,
-        optimizer: InnerOptimizer | OptimizerFactory | None = None,
-        autocast: torch.dtype | None = None,
-    ) -> None:
-        super().__init__(
-            WithHead(body),
-            inner_lr=inner_lr,
-            steps=steps,
-            first_order=first_order,
-            optimizer=optimizer,
-            autocast=autocast,
-        )
+    def __init__(self, body: nn.Module, *, ways: int, **settings: Unpack[InnerSettings]) -> None:
+        super().__init__(WithHead(body), **settings)
         self.ways = positive_ways(ways)
 
     def settings(self) -> dict[str, object]:
