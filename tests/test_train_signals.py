@@ -41,20 +41,19 @@ def wait_for(condition, seconds: float = 120.0) -> None:
 
 
 def children(pid: int) -> list[int]:
-    """The worker processes a launcher spawned (Linux /proc)."""
+    """The worker processes a launcher started (Linux /proc): spawned by it, or forked by the
+    fork server it started."""
     out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for child in all_children(pid):
         try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
         except OSError:
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == pid and b"spawn_main" in cmdline:
-            out.append(int(entry))
-    return out
+        if b"spawn_main" in cmdline:
+            out.append(child)
+        elif b"forkserver" in cmdline:
+            out.extend(all_children(child))
+    return sorted(out)
 
 
 @pytest.mark.parametrize("nproc,sig", [(2, signal.SIGTERM), (1, signal.SIGINT)])

@@ -7,6 +7,7 @@ machines uses ``torchrun``, whose environment :func:`metaddp.init` reads.
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import socket
 import tempfile
@@ -26,17 +27,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_server_environ: dict[str, str] | None = None
+"""The environment the fork server started with: what its children start from."""
+
+
 def _start_method() -> str:
     """How ranks start: forked from a server that imported torch and metaddp once (a world
     of two starts in 0.1 s instead of 3.6 s by spawning, measured), else spawned. Either way
     a rank starts from a fresh interpreter's state, not from the caller's. The server also
     imports ``torch._dynamo``, which a ``torch.optim`` optimizer imports when it is first
     built: 1.2 s of every rank's first optimizer at two processes, 0 s preloaded (measured)."""
+    global _server_environ
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
-    # Read when the server starts (the first call); later calls change nothing.
-    multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "metaddp"])
+    if _server_environ is None:
+        multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "metaddp"])
+        multiprocessing.forkserver.ensure_running()
+        _server_environ = dict(os.environ)
     return "forkserver"
+
+
+def started_as_now() -> str:
+    """The start method for ranks that take this process's environment as they find it (torch's
+    elastic launcher sets only its own variables): forked where the fork server started with
+    the environment this process has now, else spawned."""
+    method = _start_method()
+    return method if method == "spawn" or _server_environ == dict(os.environ) else "spawn"
 
 
 def _entry(
