@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from metaddp import call, params_of, sync_batchnorm
+from metaddp import MAML, MetaDDP, call, params_of, sync_batchnorm
+from metaddp.distributed._batchnorm import _synced_by
 
 
 def identity(ts):
@@ -78,19 +79,45 @@ def test_module_is_restored_and_nesting_refused():
     model = net(nn.BatchNorm1d)
     bn = model[1]
     with sync_batchnorm(model, identity):
-        assert "forward" in bn.__dict__
+        assert _synced_by(bn) is not None
         with pytest.raises(RuntimeError, match="already synchronized"):
             with sync_batchnorm(model, identity):
                 pass
-    assert "forward" not in bn.__dict__
+    assert _synced_by(bn) is None and type(bn) is nn.BatchNorm1d
     handle = sync_batchnorm(model, identity)  # without `with`: until remove()
-    assert "forward" in bn.__dict__
+    assert _synced_by(bn) is handle
     handle.remove()
-    assert "forward" not in bn.__dict__
+    assert _synced_by(bn) is None and type(bn) is nn.BatchNorm1d
     with pytest.raises(ValueError, match="boom"):
         with sync_batchnorm(model, identity):
             raise ValueError("boom")
-    assert "forward" not in bn.__dict__
+    assert _synced_by(bn) is None and type(bn) is nn.BatchNorm1d
+
+
+def test_nothing_is_written_into_the_layers():
+    """MetaDDP and sync_batchnorm put no key into any module's ``__dict__`` (no replaced
+    ``forward``, no attribute), and the numbers are one process's on the whole batch."""
+    x = data(nn.BatchNorm2d)
+    ref = net(nn.BatchNorm2d)
+    out_ref, g_ref = second_order(ref, x, synced=False)
+    for how in ("MetaDDP", "sync_batchnorm"):
+        model = net(nn.BatchNorm2d)
+        before = {n: set(vars(m)) for n, m in model.named_modules()}
+        learner = MetaDDP(MAML(model, inner_lr=0.1)) if how == "MetaDDP" else None
+        with sync_batchnorm(model, identity) if learner is None else contextlib.nullcontext():
+            assert _synced_by(model[1]) is not None
+            out, g = second_order(model, x, synced=False)  # synchronized already
+            assert {n: set(vars(m)) for n, m in model.named_modules()} == before, how
+        if learner is not None:
+            learner.release()
+        assert {n: set(vars(m)) for n, m in model.named_modules()} == before, how
+        assert _synced_by(model[1]) is None and type(model[1]) is nn.BatchNorm2d
+        # Tolerances of test_matches_torch_batchnorm_to_second_order, for the same reasons.
+        torch.testing.assert_close(out, out_ref, rtol=1e-12, atol=1e-12)
+        for gi, ri in zip(g, g_ref):
+            torch.testing.assert_close(gi, ri, rtol=1e-10, atol=1e-12)
+        for (k, ra), (_, rb) in zip(ref.named_buffers(), model.named_buffers()):
+            torch.testing.assert_close(rb, ra, rtol=1e-12, atol=1e-12, msg=k)
 
 
 def test_global_statistics_come_from_reduce():

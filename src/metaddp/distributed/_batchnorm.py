@@ -14,8 +14,10 @@ Nothing here knows about meta-learning: ``reduce`` is any differentiable SUM (e.
 
 from __future__ import annotations
 
+import functools
 import math
-import types
+import weakref
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -110,6 +112,8 @@ class BatchNormSync:
     """Every BatchNorm layer of a module takes global batch statistics until :meth:`remove`.
 
     Made by :func:`sync_batchnorm`; also a context manager that removes itself on exit.
+    Until then each layer's class is a subclass of its own with the synced ``forward`` (as
+    ``fully_shard`` gives a module one); nothing is written into the layer's ``__dict__``.
     """
 
     def __init__(self, module: nn.Module, reduce: Reduce) -> None:
@@ -121,32 +125,17 @@ class BatchNormSync:
                 "it when it wraps a module, or an enclosing sync_batchnorm): do not nest it, "
                 "and call release() on a MetaDDP before wrapping its module again"
             )
-        # A forward copied with its layer (copy.deepcopy) from another sync is not kept.
-        self._saved = [
-            None if hasattr(f, "_metaddp_sync") else f
-            for f in (m.__dict__.get("forward") for m in self.layers)
-        ]
         self.reduce = reduce  # read at every call: MetaDDP.local() swaps it for the identity
-        self._ids = {id(m) for m in self.layers}
-        sync = self
-
-        def forward(self: _BatchNorm, x: Tensor) -> Tensor:
-            if id(self) not in sync._ids:  # a copy of a layer (copy.deepcopy): PyTorch's own
-                return type(self).forward(self, x)
-            return synced_batch_norm(self, x, sync.reduce)
-
-        forward._metaddp_sync = self  # type: ignore[attr-defined]
         for m in self.layers:
-            m.forward = types.MethodType(forward, m)  # type: ignore[method-assign]
+            _SYNCS[m] = self
+            m.__class__ = _synced_class(cast(Any, type(m)))
 
     def remove(self) -> None:
-        """Give every layer its own ``forward`` back."""
-        for m, f in zip(self.layers, self._saved, strict=True):
-            if f is None:
-                m.__dict__.pop("forward", None)
-            else:
-                m.forward = f  # type: ignore[method-assign]
-        self.layers, self._saved, self._ids = [], [], set()
+        """Give every layer its own class back."""
+        for m in self.layers:
+            del _SYNCS[m]
+            m.__class__ = type(m).__bases__[0]
+        self.layers = []
 
     def __enter__(self) -> nn.Module:
         return self.module
@@ -155,10 +144,27 @@ class BatchNormSync:
         self.remove()
 
 
+_SYNCS: weakref.WeakKeyDictionary[nn.Module, BatchNormSync] = weakref.WeakKeyDictionary()
+
+
+@functools.cache
+def _synced_class(base: type[Any]) -> type:
+    """``base`` with the synced ``forward``; a copy (deepcopy: an EMA; pickle) is a ``base``."""
+
+    def forward(self: _BatchNorm, x: Tensor) -> Tensor:
+        sync = _synced_by(self)
+        return base.forward(self, x) if sync is None else synced_batch_norm(self, x, sync.reduce)
+
+    def __reduce_ex__(self: _BatchNorm, protocol: int) -> object:
+        return object.__new__, (base,), self.__getstate__()
+
+    names = {"forward": forward, "__reduce_ex__": __reduce_ex__, "__module__": base.__module__}
+    return type(base.__name__, (base,), names)
+
+
 def _synced_by(m: nn.Module) -> BatchNormSync | None:
     """The sync whose layer ``m`` is now, or ``None`` (a copy of a synced layer is not)."""
-    sync = getattr(m.__dict__.get("forward"), "_metaddp_sync", None)
-    return sync if sync is not None and id(m) in sync._ids else None
+    return _SYNCS.get(m)
 
 
 def sync_batchnorm(module: nn.Module, reduce: Reduce) -> BatchNormSync:
