@@ -31,6 +31,7 @@ from .._functional import (
     refusing_draws,
     require_trained,
     rows_like,
+    walked_once,
 )
 from .._remat import Replay, memory_mode, rematerialized_loop, rematerialized_loss
 from .._share import PerSampleCheck
@@ -509,6 +510,7 @@ class Algorithm(nn.Module):
         with (
             self.autocasting(),
             refusing_draws(c.split),
+            walked_once(),
             _draws.meta_batch(self.draw_seed, self.draw_step, range(1)),
             _draws.task(0),
         ):
@@ -594,7 +596,7 @@ class Algorithm(nn.Module):
         # in sync_grads under a MetaDDP, else at the end of this call.
         _host.begin_step()
         try:
-            with self.autocasting(), refusing_draws(c.split):
+            with self.autocasting(), refusing_draws(c.split), walked_once():
                 loss = self._meta_loss(tasks, checked, c)
             c.check_loss(loss, loss_fn)
             if c.step_ends_in_sync:

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from .._adapt import batch_share, check_finite
 from .._data import Batch, Shard, Task, at_least, generator_for, whole
-from .._functional import params_of, refusing_draws
+from .._functional import params_of, refusing_draws, walked_once
 from .._reach import shapes, unknown_leaves
 from .._remat import Replay, rematerialized_loss
 from .._types import LossFn, Params, Reduce, Supports
@@ -445,7 +445,7 @@ class Bilevel(Algorithm):
             Task(support, support), given or self.outer_loss, reduce=c.reduce, weighted=weighted
         )
         k = self.steps if steps is None else steps
-        with refusing_draws(c.split):
+        with refusing_draws(c.split), walked_once():
             return unroll(p, p.start, p.optimizer.init(p.start), k)
 
     def clone(self, *, reduce: Reduce | None = None) -> Learner:
