@@ -203,6 +203,17 @@ def held(values: Params, anchor: Tensor | Params) -> Params:
     return dict(zip(names, cast(tuple[Tensor, ...], copies), strict=True))
 
 
+_HELD: type = _Held._backward_cls  # the class of its nodes
+
+
+def held_start(p: InnerProblem) -> Params:
+    """The start as copies through which no gradient flows back (:func:`held`): the start
+    itself where it is such copies already (a lookahead's, ``start="current"``)."""
+    if p.start and all(isinstance(t.grad_fn, _HELD) for t in p.start.values()):
+        return p.start
+    return held(p.start, _anchor(p))
+
+
 def _anchor(p: InnerProblem) -> Tensor:
     for t in p.start.values():
         if t.requires_grad:
@@ -387,7 +398,7 @@ class _Implicit(Method):
 
     def loss(self, problem: InnerProblem) -> Tensor:
         _refuse_learned_rates(problem, type(self).__name__)
-        start = held(problem.start, _anchor(problem))
+        start = held_start(problem)
         phi, _, _ = _first_order(problem, start, problem.optimizer.init(start), problem.steps)
         q, b = _outer_gradient(problem, phi)
         # This rank's share's gradient, with its graph: to phi for the Hessian-vector
@@ -489,7 +500,7 @@ class _FiniteDifference(Method):
 
     def loss(self, problem: InnerProblem) -> Tensor:
         _refuse_learned_rates(problem, type(self).__name__)
-        start = held(problem.start, _anchor(problem))
+        start = held_start(problem)
         fast, _, last = _first_order(problem, start, problem.optimizer.init(start), problem.steps)
         assert last is not None  # steps >= 1
         q, v = _outer_gradient(problem, fast)
