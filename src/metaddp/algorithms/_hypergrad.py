@@ -34,6 +34,7 @@ from .._adapt import inner_step
 from .._data import at_least
 from .._types import Params, Reduce
 from ..inner import InnerOptimizer, State, learned_rates
+from ._first_step import FirstStep
 
 Vectors = list[Tensor]
 
@@ -159,6 +160,8 @@ class InnerProblem:
         optimizer: the differentiable inner optimizer.
         reduce: the differentiable SUM over the processes that split the batches.
         check: ``check(reduced_grads, step)``: refuses a non-finite inner gradient.
+        first: keeps the objective and this rank's gradient of the step taken at ``start``
+            (:class:`metaddp.algorithms._first_step.FirstStep`), or ``None``.
     """
 
     inner: Callable[[Params, int | None], Tensor]
@@ -168,6 +171,12 @@ class InnerProblem:
     optimizer: InnerOptimizer
     reduce: Reduce
     check: Callable[[Params, int], None] = lambda grads, step: None
+    first: FirstStep | None = None
+
+    def reduce_at(self, loss: Tensor, fast: Params) -> Reduce:
+        """The SUM of the inner step on ``loss`` at ``fast`` (the one at the start kept, where
+        :attr:`first` asks for it)."""
+        return self.reduce if self.first is None else self.first.reduce(loss, fast, self.reduce)
 
 
 class _Held(torch.autograd.Function):
@@ -250,8 +259,8 @@ def _first_order(
             loss = p.inner(fast, k)
         with torch.no_grad():  # the gradient alone is taken with a graph (first order)
             after, new_state = inner_step(
-                loss, fast, state, p.optimizer, step=k, reduce=p.reduce, first_order=True,
-                check=check,
+                loss, fast, state, p.optimizer, step=k, reduce=p.reduce_at(loss, fast),
+                first_order=True, check=check,
             )  # fmt: skip
         last = _Last(fast, seen.pop(), state)
         fast, state = held(after, anchor), _detached(new_state)
@@ -263,8 +272,9 @@ def unroll(p: InnerProblem, fast: Params, state: State, steps: int, first: int =
     is :func:`metaddp.functional.inner_step`, the step MAML's loop takes."""
     with torch.enable_grad():
         for k in range(first, first + steps):
+            loss = p.inner(fast, k)
             fast, state = inner_step(
-                p.inner(fast, k), fast, state, p.optimizer, step=k, reduce=p.reduce
+                loss, fast, state, p.optimizer, step=k, reduce=p.reduce_at(loss, fast)
             )
     return fast
 
