@@ -176,7 +176,7 @@ def generator_states() -> list[bytes]:
     is in use, the current device's. Host copies of a few kilobytes, compared as bytes: no
     device wait, no dispatched operation."""
     states = [torch.random.get_rng_state()]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # a process that has used CUDA (so has it): no query
         states.append(torch.cuda.get_rng_state())
     return [state.numpy().tobytes() for state in states]
 
