@@ -526,8 +526,9 @@ class Algorithm(nn.Module):
     def check_batches(self, batches: Mapping[BatchKey, Batch], c: Collectives) -> None:
         """Refuse batches that cannot be what they say (:func:`metaddp._data.check_batches`),
         and a module with nothing to train, before any work."""
-        require_trained(self)
         like = next((p for p in self.parameters() if p.requires_grad), None)
+        if like is None:
+            require_trained(self)  # raises: nothing to train
         check_batches(batches, like, whole=not c.samples_split, dtypes=self.autocast is None)
 
     def extra_grad(self) -> Callable[[Params], Params] | None:
