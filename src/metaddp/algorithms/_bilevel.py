@@ -403,11 +403,12 @@ class Bilevel(Algorithm):
         return loss + (step - step.detach())
 
     def _same_objective(self) -> bool:
-        """Whether the inner objective at the model's weights is the first inner step's, to the
-        bit, computed again: its forward draws no dropout (keyed by the forward's number)
-        and no other number a module's code may draw, moves no buffer (a running
-        statistic), and its weights are whole. (Draws from torch's generators by the loss
-        functions are seen after the step: ``task_loss``.)"""
+        """Whether the inner objective at the model's weights, computed again, would be the
+        first inner step's to the bit: no module may draw (keyed dropout differs by the
+        forward's number, and a module's own draws by the generator's state) or hold a
+        buffer (running statistics move at every forward), and the weights are whole.
+        (Draws from torch's generators in the loss functions are seen after the steps:
+        ``task_loss``.)"""
         if sharding_of(self.model) is not None:
             return False
         return not any(m._buffers or may_draw(m) for m in self.modules())
