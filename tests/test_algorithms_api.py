@@ -252,3 +252,25 @@ def test_anil_clone_adapts_the_head_and_equals_meta_loss():
         # The clone runs the body once per call, ANIL's meta_loss once per batch: the same
         # numbers, summed in a different order on the body's gradient (float64): a few ulps.
         torch.testing.assert_close(ga.grad, gb.grad, rtol=1e-12, atol=1e-14, msg=k)
+
+
+def test_tied_weights_are_replaced_together_inside_a_meta_loss():
+    # Inside a meta-loss the module's tree is walked at its first forward only; one whose
+    # weights are tied keeps functional_call's tying, and a new meta-loss walks it again.
+    from metaddp._functional import call, ties_weights, walked_once
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(2, 2, bias=False), nn.Linear(2, 2, bias=False)).double()
+    x = torch.randn(3, 2, dtype=torch.float64)
+    w = torch.randn(2, 2, dtype=torch.float64)
+    assert not ties_weights(net)
+    with walked_once():
+        untied = call(net, {"0.weight": w}, x)
+    assert torch.equal(untied, x @ w.T @ net[1].weight.detach().T)
+    net[1].weight = net[0].weight  # tied between two meta-losses
+    assert ties_weights(net)
+    with walked_once():
+        tied = call(net, {"0.weight": w}, x)
+        assert torch.equal(call(net, {"0.weight": w}, x), tied)  # the kept walk
+    assert torch.equal(tied, x @ w.T @ w.T)
+    assert torch.equal(call(net, {"0.weight": w}, x), tied)  # outside: torch's own search

@@ -360,3 +360,85 @@ def test_rates_computed_once_and_returned_again_are_refused(memory):
     with pytest.raises(ValueError, match="returned a learned rate it had returned before"):
         for _ in range(2):
             reused.meta_loss([task], loss_fn).backward()
+
+
+def _train_inner_step(algorithm: md.Bilevel, task: md.Task, keep: bool) -> tuple[dict, int]:
+    """One meta-loss and backward of ``algorithm`` (``keep``: the first inner step's gradient
+    kept where the problem allows it; else computed again), its gradients and the forwards
+    its model ran."""
+    forwards = []
+    hook = algorithm.model.register_forward_pre_hook(lambda m, a: forwards.append(1))
+    same = algorithm._same_objective
+    if not keep:
+        algorithm._same_objective = lambda: False  # the gradient computed again
+    try:
+        torch.manual_seed(1)  # a loss that draws draws alike in both runs
+        algorithm.draw_step = 0  # and so does keyed dropout
+        loss = algorithm.meta_loss([task])
+        loss.backward()
+    finally:
+        hook.remove()
+        algorithm._same_objective = same
+    grads = {k: q.grad.clone() for k, q in algorithm.named_parameters() if q.grad is not None}
+    algorithm.zero_grad(set_to_none=True)
+    return {"loss": loss.detach(), **grads}, len(forwards)
+
+
+@pytest.mark.parametrize("method", [*METHODS, "low"])
+def test_plain_training_takes_the_first_steps_gradient_to_the_bit(method):
+    # train_inner's gradient at the model's weights is the first inner step's, computed at
+    # held copies of the same weights: kept from that step, one forward and backward fewer,
+    # to the same bits; memory="low" rebuilds its steps and computes it again.
+    low = method == "low"
+    p = S.BilevelProblem(method="unrolled" if low else method, memory="low" if low else "default",
+                         optimizer="adam" if method == "sama" else "sgd")
+    algorithm = p.build_algorithm()
+    algorithm.train_inner = True
+    kept, fewer = _train_inner_step(algorithm, p.task(0), keep=True)
+    again, more = _train_inner_step(algorithm, p.task(0), keep=False)
+    assert kept.keys() == again.keys() and any(k.startswith("model.") for k in kept)
+    assert all(torch.equal(kept[k], again[k]) for k in kept), method
+    assert fewer == more - (0 if low else 1)
+
+
+@pytest.mark.parametrize("draws", ["dropout", "running statistics", "loss"])
+def test_plain_training_computes_the_gradient_again_where_a_forward_differs(draws):
+    # Keyed dropout differs by the forward's number, running statistics move at every
+    # forward, and a loss may draw from torch's generator: the gradient is computed again.
+    torch.manual_seed(0)
+    mid = {"dropout": nn.Dropout(0.3), "running statistics": nn.BatchNorm1d(5)}.get(draws, nn.Identity())
+    net = nn.Sequential(nn.Linear(3, 5), mid, nn.Tanh(), nn.Linear(5, 2)).double()
+    p = S.BilevelProblem(method="t1t2")
+    weighting = md.bilevel.WeightNet(6).double()
+
+    def noisy(pred, y):
+        losses = S.ce_per_sample(pred, y)
+        return losses * (1 + 1e-3 * torch.rand_like(losses)) if draws == "loss" else losses
+
+    algorithm = md.Bilevel(net, weights=weighting, inner_loss=noisy, outer_loss=S.ce_per_sample,
+                           start="current", method=md.bilevel.T1T2(), train_inner=True)
+    kept, fewer = _train_inner_step(algorithm, p.task(0), keep=True)
+    again, more = _train_inner_step(algorithm, p.task(0), keep=False)
+    assert all(torch.equal(kept[k], again[k]) for k in kept)
+    assert fewer == more
+
+
+def test_plain_training_refuses_a_weighting_read_by_closure_after_inner_steps():
+    # The search of the kept objective's graph finds what the search of a new one found.
+    p = S.BilevelProblem(method="t1t2")
+    net, weighting = p.build_model()
+
+    def weighted(pred, y):
+        losses = S.ce_per_sample(pred, y)
+        return weighting(losses) * losses
+
+    decay = nn.ParameterDict({"d": nn.Parameter(torch.tensor(0.1, dtype=torch.float64))})
+    algorithm = md.Bilevel(net, outer=decay, inner_loss=weighted, outer_loss=S.ce_per_sample,
+                           penalty=lambda fast: decay["d"] * sum((w * w).sum() for w in fast.values()),
+                           start="current", method=md.bilevel.T1T2(), train_inner=True)
+    with pytest.raises(ValueError, match="reads 4 trained tensor") as kept:
+        algorithm.meta_loss([p.task(0)])
+    algorithm._same_objective = lambda: False  # the objective computed again
+    with pytest.raises(ValueError) as again:
+        algorithm.meta_loss([p.task(0)])
+    assert str(kept.value) == str(again.value)

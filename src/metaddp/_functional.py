@@ -7,6 +7,9 @@ swaps the tensors in for the duration of one call and restores the originals.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import dataclasses
+import itertools
 import os
 import random
 import traceback
@@ -20,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from ._binding import sharding_of
 from ._data import KEYED
-from .forward import routes
+from .forward import needs_routes, routes
 
 Params = dict[str, Tensor]
 
@@ -59,8 +62,70 @@ def call(
     full = sharding_of(module)
     if full is not None:  # sharded meta-parameters: gathered for this forward
         weights = full(module, weights)
-    with routes(module):
-        return torch.func.functional_call(module, weights, args, kwargs, strict=False)
+    walked = _walk(module)
+    with routes(module, walked.routes):
+        return torch.func.functional_call(
+            module, weights, args, kwargs, tie_weights=walked.ties, strict=False
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Walked:
+    """What a forward learns from a walk of ``module``'s tree: whether the routing may be
+    needed (:func:`metaddp.forward.needs_routes`) and whether ``functional_call`` must look
+    for tied weights (``ties``: everywhere but where a walk found none)."""
+
+    module: nn.Module  # held, so that no other module takes its id while it is remembered
+    routes: bool
+    ties: bool
+
+
+_WALKED: contextvars.ContextVar[dict[int, _Walked] | None] = contextvars.ContextVar(
+    "metaddp_walked", default=None
+)
+
+
+@contextlib.contextmanager
+def walked_once() -> Iterator[None]:
+    """Inside (one meta-loss, one adaptation), each module's tree is walked at its first
+    forward only (:class:`_Walked`): its modules and parameters do not change while the
+    block runs, and each forward would otherwise walk it three times (the routing's check
+    and ``functional_call``'s search for tied weights). A forward outside walks as ever.
+    Nested blocks share the outermost's."""
+    if _WALKED.get() is not None:
+        yield
+        return
+    token = _WALKED.set({})
+    try:
+        yield
+    finally:
+        _WALKED.reset(token)
+
+
+def _walk(module: nn.Module) -> _Walked:
+    walked = _WALKED.get()
+    if walked is None:
+        return _Walked(module, needs_routes(module), True)
+    seen = walked.get(id(module))
+    if seen is None or seen.module is not module:
+        seen = walked[id(module)] = _Walked(module, needs_routes(module), ties_weights(module))
+    return seen
+
+
+def ties_weights(module: nn.Module) -> bool:
+    """Whether ``module`` holds one tensor under two names (tied weights: an embedding and
+    the output layer that shares it), which ``torch.func.functional_call(...,
+    tie_weights=True)`` then replaces together. Without any, ``tie_weights=False`` makes the
+    same call without its walks of the module."""
+    seen: set[int] = set()
+    for _, t in itertools.chain(
+        module.named_parameters(remove_duplicate=False),
+        module.named_buffers(remove_duplicate=False),
+    ):
+        if id(t) in seen:
+            return True
+        seen.add(id(t))
+    return False
 
 
 def whole(module: nn.Module, params: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
@@ -111,7 +176,7 @@ def generator_states() -> list[bytes]:
     is in use, the current device's. Host copies of a few kilobytes, compared as bytes: no
     device wait, no dispatched operation."""
     states = [torch.random.get_rng_state()]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # a process that has used CUDA (so has it): no query
         states.append(torch.cuda.get_rng_state())
     return [state.numpy().tobytes() for state in states]
 

@@ -31,6 +31,7 @@ from .._functional import (
     refusing_draws,
     require_trained,
     rows_like,
+    walked_once,
 )
 from .._remat import Replay, memory_mode, rematerialized_loop, rematerialized_loss
 from .._share import PerSampleCheck
@@ -525,6 +526,7 @@ class Algorithm(nn.Module):
         with (
             self.autocasting(),
             refusing_draws(c.split),
+            walked_once(),
             _draws.meta_batch(self.draw_seed, self.draw_step, range(1)),
             _draws.task(0),
         ):
@@ -540,8 +542,9 @@ class Algorithm(nn.Module):
     def check_batches(self, batches: Mapping[BatchKey, Batch], c: Collectives) -> None:
         """Refuse batches that cannot be what they say (:func:`metaddp._data.check_batches`),
         and a module with nothing to train, before any work."""
-        require_trained(self)
         like = next((p for p in self.parameters() if p.requires_grad), None)
+        if like is None:
+            require_trained(self)  # raises: nothing to train
         check_batches(batches, like, whole=not c.samples_split, dtypes=self.autocast is None)
 
     def extra_grad(self) -> Callable[[Params], Params] | None:
@@ -610,7 +613,7 @@ class Algorithm(nn.Module):
         # in sync_grads under a MetaDDP, else at the end of this call.
         _host.begin_step()
         try:
-            with self.autocasting(), refusing_draws(c.split):
+            with self.autocasting(), refusing_draws(c.split), walked_once():
                 loss = self._meta_loss(tasks, checked, c)
             c.check_loss(loss, loss_fn)
             if c.step_ends_in_sync:

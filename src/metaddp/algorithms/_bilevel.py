@@ -27,13 +27,16 @@ import torch
 from torch import Tensor, nn
 
 from .._adapt import batch_share, check_finite
+from .._binding import sharding_of
 from .._data import Batch, Shard, Task, at_least, generator_for, whole
-from .._functional import params_of, refusing_draws
+from .._functional import generator_states, params_of, refusing_draws, walked_once
 from .._reach import shapes, unknown_leaves
 from .._remat import Replay, rematerialized_loss
 from .._types import LossFn, Params, Reduce, Supports
+from ..forward import may_draw
 from ..inner import InnerOptimizer, learned_rates
 from ._base import Algorithm, local_fraction
+from ._first_step import FirstStep
 from ._hypergrad import InnerProblem, Method, Truncated, Unrolled, held, unroll
 from ._learner import Learner
 
@@ -285,7 +288,9 @@ class Bilevel(Algorithm):
         )
 
     def fast_weights(self) -> Params:
-        weights = params_of(self.model)
+        return self._start_at(params_of(self.model))
+
+    def _start_at(self, weights: Params) -> Params:
         if self.start == "outer":
             return weights
         return held(weights, weights)  # each hung off its own weight
@@ -309,10 +314,17 @@ class Bilevel(Algorithm):
         return {f"model.{k}" for k, _ in self.model.named_parameters()}
 
     def problem(
-        self, task: Task, loss_fn: LossFn | None, *, reduce: Reduce, weighted: bool = True
+        self,
+        task: Task,
+        loss_fn: LossFn | None,
+        *,
+        reduce: Reduce,
+        weighted: bool = True,
+        keep_first: bool = False,
     ) -> InnerProblem:
         """The inner problem of ``task``: its support is the inner batch, its query the outer
-        (``weighted=False``: without the weighting, whose outer variables it then ignores)."""
+        (``weighted=False``: without the weighting, whose outer variables it then ignores;
+        ``keep_first``: the first inner step's gradient kept, :class:`FirstStep`)."""
         # Its own losses checked as meta_loss checks the one it is given.
         per_sample = self.per_sample(self.inner_loss) if self.inner_loss else loss_fn
         outer_loss = self.per_sample(self.outer_loss) if self.outer_loss else loss_fn
@@ -342,21 +354,33 @@ class Bilevel(Algorithm):
         def outer(fast: Params) -> Tensor:
             return batch_share(model, fast, task.query, outer_loss)
 
+        own = params_of(self.model)
+        start = self._start_at(own)
         return InnerProblem(
-            inner, outer, self.fast_weights(), self.steps, self.inner_optimizer(), reduce,
-            check_finite,
+            inner, outer, start, self.steps, self.inner_optimizer(), reduce, check_finite,
+            FirstStep(own, start) if keep_first else None,
         )  # fmt: skip
 
     def task_loss(self, task: Task, loss_fn: LossFn | None, *, reduce: Reduce) -> Tensor:
-        p = self.problem(task, loss_fn, reduce=reduce)
+        keep = self.train_inner and self._same_objective()
+        p = self.problem(task, loss_fn, reduce=reduce, keep_first=keep)
+        drawn = generator_states() if keep else None
         loss = self._hypergradient(p, task, reduce)
         if not self.train_inner:
             return loss
         # The inner objective's gradient in the model's own weights, the outer variables
-        # held: a share's gradient (the wrapper's SUM makes it the batch's).
-        theta = params_of(self.model)
+        # held: a share's gradient (the wrapper's SUM makes it the batch's). The first inner
+        # step took it at held copies of these weights (FirstStep), unless it ran no step
+        # there or something drew from torch's generators meanwhile.
+        first = p.first
+        if first is not None and (first.grads is None or drawn != generator_states()):
+            first = None
         with torch.enable_grad():
-            objective = p.inner(theta, None)
+            if first is None:
+                theta = params_of(self.model)
+                objective = p.inner(theta, None)
+            else:
+                theta, objective = first.weights, cast(Tensor, first.objective)
             # This gradient is taken without its graph: a trained tensor the inner loss reads
             # from outside the problem (a weighting network by closure) would get nothing.
             if outside := unknown_leaves([objective], list(self.parameters())):
@@ -366,13 +390,28 @@ class Bilevel(Algorithm):
                     "get no gradient: pass a weighting network as weights= (or the module that "
                     "holds them as outer=), or freeze them (requires_grad=False)"
                 )
-            g = torch.autograd.grad(
-                objective, list(theta.values()), allow_unused=True, materialize_grads=True
+            g = (
+                torch.autograd.grad(
+                    objective, list(theta.values()), allow_unused=True, materialize_grads=True
+                )
+                if first is None
+                else cast(list[Tensor], first.grads)
             )
         step = cast(
             Tensor, sum((w * d.detach()).sum() for w, d in zip(theta.values(), g, strict=True))
         )
         return loss + (step - step.detach())
+
+    def _same_objective(self) -> bool:
+        """Whether the inner objective at the model's weights, computed again, would be the
+        first inner step's to the bit: no module may draw (keyed dropout differs by the
+        forward's number, and a module's own draws by the generator's state) or hold a
+        buffer (running statistics move at every forward), and the weights are whole.
+        (Draws from torch's generators in the loss functions are seen after the steps:
+        ``task_loss``.)"""
+        if sharding_of(self.model) is not None:
+            return False
+        return not any(m._buffers or may_draw(m) for m in self.modules())
 
     def _hypergradient(self, p: InnerProblem, task: Task, reduce: Reduce) -> Tensor:
         if self.start == "current" and not any(t.requires_grad for t in self._outer_params()):
@@ -445,7 +484,7 @@ class Bilevel(Algorithm):
             Task(support, support), given or self.outer_loss, reduce=c.reduce, weighted=weighted
         )
         k = self.steps if steps is None else steps
-        with refusing_draws(c.split):
+        with refusing_draws(c.split), walked_once():
             return unroll(p, p.start, p.optimizer.init(p.start), k)
 
     def clone(self, *, reduce: Reduce | None = None) -> Learner:

@@ -34,6 +34,7 @@ from .._adapt import inner_step
 from .._data import at_least
 from .._types import Params, Reduce
 from ..inner import InnerOptimizer, State, learned_rates
+from ._first_step import FirstStep
 
 Vectors = list[Tensor]
 
@@ -159,6 +160,8 @@ class InnerProblem:
         optimizer: the differentiable inner optimizer.
         reduce: the differentiable SUM over the processes that split the batches.
         check: ``check(reduced_grads, step)``: refuses a non-finite inner gradient.
+        first: keeps the objective and this rank's gradient of the step taken at ``start``
+            (:class:`metaddp.algorithms._first_step.FirstStep`), or ``None``.
     """
 
     inner: Callable[[Params, int | None], Tensor]
@@ -168,6 +171,12 @@ class InnerProblem:
     optimizer: InnerOptimizer
     reduce: Reduce
     check: Callable[[Params, int], None] = lambda grads, step: None
+    first: FirstStep | None = None
+
+    def reduce_at(self, loss: Tensor, fast: Params) -> Reduce:
+        """The SUM of the inner step on ``loss`` at ``fast`` (the one at the start kept, where
+        :attr:`first` asks for it)."""
+        return self.reduce if self.first is None else self.first.reduce(loss, fast, self.reduce)
 
 
 class _Held(torch.autograd.Function):
@@ -201,6 +210,17 @@ def held(values: Params, anchor: Tensor | Params) -> Params:
     with torch.enable_grad():
         copies = _Held.apply(len(names), *(values[k].detach() for k in names), *anchors)
     return dict(zip(names, cast(tuple[Tensor, ...], copies), strict=True))
+
+
+_HELD: type = _Held._backward_cls  # the class of its nodes
+
+
+def held_start(p: InnerProblem) -> Params:
+    """The start as copies through which no gradient flows back (:func:`held`): the start
+    itself where it is such copies already (a lookahead's, ``start="current"``)."""
+    if p.start and all(isinstance(t.grad_fn, _HELD) for t in p.start.values()):
+        return p.start
+    return held(p.start, _anchor(p))
 
 
 def _anchor(p: InnerProblem) -> Tensor:
@@ -239,8 +259,8 @@ def _first_order(
             loss = p.inner(fast, k)
         with torch.no_grad():  # the gradient alone is taken with a graph (first order)
             after, new_state = inner_step(
-                loss, fast, state, p.optimizer, step=k, reduce=p.reduce, first_order=True,
-                check=check,
+                loss, fast, state, p.optimizer, step=k, reduce=p.reduce_at(loss, fast),
+                first_order=True, check=check,
             )  # fmt: skip
         last = _Last(fast, seen.pop(), state)
         fast, state = held(after, anchor), _detached(new_state)
@@ -252,8 +272,9 @@ def unroll(p: InnerProblem, fast: Params, state: State, steps: int, first: int =
     is :func:`metaddp.functional.inner_step`, the step MAML's loop takes."""
     with torch.enable_grad():
         for k in range(first, first + steps):
+            loss = p.inner(fast, k)
             fast, state = inner_step(
-                p.inner(fast, k), fast, state, p.optimizer, step=k, reduce=p.reduce
+                loss, fast, state, p.optimizer, step=k, reduce=p.reduce_at(loss, fast)
             )
     return fast
 
@@ -387,7 +408,7 @@ class _Implicit(Method):
 
     def loss(self, problem: InnerProblem) -> Tensor:
         _refuse_learned_rates(problem, type(self).__name__)
-        start = held(problem.start, _anchor(problem))
+        start = held_start(problem)
         phi, _, _ = _first_order(problem, start, problem.optimizer.init(start), problem.steps)
         q, b = _outer_gradient(problem, phi)
         # This rank's share's gradient, with its graph: to phi for the Hessian-vector
@@ -489,7 +510,7 @@ class _FiniteDifference(Method):
 
     def loss(self, problem: InnerProblem) -> Tensor:
         _refuse_learned_rates(problem, type(self).__name__)
-        start = held(problem.start, _anchor(problem))
+        start = held_start(problem)
         fast, _, last = _first_order(problem, start, problem.optimizer.init(start), problem.steps)
         assert last is not None  # steps >= 1
         q, v = _outer_gradient(problem, fast)

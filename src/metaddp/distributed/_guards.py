@@ -680,7 +680,10 @@ class StepGuards:
     def _still_summed(self) -> list[str]:
         """The trained parameters whose ``.grad`` is still the SUM the last sync_grads()
         wrote, untouched since (not zeroed, replaced or added to)."""
-        if not self._summed:
+        # Most steps zero the gradients first (freed or written to): no walk of the module.
+        if not any(
+            (g := ref()) is not None and g._version == v for ref, v in self._summed.values()
+        ):
             return []
         held = []
         for name, p in self.module.named_parameters():

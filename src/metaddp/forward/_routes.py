@@ -323,9 +323,12 @@ def needs_routes(model: nn.Module) -> bool:
     return any(_forward_may_route(cast(Any, type(m))) for m in model.modules())
 
 
-def routes(model: nn.Module) -> contextlib.AbstractContextManager:
-    """The routing around one forward of ``model`` (module docstring), where it may be needed."""
-    return _Routes() if needs_routes(model) else contextlib.nullcontext()
+def routes(model: nn.Module, needed: bool | None = None) -> contextlib.AbstractContextManager:
+    """The routing around one forward of ``model`` (module docstring), where it may be needed
+    (``needed``: :func:`needs_routes` of ``model``, where the caller knows it already)."""
+    if needed is None:
+        needed = needs_routes(model)
+    return _Routes() if needed else contextlib.nullcontext()
 
 
 def unkeyable_layers(model: nn.Module) -> list[str]:
