@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from .._adapt import StepLoss
 from .._types import Params, Reduce
 
 
@@ -29,15 +30,26 @@ class FirstStep:
         self.objective: Tensor | None = None
         self.grads: list[Tensor] | None = None
 
-    def reduce(self, loss: Tensor, fast: Params, reduce: Reduce) -> Reduce:
-        """The SUM to give the inner step on ``loss`` at ``fast``: ``reduce``, which at the
-        start also keeps the gradient it is given (the step's own, in ``fast``'s order) and
-        ``loss``. A reduce that sums sharded weights by name is left as it is."""
-        if fast is not self.start or self.grads is not None or hasattr(reduce, "by_name"):
-            return reduce
+    def watch(self, inner: StepLoss, reduce: Reduce) -> tuple[StepLoss, Reduce]:
+        """``inner`` and ``reduce`` for the inner steps (:func:`metaddp._adapt.descend`); at
+        ``start`` they keep the step's objective and the gradient the SUM is given (in
+        ``start``'s order). A reduce that sums sharded weights by name is left as it is."""
+        if hasattr(reduce, "by_name"):
+            return inner, reduce
+        at_start = False
+
+        def objective(fast: Params, k: int) -> Tensor:
+            nonlocal at_start
+            loss = inner(fast, k)
+            at_start = fast is self.start and self.grads is None
+            if at_start:
+                self.objective = loss
+            return loss
 
         def keeping(grads: list[Tensor]) -> list[Tensor]:
-            self.objective, self.grads = loss, list(grads)
+            nonlocal at_start
+            if at_start:
+                self.grads, at_start = list(grads), False
             return reduce(grads)
 
-        return keeping
+        return objective, keeping

@@ -21,6 +21,7 @@ docs/bilevel.md.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import warnings
 from collections.abc import Callable
@@ -30,7 +31,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-from .._adapt import inner_step
+from .._adapt import StepLoss, descend
 from .._data import at_least
 from .._types import Params, Reduce
 from ..inner import InnerOptimizer, State, learned_rates
@@ -173,10 +174,14 @@ class InnerProblem:
     check: Callable[[Params, int], None] = lambda grads, step: None
     first: FirstStep | None = None
 
-    def reduce_at(self, loss: Tensor, fast: Params) -> Reduce:
-        """The SUM of the inner step on ``loss`` at ``fast`` (the one at the start kept, where
-        :attr:`first` asks for it)."""
-        return self.reduce if self.first is None else self.first.reduce(loss, fast, self.reduce)
+    def stepping(self) -> tuple[StepLoss, Reduce]:
+        """The inner steps' objective and SUM (:func:`metaddp._adapt.descend`'s), which keep
+        the step at the start's objective and gradient where :attr:`first` asks for them."""
+        return (
+            (self.inner, self.reduce)
+            if self.first is None
+            else self.first.watch(self.inner, self.reduce)
+        )
 
 
 class _Held(torch.autograd.Function):
@@ -254,29 +259,23 @@ def _first_order(
         seen.append(g)  # the step's reduced gradient, kept for _Last
         p.check(g, k)
 
-    for k in range(first, first + steps):
-        with torch.enable_grad():
-            loss = p.inner(fast, k)
-        with torch.no_grad():  # the gradient alone is taken with a graph (first order)
-            after, new_state = inner_step(
-                loss, fast, state, p.optimizer, step=k, reduce=p.reduce_at(loss, fast),
-                first_order=True, check=check,
-            )  # fmt: skip
+    loss, reduce = p.stepping()
+    for after, new_state in descend(
+        loss, fast, state, p.optimizer, range(first, first + steps), reduce=reduce, check=check,
+        restart=lambda f, s: (held(f, anchor), _detached(s)),
+    ):  # fmt: skip
         last = _Last(fast, seen.pop(), state)
-        fast, state = held(after, anchor), _detached(new_state)
+        fast, state = after, new_state
     return fast, state, last
 
 
 def unroll(p: InnerProblem, fast: Params, state: State, steps: int, first: int = 0) -> Params:
     """``steps`` inner steps whose graph is kept (second order); ``first`` numbers them. Each
     is :func:`metaddp.functional.inner_step`, the step MAML's loop takes."""
-    with torch.enable_grad():
-        for k in range(first, first + steps):
-            loss = p.inner(fast, k)
-            fast, state = inner_step(
-                loss, fast, state, p.optimizer, step=k, reduce=p.reduce_at(loss, fast)
-            )
-    return fast
+    loss, reduce = p.stepping()
+    ks = range(first, first + steps)
+    last = collections.deque(descend(loss, fast, state, p.optimizer, ks, reduce=reduce), maxlen=1)
+    return last[0][0] if last else fast
 
 
 def _outer_gradient(p: InnerProblem, fast: Params) -> tuple[Tensor, Vectors]:
