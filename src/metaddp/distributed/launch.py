@@ -42,7 +42,10 @@ def _start_method() -> str:
         return "spawn"
     if _server_environ is None:
         multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "metaddp"])
-        multiprocessing.forkserver.ensure_running()
+        try:
+            multiprocessing.forkserver.ensure_running()
+        except OSError:  # no server here (a sandbox without its socket): spawn instead
+            return "spawn"
         _server_environ = dict(os.environ)
     return "forkserver"
 
