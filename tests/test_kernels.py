@@ -26,7 +26,10 @@ def randn(*shape, seed=0, grad=True):
 
 # --- batch norm -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("shape", [(6, 3), (4, 3, 5), (3, 2, 4, 3)], ids=["1d", "2d-seq", "2d"])
+# Small shapes: finite differences of the second derivative cost the square of the entries
+# (72 took 16 s), and a wrong adjoint term is wrong at any size that has several samples,
+# channels and positions.
+@pytest.mark.parametrize("shape", [(5, 3), (3, 2, 4), (2, 2, 3, 2)], ids=["1d", "2d-seq", "2d"])
 @pytest.mark.parametrize("affine", [True, False])
 def test_batch_norm_matches_finite_differences_to_the_third_order(shape, affine):
     x = randn(*shape)
