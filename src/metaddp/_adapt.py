@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, overload
+from typing import overload
 
 import torch
 from torch import Tensor, nn
@@ -290,7 +290,10 @@ def descend(
     *,
     restart: Callable[[Params, State], tuple[Params, State]] | None = None,
     first_order: bool = False,
-    **step: Any,
+    reduce: Reduce | None = None,
+    extra_grad: Callable[[Params], Params] | None = None,
+    scale: TaskScale | None = None,
+    check: Callable[[Params, int], None] | None = None,
 ) -> Iterator[tuple[Params, State]]:
     """The K-step loop, written once: for each ``k`` of ``steps``, :func:`inner_step` on
     ``loss(fast, k)``, yielding the weights and optimizer state after it. Every path's loop
@@ -301,16 +304,16 @@ def descend(
         restart: the steps keep no graph between them: each is taken first order with no
             graph of its own, and ``restart(fast, state)`` makes the next step's start
             (tensors that need a gradient with no path back).
-        first_order, step: as :func:`inner_step` (``reduce``, ``extra_grad``, ``scale``,
-            ``check``).
+        first_order, reduce, extra_grad, scale, check: as :func:`inner_step`.
     """
     for k in steps:
         with torch.enable_grad():
             share = loss(fast, k)
         with torch.set_grad_enabled(restart is None):
             fast, state = inner_step(
-                share, fast, state, optimizer, step=k,
-                first_order=first_order or restart is not None, **step,
+                share, fast, state, optimizer, step=k, reduce=reduce,
+                first_order=first_order or restart is not None, extra_grad=extra_grad,
+                scale=scale, check=check,
             )  # fmt: skip
         if restart is not None:
             fast, state = restart(fast, state)
