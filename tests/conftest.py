@@ -25,3 +25,55 @@ def worlds(tmp_path_factory):
     for w in (1, 2, 3, 4):
         out[w] = run_local(workers.everything, w, str(root / f"w{w}"), threads=1)
     return out
+
+
+# The README's glyphs run draws the glyph set of this machine's fonts the first time (30 s of
+# one core; tests/test_glyphs.py checks the drawing itself on a few fonts). The session draws
+# it from its start, at the lowest priority, on the core that the one-process tests leave idle;
+# tests/test_docs.py waits for it (bounded) and runs the README's commands against that cache.
+GLYPHS: dict = {}
+
+
+def pytest_sessionstart(session):
+    import subprocess
+    import tempfile
+
+    if getattr(session.config, "workerinput", None) is not None or session.config.option.collectonly:
+        return
+    cache = tempfile.mkdtemp(prefix="metaddp-glyphs-")
+    draw = "from metaddp.tasks import _fonts, glyphs; glyphs.load(_fonts.select(None), show=False)"
+    env = dict(os.environ, METADDP_CACHE=cache, OMP_NUM_THREADS="1")
+    try:
+        import PIL  # noqa: F401 (the glyphs need Pillow: without it, test_docs draws nothing)
+    except ImportError:
+        return
+    GLYPHS.update(cache=cache, process=subprocess.Popen(
+        [sys.executable, "-c", draw], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        preexec_fn=lambda: os.nice(19)))
+
+
+def glyph_cache(timeout: float = 300.0) -> str | None:
+    """The session's glyph cache folder once its drawing has ended (None if none was started);
+    a drawing that fails or outlasts ``timeout`` seconds is an error naming why."""
+    import subprocess
+
+    if not GLYPHS:
+        return None
+    try:
+        GLYPHS["process"].wait(timeout)
+    except subprocess.TimeoutExpired:
+        GLYPHS["process"].kill()
+        raise RuntimeError(f"drawing the glyph set took over {timeout:.0f} s") from None
+    if GLYPHS["process"].returncode != 0:
+        raise RuntimeError(f"drawing the glyph set failed: {GLYPHS['process'].stderr.read().decode()[-2000:]}")
+    return GLYPHS["cache"]
+
+
+def pytest_sessionfinish(session):
+    import shutil
+
+    if GLYPHS:
+        GLYPHS["process"].kill()
+        GLYPHS["process"].wait()
+        GLYPHS["process"].stderr.close()
+        shutil.rmtree(GLYPHS["cache"], ignore_errors=True)

@@ -66,12 +66,18 @@ def ran(tmp_path_factory) -> dict[str, list]:
     import sys
     from concurrent.futures import ThreadPoolExecutor
 
-    # The glyphs drawn by the first glyphs run go to a folder of the test's own.
-    env = dict(os.environ, METADDP_CACHE=str(tmp_path_factory.mktemp("cache")), OMP_NUM_THREADS="1")
+    from conftest import GLYPHS, glyph_cache  # tests/ is on sys.path (conftest.py)
+
+    # The glyph set is the one the session draws in the background (tests/conftest.py): the
+    # glyphs run waits for it, the other jobs do not.
+    env = dict(os.environ, METADDP_CACHE=GLYPHS.get("cache") or str(tmp_path_factory.mktemp("cache")),
+               OMP_NUM_THREADS="1")
     env.pop("LOCAL_RANK", None)
     bin_dir = str(Path(sys.executable).parent) + "/"
 
     def readme(stream: list[str]) -> list[tuple[str, subprocess.CompletedProcess]]:
+        if any(" glyphs " in command for command in stream):
+            glyph_cache()
         return [(command, subprocess.run(command.replace(".venv/bin/", bin_dir), shell=True, cwd=ROOT,
                                          capture_output=True, text=True, timeout=300, env=env))
                 for command in stream]
