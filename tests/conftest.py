@@ -40,13 +40,13 @@ def pytest_sessionstart(session):
 
     if getattr(session.config, "workerinput", None) is not None or session.config.option.collectonly:
         return
-    cache = tempfile.mkdtemp(prefix="metaddp-glyphs-")
-    draw = "from metaddp.tasks import _fonts, glyphs; glyphs.load(_fonts.select(None), show=False)"
-    env = dict(os.environ, METADDP_CACHE=cache, OMP_NUM_THREADS="1")
     try:
         import PIL  # noqa: F401 (the glyphs need Pillow: without it, test_docs draws nothing)
     except ImportError:
         return
+    cache = tempfile.mkdtemp(prefix="metaddp-glyphs-")
+    draw = "from metaddp.tasks import _fonts, glyphs; glyphs.load(_fonts.select(None), show=False)"
+    env = dict(os.environ, METADDP_CACHE=cache, OMP_NUM_THREADS="1")
     GLYPHS.update(cache=cache, process=subprocess.Popen(
         [sys.executable, "-c", draw], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         preexec_fn=lambda: os.nice(19)))
