@@ -274,3 +274,37 @@ def test_tied_weights_are_replaced_together_inside_a_meta_loss():
         assert torch.equal(call(net, {"0.weight": w}, x), tied)  # the kept walk
     assert torch.equal(tied, x @ w.T @ w.T)
     assert torch.equal(call(net, {"0.weight": w}, x), tied)  # outside: torch's own search
+
+
+@pytest.mark.parametrize("make", [MAML, Reptile, functools.partial(metaddp.Bilevel, start="outer")])
+def test_setting_inner_lr_after_construction_takes_effect(make):
+    # A schedule that sets algorithm.inner_lr must step at the new rate: the same loss and
+    # gradient, to the bit, as an algorithm built with it (the same operations on the same values).
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+    x = torch.randn(8, 2, dtype=torch.float64)
+    task = metaddp.Task(metaddp.Batch(x[:4], x[:4, :1].sin(), 4), metaddp.Batch(x[4:], x[4:, :1].sin(), 4))
+
+    def run(alg):
+        loss = alg.meta_loss([task], lambda p, y: ((p - y) ** 2).mean(1))
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in alg.parameters()]
+
+    built = make(copy.deepcopy(net), inner_lr=0.2, steps=2)
+    later = make(copy.deepcopy(net), inner_lr=0.1, steps=2)
+    later.inner_lr = 0.2
+    assert later.inner_lr == 0.2
+    (l1, g1), (l2, g2) = run(built), run(later)
+    assert torch.equal(l1, l2) and all(torch.equal(a, b) for a, b in zip(g1, g2, strict=True))
+
+
+def test_inner_lr_that_nothing_reads_is_refused_when_set():
+    net = nn.Linear(2, 1)
+    own = MAML(net, optimizer=metaddp.inner.sgd(0.3))  # the optimizer holds its own rate
+    with pytest.raises(AttributeError, match="its own rate"):
+        own.inner_lr = 0.2
+    learned = MAML(net, learn_lr="scalar")
+    with pytest.raises(AttributeError, match="learn_lr"):
+        learned.inner_lr = 0.2
+    with pytest.raises(ValueError, match="inner_lr"):
+        MAML(net).inner_lr = -1.0

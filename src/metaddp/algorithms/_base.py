@@ -190,10 +190,12 @@ class Algorithm(nn.Module):
             )
         self.autocast = autocast
         self.model = model
-        self.inner_lr, self.steps, self.first_order = inner_lr, steps, first_order
+        self._inner_lr, self.steps, self.first_order = inner_lr, steps, first_order
         self.lr: LearnedLR | None = None
         self._factory: OptimizerFactory | None = None
         self.optimizer: InnerOptimizer | None = None
+        # The optimizer built from inner_lr and how (setting inner_lr later rebuilds it).
+        self._from_rate: tuple[OptimizerFactory, InnerOptimizer] | None = None
         if learn_lr is not None:
             if isinstance(optimizer, InnerOptimizer):
                 raise TypeError(
@@ -205,11 +207,39 @@ class Algorithm(nn.Module):
             self._factory = optimizer or sgd
             refuse_transform(self._factory(self.lr.as_dict()))
         else:
-            if optimizer is not None and not isinstance(optimizer, InnerOptimizer):
-                optimizer = optimizer(inner_lr)
-            self.optimizer = optimizer or sgd(inner_lr)
+            if optimizer is None or not isinstance(optimizer, InnerOptimizer):
+                factory = optimizer or sgd
+                optimizer = factory(inner_lr)
+                self._from_rate = (factory, optimizer)
+            self.optimizer = optimizer
             refuse_transform(self.optimizer)
         self.loss_scale = loss_scale
+
+    @property
+    def inner_lr(self) -> float:
+        """The inner step size (the learned rates' initial value with ``learn_lr``). Set on
+        an algorithm whose optimizer was built from it, the optimizer is built again with
+        the new rate; elsewhere setting it is refused, since nothing would read it."""
+        return self._inner_lr
+
+    @inner_lr.setter
+    def inner_lr(self, value: float) -> None:
+        value = positive(value, "inner_lr")
+        built = self._from_rate
+        if self.lr is not None:
+            raise AttributeError(
+                "this algorithm learns its inner rates (learn_lr): they are parameters in "
+                "`.lr`, trained by the outer optimizer; inner_lr was only their initial value"
+            )
+        if built is None or self.optimizer is not built[1]:
+            raise AttributeError(
+                "this algorithm's inner optimizer was given with its own rate, which inner_lr "
+                "does not change: assign a new one instead (algorithm.optimizer = "
+                "metaddp.inner.sgd(lr))"
+            )
+        optimizer = built[0](value)
+        refuse_transform(optimizer)
+        self._inner_lr, self.optimizer, self._from_rate = value, optimizer, (built[0], optimizer)
 
     @property
     def loss_scale(self) -> LossScale | None:
