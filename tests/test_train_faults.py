@@ -169,3 +169,9 @@ def test_a_checkpoint_proves_everything_it_holds_and_old_ones_still_load(tmp_pat
     torch.save(without, path)
     with pytest.raises(_checkpoint.CorruptCheckpoint, match="has lost its checksums"):
         _checkpoint.load(path, {"seed": 1})
+    # A flipped bit that changes what the file reads back as, not only its values (here a
+    # checksum recorded under a key of another type, as a flipped storage type reads back):
+    # corrupt, as any other, so load_latest falls back on it (it raised a TypeError).
+    torch.save({**state, "checksums": {**state["checksums"], 1: 0}}, path)
+    with pytest.raises(_checkpoint.CorruptCheckpoint, match="no longer reads as it was written"):
+        _checkpoint.load(path, {"seed": 1})

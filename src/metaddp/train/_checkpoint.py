@@ -88,8 +88,14 @@ def _check(path: Path, state: Mapping[str, Any]) -> None:
     recorded = state.get("checksums")
     if not isinstance(recorded, dict):
         raise CorruptCheckpoint(f"checkpoint {path} has lost its checksums")
-    now = checksums(state)
-    failed = [k for k in sorted(set(now) | set(recorded)) if now.get(k) != recorded.get(k)]
+    try:
+        now = checksums(state)
+        failed = [k for k in sorted(set(now) | set(recorded)) if now.get(k) != recorded.get(k)]
+    except Exception as e:  # a flipped bit in a stride, a dtype or a key: unreadable as saved
+        raise CorruptCheckpoint(
+            f"checkpoint {path} fails its checksum (it no longer reads as it was written: "
+            f"{type(e).__name__}): its bytes changed after it was written"
+        ) from e
     if failed:
         named = ["everything but the tensors" if k == STRUCTURE else k for k in failed]
         more = f" and {len(named) - 3} more" if len(named) > 3 else ""
