@@ -19,14 +19,19 @@ from metaddp.testing import scenarios as S
 
 
 def one_step(problem: S.Problem, steps: int) -> str:
-    """One meta-step of ``problem`` with ``steps`` inner steps on this rank; the error, if any."""
-    import dataclasses
-
-    p = dataclasses.replace(problem, steps=steps)
-    learner = md.MetaDDP(p.build_algorithm(), S.mesh_for(p.layout))
+    """The third meta-step of ``problem`` with ``steps`` inner steps on this rank (the first
+    two, checked, with the problem's own: a checked step compares the settings before any
+    work); the error, if any."""
+    learner = md.MetaDDP(problem.build_algorithm(), S.mesh_for(problem.layout))
+    for _ in range(2):
+        learner.zero_grad(set_to_none=True)
+        learner.meta_loss(learner.shard(problem.n_tasks, problem.task), problem.loss_fn).backward()
+        learner.sync_grads()
+    learner.module.steps = steps
+    learner.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
     try:
-        learner.meta_loss(learner.shard(p.n_tasks, p.task), p.loss_fn).backward()
+        learner.meta_loss(learner.shard(problem.n_tasks, problem.task), problem.loss_fn).backward()
         learner.sync_grads()
     except md.CollectiveError as e:
         return f"CollectiveError after {time.perf_counter() - t0:.1f} s: {e}"

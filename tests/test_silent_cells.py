@@ -305,9 +305,11 @@ def test_a_parameter_frozen_on_one_rank_between_checked_steps_is_an_error_not_an
 
 def test_an_inner_rate_that_differs_by_rank_is_refused():
     # md.inner.sgd(0.1 + 1e-3 * rank): the optimizer's numbers are part of the settings, whose
-    # digest tags the gradient SUM, so ranks that differ fail there instead of averaging.
-    for out in run_local(W.differing_state, 2, "rate", threads=1):
-        assert out.startswith("CollectiveError"), out
+    # digest the first step's check compares before any work (and tags the gradient SUM), so
+    # ranks that differ fail there, each naming its own settings, instead of averaging.
+    for rank, out in enumerate(run_local(W.differing_state, 2, "rate", threads=1)):
+        assert out.startswith("OutOfSyncError: the ranks' algorithms have different settings"), out
+        assert f"('lr', {0.1 + 1e-3 * rank})" in out, out
 
 
 def test_a_non_finite_meta_gradient_is_an_error_before_any_optimizer_step():

@@ -269,11 +269,12 @@ def train(cfg: TrainConfig, out: str, resume: bool) -> dict:
 
 def deterministic_settings_differ() -> str:
     """Deterministic mode on ranks whose inner learning rates differ (same collectives, same
-    sizes): the step's end must say so, not return diverging weights."""
+    sizes): the first step's check must say so before any work, not return diverging
+    weights."""
     p = dataclasses.replace(DETERMINISTIC["mlp-sample"], inner_lr=0.1 + 0.01 * dist.get_rank())
     try:
         S.run(p)
-    except md.CollectiveError as e:
+    except (md.CollectiveError, md.OutOfSyncError) as e:
         return str(e)
     return "no error"
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
+import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -207,20 +208,41 @@ def refuse_rates_outside(module: nn.Module, deterministic: bool) -> None:
         )
 
 
-def _settings(module: nn.Module) -> list[tuple[bool, str, float]]:
-    """What every rank must set alike, as numbers: every module's training flag (dropout and
-    BatchNorm compute otherwise in eval mode, and BatchNorm then sums no statistics) and
-    every parameter's ``requires_grad`` (which sets what the inner steps sum), each as
-    ``(is a mode, name, value)``."""
+def _settings(module: nn.Module) -> list[tuple[bool | None, str, float]]:
+    """What every rank must set alike, as numbers: the algorithm's settings (its
+    ``signature()``, by a CRC: ranks that differ in ``first_order``, a method's iterations or
+    any setting that changes how many collectives a step runs would otherwise wait for each
+    other until the collective timeout), every module's training flag (dropout and BatchNorm
+    compute otherwise in eval mode, and BatchNorm then sums no statistics) and every
+    parameter's ``requires_grad`` (which sets what the inner steps sum), each as ``(is a
+    mode, name, value)``, ``None`` for the algorithm's settings."""
+    signature = getattr(module, "signature", None)
+    own = (
+        [(None, signature(), float(zlib.crc32(signature().encode())))]
+        if callable(signature)
+        else []
+    )
     modes = [
         (True, f"{name!r} ({type(m).__name__})" if name else type(m).__name__, float(m.training))
         for name, m in module.named_modules()
     ]
-    return modes + [(False, repr(n), float(p.requires_grad)) for n, p in module.named_parameters()]
+    return (
+        own
+        + modes
+        + [(False, repr(n), float(p.requires_grad)) for n, p in module.named_parameters()]
+    )
 
 
-def _unlike(settings: list[tuple[bool, str, float]]) -> str:
-    """The error for settings that differ across the ranks (modes said first)."""
+def _unlike(settings: list[tuple[bool | None, str, float]]) -> str:
+    """The error for settings that differ across the ranks (the algorithm's, then modes)."""
+    own = [name for kind, name, _ in settings if kind is None]
+    if own:
+        return (
+            "the ranks' algorithms have different settings (inner steps, rates, first_order, "
+            "the hypergradient method's own...): each would compute another meta-gradient. "
+            f"This rank's: {own[0]}. Build the algorithm alike on every rank, and change a "
+            "setting on every rank alike"
+        )
     modes = [name for mode, name, _ in settings if mode]
     if modes:
         return (
