@@ -296,10 +296,10 @@ class Bilevel(Algorithm):
         return held(weights, weights)  # each hung off its own weight
 
     def sharded_refusal(self) -> str | None:
-        if not isinstance(self.method, Unrolled):
+        if not isinstance(self.method, (Unrolled, Truncated)):
             return (
                 f"{type(self.method).__name__} computes norms and dot products of whole "
-                "vectors; on shards it would see one rank's rows: use Unrolled"
+                "vectors; on shards it would see one rank's rows: use Unrolled or Truncated"
             )
         if self.penalty is not None:
             return "a penalty(fast) reads whole weights, which on shards are one rank's rows"
