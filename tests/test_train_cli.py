@@ -293,6 +293,11 @@ def test_a_resume_keeps_the_process_count_and_says_when_it_changes(tmp_path, cap
     assert "note: the run ran on 2 processes and continues on 1 process: the same steps, equal only to " \
            "rounding (bit for bit with --deterministic)" in err, err
     assert [int(r["step"]) for r in rows(out)] == [1, 2, 3, 4, 5]
+    # Another layout is said too (it was taken without a word).
+    assert main(["train", "--resume", str(out), "--steps", "6", "--layout", "task", "--no-progress"]) == 0
+    said = capsys.readouterr().out
+    assert "note: the run ran in the sample layout and continues in the task layout: the same " \
+           "steps, equal only to rounding" in said, said
 
 
 def test_image_tasks_train_and_report_accuracy(tmp_path, capsys):

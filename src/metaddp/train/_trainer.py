@@ -94,6 +94,7 @@ class Trainer:
         self.algorithm.draw_seed = cfg.seed  # dropout masks: keyed by the run's seed and step
         self.optimizer = torch.optim.Adam(self.algorithm.parameters(), lr=cfg.outer_lr)
         self.start = 0
+        self.layout_was: str | None = None  # the layout a resumed run ran in, where it changed
         self.evaluate_first = False
         self.saved_metrics: torch.Tensor | None = None  # the checkpoint's copy of metrics.csv
         self.log: MetricsLog | None = None
@@ -120,6 +121,10 @@ class Trainer:
                 if not cfg.shard:
                     self.optimizer.load_state_dict(state["optimizer"])
             self.start = state["step"]
+            # The layout is not part of the run's identity (the same steps, to rounding), but a
+            # change is said, as one of the process count is.
+            before = state["config"].get("layout")
+            self.layout_was = before if before not in (None, cfg.layout) else None
             # A stop at a step whose evaluation was due skipped it: the resume runs it first.
             self.evaluate_first = bool(state.get("evaluation_due", False))
             self.saved_metrics = state.get("metrics")
@@ -381,6 +386,16 @@ class Trainer:
             said = cfg.lines()
             if self.resumed_from is not None:
                 said.append(f"resumed from step {self.start} ({self.resumed_from})")
+            if self.layout_was is not None:
+                cost = (
+                    "deterministic: the same bits"
+                    if cfg.deterministic
+                    else "the same steps, equal only to rounding"
+                )
+                said.append(
+                    f"note: the run ran in the {self.layout_was} layout and continues in the "
+                    f"{cfg.layout} layout: {cost}"
+                )
             print("\n".join(said), flush=True)
         log = MetricsLog(self.out, self.start, saved=self.saved_metrics) if me == 0 else None
         self.log = log
