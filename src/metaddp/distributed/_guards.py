@@ -217,12 +217,11 @@ def _settings(module: nn.Module) -> list[tuple[bool | None, str, float]]:
     parameter's ``requires_grad`` (which sets what the inner steps sum), each as ``(is a
     mode, name, value)``, ``None`` for the algorithm's settings."""
     signature = getattr(module, "signature", None)
-    own = (
-        [(None, signature(), float(zlib.crc32(signature().encode())))]
-        if callable(signature)
-        else []
-    )
-    modes = [
+    own: list[tuple[bool | None, str, float]] = []
+    if callable(signature):
+        text = str(signature())
+        own.append((None, text, float(zlib.crc32(text.encode()))))
+    modes: list[tuple[bool | None, str, float]] = [
         (True, f"{name!r} ({type(m).__name__})" if name else type(m).__name__, float(m.training))
         for name, m in module.named_modules()
     ]
