@@ -303,8 +303,8 @@ def test_inner_lr_that_nothing_reads_is_refused_when_set():
     own = MAML(net, optimizer=metaddp.inner.sgd(0.3))  # the optimizer holds its own rate
     with pytest.raises(AttributeError, match="its own rate"):
         own.inner_lr = 0.2
-    learned = MAML(net, learn_lr="scalar")
-    with pytest.raises(AttributeError, match="learn_lr"):
-        learned.inner_lr = 0.2
+    for learned in (MAML(net, learn_lr="scalar"), metaddp.MAMLPlusPlus(net)):
+        with pytest.raises(AttributeError, match="learns its inner rates"):
+            learned.inner_lr = 0.2
     with pytest.raises(ValueError, match="inner_lr"):
         MAML(net).inner_lr = -1.0

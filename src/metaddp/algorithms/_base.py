@@ -215,6 +215,10 @@ class Algorithm(nn.Module):
             refuse_transform(self.optimizer)
         self.loss_scale = loss_scale
 
+    # Whether the inner rates are parameters of the algorithm's own (MAML++'s per-step rates),
+    # besides learn_lr's: inner_lr is then their initial value only.
+    learns_rates: ClassVar[bool] = False
+
     @property
     def inner_lr(self) -> float:
         """The inner step size (the learned rates' initial value with ``learn_lr``). Set on
@@ -226,10 +230,10 @@ class Algorithm(nn.Module):
     def inner_lr(self, value: float) -> None:
         value = positive(value, "inner_lr")
         built = self._from_rate
-        if self.lr is not None:
+        if self.lr is not None or self.learns_rates:
             raise AttributeError(
-                "this algorithm learns its inner rates (learn_lr): they are parameters in "
-                "`.lr`, trained by the outer optimizer; inner_lr was only their initial value"
+                f"{type(self).__name__} learns its inner rates: they are parameters, trained "
+                "by the outer optimizer; inner_lr was only their initial value"
             )
         if built is None or self.optimizer is not built[1]:
             raise AttributeError(

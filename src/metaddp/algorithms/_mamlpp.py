@@ -88,6 +88,8 @@ class MAMLPlusPlus(MAML):
     # they do not, is refused when batched=True is set.
     stackable: ClassVar[bool] = True
 
+    learns_rates = True  # a rate per tensor and per step, from inner_lr
+
     def __init__(
         self,
         model: nn.Module,
