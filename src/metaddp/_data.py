@@ -333,9 +333,18 @@ class MetaBatch(Sequence[Task]):
     @overload
     def __getitem__(self, i: int) -> Task: ...
     @overload
-    def __getitem__(self, i: slice) -> Sequence[Task]: ...
+    def __getitem__(self, i: slice) -> MetaBatch: ...
     def __getitem__(self, i):
-        return self.tasks[i]
+        """This process's ``i``-th task; or, for a slice, the meta-batch of the global tasks
+        the slice picks (``batch[:k]``: global tasks ``0 .. k-1``, as on one process), this
+        process holding those of its own among them."""
+        if not isinstance(i, slice):
+            return self.tasks[i]
+        chosen = range(self.n)[i]
+        mine = zip(self.indices, self.tasks, strict=True)
+        kept = sorted((chosen.index(g), t) for g, t in mine if g in chosen)
+        at = kept[0][0] if kept else 0
+        return MetaBatch([t for _, t in kept], len(chosen), range(at, at + len(kept)))
 
     def __iter__(self) -> Iterator[Task]:
         return iter(self.tasks)
