@@ -21,7 +21,7 @@ from . import _host
 from ._binding import several_processes
 from ._data import Batch, Shard
 from ._functional import call, params_of
-from ._share import share
+from ._share import own_share
 from ._types import LossFn, Params, Reduce, identity_reduce
 from .forward import keyed_forward
 from .inner import InnerOptimizer, LossScale, State, TaskScale, apply_updates
@@ -135,8 +135,11 @@ def check_finite(grads: Mapping[str, Tensor], step: int) -> None:
             if not fine:
                 return FloatingPointError(
                     f"inner step {step}: the gradient of {name!r} is not finite (NaN or Inf); "
-                    "lower the inner learning rate, check the support data, or use "
-                    "adam(eps_root>0) if a second-order step divides by a zero second moment"
+                    "lower the inner learning rate, check the support data and the loss "
+                    "function (one that divides by a statistic of its batch, such as a "
+                    "variance, is NaN on one sample: deterministic mode calls it on chunks of "
+                    "a task's samples), or use adam(eps_root>0) if a second-order step divides "
+                    "by a zero second moment"
                 )
         return None
 
@@ -332,7 +335,7 @@ def batch_share(
     The forward's dropout masks are keyed by the batch's samples (:mod:`metaddp.forward`)."""
     with keyed_forward(batch):
         prediction = call(model, params, batch.x, buffers=buffers)
-    return share(loss_fn(prediction, batch.y), batch)
+    return own_share(loss_fn(prediction, batch.y), batch)
 
 
 StepInputs = Callable[[int], "tuple[Params, Mapping[str, Tensor] | None]"]

@@ -102,19 +102,35 @@ def _chunk_values(
     ``starts``: each chunk's first global sample (its dropout masks are those samples'),
     ``width`` chunks of each task in a row."""
 
-    def one(w: Mapping[str, Tensor], xc: Tensor, yc: Tensor, mc: Tensor, slot: Any) -> Tensor:
+    # A loss function still to be checked per sample (PerSampleCheck, which cannot check
+    # under torch.vmap) is given the first chunk's predictions after it: a statistic of its
+    # batch would be one of a chunk's, on any number of processes.
+    probe = getattr(loss_fn, "probe", None) if getattr(loss_fn, "pending", False) else None
+
+    def one(w: Mapping[str, Tensor], xc: Tensor, yc: Tensor, mc: Tensor, slot: Any) -> Any:
         with _mask.sample_mask(mc), forward.stacked_forward(slot, starts, xc.shape[0], width):
-            per = loss_fn(call(model, w, xc), yc)
+            prediction = call(model, w, xc)
+            per = loss_fn(prediction, yc)
         check_per_sample(per, xc.shape[0])
         per = one_per_sample(per)
-        return (per * mc.to(per.dtype)).sum() / divisor
+        value = (per * mc.to(per.dtype)).sum() / divisor
+        if probe is None or not isinstance(prediction, Tensor):
+            return value
+        return value, prediction.detach()
 
     # A slot per chunk for a model that may draw only: the others dispatch nothing more.
     slots = torch.arange(x.shape[0], device=x.device) if forward.needs_routes(model) else None
     with stacked_layers(model):
-        return torch.vmap(one, in_dims=(0, 0, 0, 0, None if slots is None else 0))(
+        out = torch.vmap(one, in_dims=(0, 0, 0, 0, None if slots is None else 0))(
             dict(weights), x, y, mask, slots
         )
+    if not isinstance(out, tuple):
+        return out
+    values, predictions = out
+    assert probe is not None
+    held = mask[0].bool()  # the first chunk's own samples, not its padding
+    probe(predictions[0][held], y[0][held])
+    return values
 
 
 class Adapted:
