@@ -233,6 +233,79 @@ def ddp_inside() -> list[float]:
     return _meta_step(learner, net, learner.shard(N_TASKS, whole_task))
 
 
+def clone_query_own_count() -> list[float]:
+    # The support share is right; the query's is of the rank's own count.
+    net, learner = _learner()
+    batch = learner.shard(N_TASKS, whole_task)
+    for t in batch:
+        fast = learner.clone()
+        fast.adapt(md.share(mse(fast(t.support.x), t.support.y), t.support))
+        (md.share(mse(fast(t.query.x), t.query.y), len(t.query.x)) / batch.n).backward()
+    learner.sync_grads()
+    return _flat_grad(net)
+
+
+def _cut_by_rank(b: md.Batch) -> md.Batch:  # the DDP habit: every rank its rank's slice
+    return md.Batch.split(b.x, b.y, md.rank(), md.world_size())
+
+
+def clone_cut_by_rank_tasks() -> list[float]:
+    net, learner = _learner(tasks=md.world_size())
+    batch = learner.shard(N_TASKS, whole_task)
+    for t in batch:
+        fast = learner.clone()
+        s, q = _cut_by_rank(t.support), _cut_by_rank(t.query)
+        fast.adapt(md.share(mse(fast(s.x), s.y), s))
+        (md.share(mse(fast(q.x), q.y), q) / batch.n).backward()
+    learner.sync_grads()
+    return _flat_grad(net)
+
+
+def hand_loop_query_cut_by_rank_tasks() -> list[float]:
+    # Only the query cut by rank: the inner step is right, the outer share is of a part.
+    net, learner = _learner(tasks=md.world_size())
+    params = dict(net.named_parameters())
+    batch = learner.shard(N_TASKS, whole_task)
+    total = 0
+    for t in batch:
+        loss = md.share(mse(md.call(net, params, t.support.x), t.support.y), t.support)
+        g = learner.grad(loss, params)
+        fast = {k: p - INNER_LR * g[k] for k, p in params.items()}
+        q = _cut_by_rank(t.query)
+        total = total + md.share(mse(md.call(net, fast, q.x), q.y), q)
+    (total / batch.n).backward()
+    learner.sync_grads()
+    return _flat_grad(net)
+
+
+def _loss_weighted_by_rank(tasks: int) -> list[float]:
+    net, learner = _learner(tasks)
+    w = 1.0 if md.rank() == 0 else 2.0  # a weight read from a node's own config
+
+    def loss(p, y):
+        return w * F.mse_loss(p, y, reduction="none")
+
+    learner.meta_loss(learner.shard(N_TASKS, whole_task), loss).backward()
+    learner.sync_grads()
+    return _flat_grad(net)
+
+
+def loss_weight_by_rank() -> list[float]:
+    return _loss_weighted_by_rank(1)
+
+
+def loss_weight_by_rank_tasks() -> list[float]:
+    return _loss_weighted_by_rank(md.world_size())
+
+
+def other_loss_by_rank() -> list[float]:
+    net, learner = _learner()
+    loss = mse if md.rank() == 0 else (lambda p, y: F.huber_loss(p, y, reduction="none"))
+    learner.meta_loss(learner.shard(N_TASKS, whole_task), loss).backward()
+    learner.sync_grads()
+    return _flat_grad(net)
+
+
 CASES = {
     "correct meta_loss": correct_meta_loss,
     "correct clone": correct_clone,
@@ -252,6 +325,12 @@ CASES = {
     "task counts differ": task_counts_differ,
     "NaN query target": nan_query_target,
     "DDP inside MAML": ddp_inside,
+    "clone query own count": clone_query_own_count,
+    "clone cut by rank (task layout)": clone_cut_by_rank_tasks,
+    "hand loop query cut by rank (task layout)": hand_loop_query_cut_by_rank_tasks,
+    "loss weight by rank": loss_weight_by_rank,
+    "loss weight by rank (task layout)": loss_weight_by_rank_tasks,
+    "another loss by rank": other_loss_by_rank,
 }
 
 

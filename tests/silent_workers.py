@@ -26,7 +26,7 @@ def _grads(learner: md.MetaDDP) -> list[float]:
 def _outcome(step) -> dict:
     try:
         return {"grad": step()}
-    except ValueError as e:
+    except (ValueError, FloatingPointError) as e:
         return {"error": str(e)}
 
 
@@ -181,10 +181,12 @@ def batch_statistic(loss: str, where: str, n: int = 8) -> dict:
         alg = md.Bilevel(net, inner_lr=0.1)
     elif where == "mamlpp-adapt":
         alg = md.MAMLPlusPlus(net, inner_lr=0.1, steps=2, per_step_bn=False)
+    elif where == "deterministic":
+        alg = md.MAML(net, inner_lr=0.1)
     else:
         stacked = where.startswith("stacked")
         alg = md.MAML(net, inner_lr=0.1, batched=True if stacked else {"loop": False}.get(where))
-    learner = md.MetaDDP(alg, md.Mesh.create())
+    learner = md.MetaDDP(alg, md.Mesh.create(), deterministic=where == "deterministic")
     x = torch.linspace(-1, 1, n, dtype=torch.float64)[:, None]
     tasks_ = [md.Task(md.Batch(x, 2 * x * (i + 1), n), md.Batch(x, 3 * x * (i + 1), n)) for i in range(2)]
 
@@ -244,8 +246,8 @@ def extreme_sample(loss: str, last: bool, where: str = "loop") -> dict:
     at 2 processes. Returns the meta-gradient or the error."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 2)).double()
-    alg = md.MAML(net, inner_lr=0.1, batched=where == "stacked")
-    learner = md.MetaDDP(alg, md.Mesh.create())
+    alg = md.MAML(net, inner_lr=0.1, batched=True if where == "stacked" else {"loop": False}.get(where))
+    learner = md.MetaDDP(alg, md.Mesh.create(), deterministic=where == "deterministic")
     part = [0.1, 0.2, 0.3, 3.0] if last else [3.0, 0.1, 0.2, 0.3]
     x = torch.tensor(part + [v + 0.05 for v in part], dtype=torch.float64)[:, None]
     y = torch.cat([2 * x, -x], 1)
@@ -457,3 +459,30 @@ def _clone_loop_step(learner: md.MetaDDP) -> list[float]:
     total.backward()
     learner.sync_grads()
     return _grads(learner)
+
+
+# --- a slice of a meta-batch ---------------------------------------------------------------
+
+
+def _four_tasks() -> list[md.Task]:
+    x = torch.linspace(-1, 1, 6, dtype=torch.float64)[:, None]
+    return [md.Task(md.Batch(x, (i + 1) * x.sin(), 6), md.Batch(x, (i + 1) * x.cos(), 6)) for i in range(4)]
+
+
+def sliced_meta_batch(layout: str, pick: slice) -> list[float]:
+    """The meta-gradient of ``learner.shard(tasks)[pick]`` (using fewer tasks this step)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    learner = md.MetaDDP(md.MAML(net, inner_lr=0.1, steps=2), _mesh(layout))
+    learner.meta_loss(learner.shard(_four_tasks())[pick], MSE).backward()
+    learner.sync_grads()
+    return _grads(learner)
+
+
+def sliced_reference(pick: slice) -> list[float]:
+    """The same on one process, with no MetaDDP: a plain list of the picked tasks."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    alg = md.MAML(net, inner_lr=0.1, steps=2)
+    alg.meta_loss(_four_tasks()[pick], MSE).backward()
+    return [v for p in alg.parameters() for v in p.grad.reshape(-1).tolist()]

@@ -51,13 +51,18 @@ def count_worker(configs):
         mesh = metaddp.Mesh.create(tasks=1 if layout == "sample" else world)
         net = mlp(depth)
         m = metaddp.MetaDDP(metaddp.MAML(net, inner_lr=0.1, steps=steps, batched=batched), mesh)
-        tasks = m.shard(N_TASKS, task)  # a MetaBatch knows the global task count: no collective
-        with metaddp.counting() as stats:
-            loss = m.meta_loss(tasks, loss_fn)
-            loss.backward()
-            m.sync_grads()
+        made = []
+        for _ in range(3):  # steps 0 and 1 are checked, step 2 is not
+            tasks = m.shard(N_TASKS, task)  # a MetaBatch knows the global task count: no collective
+            with metaddp.counting() as stats:
+                loss = m.meta_loss(tasks, loss_fn)
+                loss.backward()
+                m.sync_grads()
+            made.append(stats)
+            net.zero_grad(set_to_none=True)
         n_params = sum(p.numel() for p in net.parameters())
-        out.append(dict(calls=stats.calls, elements=stats.elements, bytes=stats.bytes,
+        stats = made[-1]
+        out.append(dict(calls=stats.calls, elements=stats.elements, bytes=stats.bytes, checked=made[0].calls,
                         n_local=len(tasks.tasks), P=n_params, tensors=len(list(net.parameters()))))
     return out
 
@@ -78,6 +83,9 @@ def test_collectives_per_meta_step(counts):
             # loss per sample? a draw from a generator of its own, numpy's or Python's? a
             # finite meta-gradient?), one tag.
             final = c["P"] + c["tensors"] + 6
+            # A checked step (the first) adds one small collective: the ranks' agreement on
+            # the work the step did (its loss function, the caller's shares).
+            assert c["checked"] == c["calls"] + 1, where
             if layout == "task":
                 assert c["calls"] == 1, where
                 assert c["elements"] == final, where

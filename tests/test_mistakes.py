@@ -34,6 +34,14 @@ EXPECTED = {
     "task counts differ": ("OutOfSyncError", ["different numbers of tasks"]),
     "NaN query target": ("FloatingPointError", ["not finite", "NaN target"]),
     "DDP inside MAML": ("TypeError", ["DistributedDataParallel", "MetaDDP"]),
+    "clone query own count": ("OutOfSyncError", ["md.share", "md.share(per_sample, batch)"]),
+    "clone cut by rank (task layout)": ("ValueError", ["no other rank holds the rest", "never with md.rank()"]),
+    "hand loop query cut by rank (task layout)": (
+        "OutOfSyncError", ["no other rank holds the rest", "never with md.rank()"]
+    ),
+    "loss weight by rank": ("OutOfSyncError", ["loss functions compute different losses"]),
+    "loss weight by rank (task layout)": ("OutOfSyncError", ["loss functions compute different losses"]),
+    "another loss by rank": ("OutOfSyncError", ["loss functions compute different losses"]),
 }
 
 

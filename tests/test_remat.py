@@ -89,8 +89,8 @@ def _with_grads(p: S.Problem) -> md.MAML:
 
 
 # The first meta-step's agreement checks (docs/guarantees.md): task counts, sizes, fingerprints
-# of the tasks and of the weights.
-FIRST_STEP_CHECKS = 7
+# of the tasks and of the weights, and at the sum the loss function's print.
+FIRST_STEP_CHECKS = 8
 
 
 def worker(problems: list[S.Problem]) -> list[dict]:
@@ -152,7 +152,8 @@ def test_low_memory_across_ranks_is_exact_with_3k_collectives(across_ranks):
     # rebuilt steps' SUMs (the last step is built once, with its graph); besides, the weights'
     # broadcast when MetaDDP is built, the meta-gradient SUM and the SUM of the loss's value.
     # The first step is checked: six small collectives compare the meta-batch across the ranks
-    # (kind and task count, task counts, batch sizes (2), make_task's tasks (2)).
+    # (kind and task count, task counts, batch sizes (2), make_task's tasks (2)), one more
+    # the loss function's print before the sum.
     _exact_with_collectives(across_ranks, DIST, 0, more=0)
 
 

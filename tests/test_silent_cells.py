@@ -380,3 +380,39 @@ def test_a_loss_reading_its_batch_is_refused_with_one_sample_per_rank():
         assert out.get("error", "").startswith("the loss function does not give one loss per sample"), out
     for out in run_local(W.batch_statistic, 2, "offset", "loop", threads=1):
         assert out.get("error", "").startswith("the loss function does not give one loss per sample"), out
+
+
+def test_deterministic_mode_refuses_a_loss_reading_its_batch_on_any_number_of_processes():
+    # Deterministic mode calls the loss on fixed chunks of a task's samples, on one process
+    # too: a loss over its batch's largest loss gave the same bits at 1, 2 and 3 processes,
+    # and 1400x the plain one-process meta-gradient, silently. Refused at sync_grads now.
+    for world in (1, 2):
+        for out in run_local(W.batch_statistic, world, "sum", "deterministic", threads=1):
+            assert out.get("error", "").startswith("the loss function does not give one loss per sample"), out
+        # A variance is NaN on a chunk's one sample: the inner gradient's check names it first.
+        for out in run_local(W.batch_statistic, world, "variance", "deterministic", threads=1):
+            assert "divides by a statistic of its batch, such as a variance" in out.get("error", ""), out
+        for out in run_local(W.extreme_sample, world, "loss", False, "deterministic", threads=1):
+            assert "deterministic mode cuts every task's samples into fixed chunks" in out.get("error", ""), out
+
+
+def test_deterministic_mode_takes_a_loss_of_each_sample_alone():
+    # No false alarm: losses averaged or summed over a sample's own outputs. Deterministic
+    # mode sums in another order than the one-by-one loop: float64, 1e-12 as above.
+    for loss in ("mean", "sum"):
+        (want,) = run_local(W.extreme_sample, 1, loss, False, threads=1)
+        for world in (1, 2):
+            for out in run_local(W.extreme_sample, world, loss, False, "deterministic", threads=1):
+                got = torch.tensor(out["grad"])
+                torch.testing.assert_close(got, torch.tensor(want["grad"]), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("pick", [slice(None, 1), slice(1, 3), slice(None, None, 2)], ids=["[:1]", "[1:3]", "[::2]"])
+@pytest.mark.parametrize("world,layout", [(2, "task"), (3, "task"), (2, "sample")])
+def test_a_slice_of_a_meta_batch_is_the_slice_of_the_global_tasks(pick, world, layout):
+    # batch[:1] was a tuple of this rank's own first task: in the task layout every rank kept
+    # a task of its own, and the meta-gradient mixed tasks that no one process would. Now a
+    # slice picks global tasks as on one process (float64, sums in another order: 1e-12).
+    want = torch.tensor(W.sliced_reference(pick))
+    for got in run_local(W.sliced_meta_batch, world, layout, pick, threads=1):
+        torch.testing.assert_close(torch.tensor(got), want, rtol=1e-12, atol=1e-12)

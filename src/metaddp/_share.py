@@ -8,8 +8,12 @@ empty shards included, so every cross-rank reduction is a plain SUM, never a mea
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import math
 import warnings
+from collections.abc import Iterator
 from typing import Any, cast
 
 import torch
@@ -45,6 +49,48 @@ def share_of(loss: Tensor) -> ShareOf | None:
     return None if node is None else _metadata(node).get(_TAG)
 
 
+# The records of the shares made with :func:`share` whose backward has run since
+# :func:`taken` last took them: the process's, as ``_host``'s pending checks are (a process
+# runs one meta-step at a time). ``MetaDDP.sync_grads`` compares them across the ranks on
+# its checked steps: a caller's share is what no other check sees (a ``clone()`` loop's
+# query loss, a hand loop's outer loss).
+_ran: list[ShareOf] = []
+_MOST_RAN = 4096  # a process that never sums (no MetaDDP) keeps no longer list
+_overflowed = False
+_unlogged = 0  # inside ``learner.local()``: one rank's own work
+
+
+def _backward_ran(made: ShareOf, grad: Tensor) -> None:
+    global _overflowed
+    if _unlogged:
+        return
+    if len(_ran) >= _MOST_RAN:
+        _overflowed = True
+        _ran.clear()
+    _ran.append(made)
+
+
+def taken() -> tuple[list[ShareOf], bool]:
+    """The shares whose backward ran since the last call, and whether some were dropped (a
+    longer list than kept); both start afresh."""
+    global _overflowed
+    out, over = list(_ran), _overflowed
+    _ran.clear()
+    _overflowed = False
+    return out, over
+
+
+@contextlib.contextmanager
+def unlogged() -> Iterator[None]:
+    """Inside the block, backwards of shares are not recorded (one rank's own work)."""
+    global _unlogged
+    _unlogged += 1
+    try:
+        yield
+    finally:
+        _unlogged -= 1
+
+
 def share(per_sample: Tensor, n_global: int | Batch) -> Tensor:
     """This rank's share of the mean over ``n_global`` samples.
 
@@ -54,6 +100,19 @@ def share(per_sample: Tensor, n_global: int | Batch) -> Tensor:
     global sample count, or the :class:`metaddp.Batch` the losses come from (its own global
     size, so no count is written by hand; the losses must then be one per sample it holds).
     """
+    out = own_share(per_sample, n_global)
+    made = share_of(out)
+    if made is not None and not torch._C._functorch.is_functorch_wrapped_tensor(out):
+        # What the ranks' shares were made from is compared once their backward has run
+        # (MetaDDP.sync_grads, on checked steps): the library's own shares are of batches
+        # agreed on before, a caller's may be of a count or a part that no check saw.
+        out.register_hook(functools.partial(_backward_ran, made))
+    return out
+
+
+def own_share(per_sample: Tensor, n_global: int | Batch) -> Tensor:
+    """:func:`share`, not recorded: the library's own losses, of batches that the ranks
+    agreed on before the step's work."""
     if isinstance(n_global, Batch):
         check_per_sample(per_sample, n_global.x.shape[0])
         source = "shard" if isinstance(n_global, Shard) else "batch"
@@ -105,7 +164,8 @@ NOT_PER_SAMPLE = (
     "reads a statistic of its batch (a normalisation by the batch's sum, mean or largest "
     "value, label counts, a variance, prototypes of the batch). Where ranks split a task's "
     "samples each rank sees its own shard only, so the meta-gradient would change with the "
-    "number of processes. Compute such statistics over the whole batch with "
+    "number of processes; deterministic mode cuts every task's samples into fixed chunks, on "
+    "one process too. Compute such statistics over the whole batch with "
     "md.data.global_sums(..., reduce=learner.reduce) or md.data.class_means, or give each "
     "rank whole tasks (Mesh.create(tasks=world))"
 )
@@ -131,8 +191,11 @@ class PerSampleCheck:
         note: Any,
         counting: Any,
         seen: Any,
+        *,
+        cut: bool = True,
     ) -> None:
         self.loss_fn, self.note, self.counting, self.seen = loss_fn, note, counting, seen
+        self.cut = cut  # whether ranks split a task's samples (else: only the print is noted)
 
     @property
     def pending(self) -> bool:
@@ -144,7 +207,11 @@ class PerSampleCheck:
         with self.counting() as made:
             losses = self.loss_fn(prediction, target)
         n = prediction.shape[0]
-        if made.calls:  # sums over the ranks of its own: nothing to cut
+        if made.calls:  # sums over the ranks of its own: nothing to cut, nor to call again
+            self.seen.add(_function(self.loss_fn))
+            return losses
+        self.note("loss_fn", loss_print(self.loss_fn, prediction, target))
+        if not self.cut:
             self.seen.add(_function(self.loss_fn))
         elif n >= 1 and isinstance(losses, Tensor) and losses.dim() and losses.shape[0] == n:
             self.seen.add(_function(self.loss_fn))
@@ -161,8 +228,9 @@ class PerSampleCheck:
         """Whether the samples' losses change when the batch is cut in two, its first sample
         and the rest, each part given alone: a statistic of the batch (its largest, its sum,
         its counts) differs from a part's on one side at least, wherever its extreme sample
-        sits. With one sample, whether it changes when the sample is given twice (a batch's
-        sum doubles)."""
+        sits. With one sample, whether it changes when the sample is given with itself and
+        two made-up others (a batch's sum doubles at least, and its largest loss is likely
+        another's)."""
         n = prediction.shape[0]
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a statistic of one sample may warn (var)
@@ -172,9 +240,10 @@ class PerSampleCheck:
                 if [c.shape for c in cut] != [(1,), (n - 1,)]:  # not one loss per sample there
                     return torch.ones(1, dtype=torch.bool, device=losses.device)
                 part, whole_ = torch.cat(cut), one_per_sample(losses.detach())
-            else:
-                doubled = self.loss_fn(torch.cat([p, p]), torch.cat([t, t]))
-                part, whole_ = one_per_sample(doubled)[:1], one_per_sample(losses.detach())
+            else:  # beside itself and two made-up others: sums, counts and extremes move
+                others = [2 * p + 1, -3 * p - 2] if p.is_floating_point() else [p, p]
+                more = self.loss_fn(torch.cat([p, p, *others]), torch.cat([t] * 4))
+                part, whole_ = one_per_sample(more)[:1], one_per_sample(losses.detach())
             # The same per-sample operations on fewer rows round alike, or within a few
             # units in the last place where a reduction inside a sample is blocked
             # otherwise: 64 of them. A statistic of another batch moves a loss by far more
@@ -184,6 +253,38 @@ class PerSampleCheck:
             scale = whole_.abs().max().clamp(min=torch.finfo(whole_.dtype).tiny)
             same = (part - whole_).abs() <= 64 * torch.finfo(whole_.dtype).eps * scale
             return (~same & whole_.isfinite()).any().reshape(1)
+
+
+def loss_print(loss_fn: Any, prediction: Tensor, target: Tensor) -> Tensor:
+    """What ``loss_fn`` computes, as two float64 numbers that every rank calling the same
+    function with the same settings gets alike: its losses on made-up inputs of the shapes
+    (two samples) and dtypes of ``prediction`` and ``target``, summed plainly and with
+    position weights. Another loss (Huber for MSE), or a weight or setting that differs by
+    rank, gives other numbers. Integer targets are made up as zeros (a class every
+    classification loss takes); a function that fails on made-up inputs prints as a fixed
+    pair (it is then not compared); the caller's random state is left as it was."""
+    device = prediction.device
+    failed = torch.full((2,), -1.0, dtype=torch.float64, device=device)
+
+    def made_up(t: Tensor, k: float) -> Tensor:
+        shape = (2, *t.shape[1:])
+        if not t.is_floating_point():
+            return torch.zeros(shape, dtype=t.dtype, device=t.device)
+        wave = torch.arange(math.prod(shape), dtype=torch.float64, device=t.device)
+        return torch.cos(wave * k + 0.5).reshape(shape).to(t.dtype)
+
+    try:
+        forked = [device] if device.type == "cuda" else []
+        with torch.no_grad(), warnings.catch_warnings(), torch.random.fork_rng(forked):
+            warnings.simplefilter("ignore")
+            out = loss_fn(made_up(prediction, 1.3), made_up(target, 0.7))
+    except Exception:  # a loss that needs real inputs (a mask, an index range)
+        return failed
+    if not isinstance(out, Tensor) or not out.numel():
+        return failed
+    f = torch.nan_to_num(out.detach().reshape(-1).to(torch.float64), nan=3.0, posinf=5.0)
+    w = torch.cos(torch.arange(f.numel(), dtype=torch.float64, device=f.device))
+    return torch.stack([f.sum(), (f * w).sum()]).to(device)
 
 
 def _function(fn: Any) -> Any:

@@ -394,19 +394,23 @@ class Algorithm(nn.Module):
 
     def per_sample(self, loss_fn: LossFn, c: Collectives | None = None) -> LossFn:
         """``loss_fn``, checked to give one loss per sample where ranks split a task's
-        samples (:class:`metaddp._share.PerSampleCheck`); as it is elsewhere. ``c``: the
-        step's collectives (default: the bound ones)."""
+        samples, and printed for the ranks' comparison wherever processes split the work
+        (:class:`metaddp._share.PerSampleCheck`); as it is elsewhere. ``c``: the step's
+        collectives (default: the bound ones)."""
         if c is None:
             try:
                 c = collectives_for(self)
             except RuntimeError:  # unbound on several processes: meta_loss says so
                 return loss_fn
-        if not c.samples_split or isinstance(loss_fn, PerSampleCheck):
+        if not (c.samples_split or c.split) or isinstance(loss_fn, PerSampleCheck):
             return loss_fn
         seen = self.__dict__.get("_per_sample_seen")
         if seen is None:  # the loss functions checked already (weakly: lambdas come and go)
             seen = self.__dict__["_per_sample_seen"] = weakref.WeakSet()
-        return PerSampleCheck(loss_fn, c.note, c.counting, seen)
+        # Deterministic mode calls the loss function on fixed chunks of a task's samples, on
+        # one process too: a statistic of its batch would be one of the chunk's.
+        cut = c.samples_split or c.exact is not None
+        return PerSampleCheck(loss_fn, c.note, c.counting, seen, cut=cut)
 
     def inner_loop(
         self,

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from .._adapt import batch_share, inner_loop
 from .._data import Batch, Task, at_least
 from .._functional import call, params_of
-from .._share import share
+from .._share import own_share
 from .._statistics import class_means
 from .._types import LossFn, Params, Reduce, Supports
 from ..forward import keyed_forward
@@ -92,7 +92,7 @@ class ProtoNet(Algorithm):
         fast = {PROTOTYPES: self.prototypes(task.support, reduce=reduce)}
         with keyed_forward(task.query):  # the task's second forward
             logits = self.forward(task.query.x, fast)
-        return share(loss_fn(logits, task.query.y), task.query)
+        return own_share(loss_fn(logits, task.query.y), task.query)
 
     def exact_meta_loss(
         self, tasks: Sequence[Task], loss_fn: LossFn, n_tasks: int, sums: Any

@@ -33,7 +33,7 @@ from .._binding import sharding_of
 from .._data import Batch, Task
 from .._functional import call, drawn_at, random_layers
 from .._remat import Replay, rematerialized_loss
-from .._share import check_per_sample, share
+from .._share import check_per_sample, own_share
 from .._types import LossFn, Params, Reduce
 from ..forward import needs_routes
 from ..inner import InnerOptimizer, State
@@ -110,7 +110,7 @@ def stacked_shares(
             prediction = call(model, p, xt, buffers=b)
         losses = loss_fn(prediction, yt)
         check_per_sample(losses, xt.shape[0])  # shapes are a task's own under vmap
-        shared = share(losses, n)
+        shared = own_share(losses, n)
         if probe is None or not isinstance(prediction, Tensor):
             return shared, shared
         return shared, prediction.detach()

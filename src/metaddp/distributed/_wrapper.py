@@ -588,6 +588,7 @@ class MetaDDP(nn.Module):
         """
         if self.exact is None:
             self.guards.before_sum()
+        self.guards.work_agrees()
         got = self.sums.finish([] if values is None else [values.detach().reshape(-1)])
         if self.sharding is not None and self.sharding.regather is not None:
             self.sharding.regather.sweep()  # the backward's gathers are freed by now
