@@ -49,46 +49,46 @@ def share_of(loss: Tensor) -> ShareOf | None:
     return None if node is None else _metadata(node).get(_TAG)
 
 
-# The records of the shares made with :func:`share` whose backward has run since
-# :func:`taken` last took them: the process's, as ``_host``'s pending checks are (a process
-# runs one meta-step at a time). ``MetaDDP.sync_grads`` compares them across the ranks on
-# its checked steps: a caller's share is what no other check sees (a ``clone()`` loop's
-# query loss, a hand loop's outer loss).
-_ran: list[ShareOf] = []
-_MOST_RAN = 4096  # a process that never sums (no MetaDDP) keeps no longer list
-_overflowed = False
-_unlogged = 0  # inside ``learner.local()``: one rank's own work
+class ShareLog:
+    """The records of the shares made with :func:`share` whose backward has run since
+    :meth:`take` last took them: the process's, as ``_host``'s pending checks are (a process
+    runs one meta-step at a time). ``MetaDDP.sync_grads`` compares them across the ranks on
+    its checked steps: a caller's share is what no other check sees (a ``clone()`` loop's
+    query loss, a hand loop's outer loss)."""
+
+    MOST = 4096  # a process that never sums (no MetaDDP) keeps no longer list
+
+    def __init__(self) -> None:
+        self.ran: list[ShareOf] = []
+        self.overflowed = False
+        self.paused = 0  # inside ``learner.local()``: one rank's own work
+
+    def backward_ran(self, made: ShareOf, grad: Tensor) -> None:
+        if self.paused:
+            return
+        if len(self.ran) >= self.MOST:
+            self.overflowed = True
+            self.ran.clear()
+        self.ran.append(made)
+
+    def take(self) -> tuple[list[ShareOf], bool]:
+        """The shares whose backward ran since the last call, and whether some were dropped
+        (a longer list than kept); both start afresh."""
+        out, over = self.ran, self.overflowed
+        self.ran, self.overflowed = [], False
+        return out, over
+
+    @contextlib.contextmanager
+    def unlogged(self) -> Iterator[None]:
+        """Inside the block, backwards of shares are not recorded (one rank's own work)."""
+        self.paused += 1
+        try:
+            yield
+        finally:
+            self.paused -= 1
 
 
-def _backward_ran(made: ShareOf, grad: Tensor) -> None:
-    global _overflowed
-    if _unlogged:
-        return
-    if len(_ran) >= _MOST_RAN:
-        _overflowed = True
-        _ran.clear()
-    _ran.append(made)
-
-
-def taken() -> tuple[list[ShareOf], bool]:
-    """The shares whose backward ran since the last call, and whether some were dropped (a
-    longer list than kept); both start afresh."""
-    global _overflowed
-    out, over = list(_ran), _overflowed
-    _ran.clear()
-    _overflowed = False
-    return out, over
-
-
-@contextlib.contextmanager
-def unlogged() -> Iterator[None]:
-    """Inside the block, backwards of shares are not recorded (one rank's own work)."""
-    global _unlogged
-    _unlogged += 1
-    try:
-        yield
-    finally:
-        _unlogged -= 1
+LOG = ShareLog()
 
 
 def share(per_sample: Tensor, n_global: int | Batch) -> Tensor:
@@ -106,7 +106,7 @@ def share(per_sample: Tensor, n_global: int | Batch) -> Tensor:
         # What the ranks' shares were made from is compared once their backward has run
         # (MetaDDP.sync_grads, on checked steps): the library's own shares are of batches
         # agreed on before, a caller's may be of a count or a part that no check saw.
-        out.register_hook(functools.partial(_backward_ran, made))
+        out.register_hook(functools.partial(LOG.backward_ran, made))
     return out
 
 
@@ -193,13 +193,17 @@ class PerSampleCheck:
         seen: Any,
         *,
         cut: bool = True,
+        key: Any = None,
     ) -> None:
         self.loss_fn, self.note, self.counting, self.seen = loss_fn, note, counting, seen
         self.cut = cut  # whether ranks split a task's samples (else: only the print is noted)
+        # What ``seen`` remembers it by: the function, or for a loss built anew on every
+        # call (a Bilevel's weighted inner loss) what makes it (its weighting module).
+        self.key = _function(loss_fn) if key is None else key
 
     @property
     def pending(self) -> bool:
-        return _function(self.loss_fn) not in self.seen
+        return self.key not in self.seen
 
     def __call__(self, prediction: Any, target: Any) -> Any:
         if not self.pending or not _plain(prediction, target):
@@ -208,13 +212,13 @@ class PerSampleCheck:
             losses = self.loss_fn(prediction, target)
         n = prediction.shape[0]
         if made.calls:  # sums over the ranks of its own: nothing to cut, nor to call again
-            self.seen.add(_function(self.loss_fn))
+            self.seen.add(self.key)
             return losses
         self.note("loss_fn", loss_print(self.loss_fn, prediction, target))
         if not self.cut:
-            self.seen.add(_function(self.loss_fn))
+            self.seen.add(self.key)
         elif n >= 1 and isinstance(losses, Tensor) and losses.dim() and losses.shape[0] == n:
-            self.seen.add(_function(self.loss_fn))
+            self.seen.add(self.key)
             self.note("per_sample", self._differs(prediction, target, losses))
         return losses
 

@@ -43,7 +43,7 @@ from .._adapt import NON_FINITE_LOSS, finite_flags
 from .._data import Batch, BatchKey, MetaBatch, Task, batch_name, named_batches
 from .._functional import OTHER_DRAWS, OtherDraws, refuse_data_parallel, require_trained
 from .._reach import listing, shapes, unknown_leaves
-from .._share import NOT_PER_SAMPLE, ShareOf, share_of, taken, unlogged
+from .._share import LOG, NOT_PER_SAMPLE, ShareOf, share_of
 from .._types import LossFn, Supports
 from ..forward import batch_start
 from ..inner import InnerOptimizer, learned_rates
@@ -364,7 +364,7 @@ class StepGuards:
         self.unkeyed = UnkeyedDraws(module, lambda: not self._local)
         # The print of the step's first loss function (note), compared before the sum.
         self._loss_print: Tensor | None = None
-        taken()  # shares of an earlier learner's step that never reached its sum
+        LOG.take()  # shares of an earlier learner's step that never reached its sum
 
     # --- state ----------------------------------------------------------------------------
 
@@ -380,7 +380,7 @@ class StepGuards:
     @contextlib.contextmanager
     def local(self) -> Iterator[None]:
         """One rank's own work (``MetaDDP.local``): nothing is compared, and it may draw."""
-        with self._while("_local"), unlogged():
+        with self._while("_local"), LOG.unlogged():
             yield
 
     @contextlib.contextmanager
@@ -783,7 +783,7 @@ class StepGuards:
         - The step's loss function (its print, :func:`metaddp._share.loss_print`), over the
           mesh: a loss or a loss weight that differs by rank.
         - The shares the caller made with ``md.share`` whose backward ran
-          (:func:`metaddp._share.taken`: a ``clone()`` loop's query loss, a hand loop's),
+          (:class:`metaddp._share.ShareLog`: a ``clone()`` loop's query loss, a hand loop's),
           in order, over each sample group: where every rank made as many, the same global
           sizes, whose parts add up to those sizes (a rank may rightly skip a loss it holds
           no sample of, so other counts are not compared). Where a sample group is one rank,
@@ -791,7 +791,7 @@ class StepGuards:
 
         One collective over the mesh, one more over the sample groups in the hybrid layout,
         and one SUM of the shares' parts where ranks split samples."""
-        made, dropped = taken()
+        made, dropped = LOG.take()
         printed, self._loss_print = self._loss_print, None
         if self._local or not self.schedule.due() or _host.recording():
             return
