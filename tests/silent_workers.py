@@ -205,6 +205,37 @@ def batch_statistic(loss: str, where: str, n: int = 8) -> dict:
     return _outcome(step)
 
 
+class _SumNormalised(nn.Module):
+    """Meta-Weight-Net's weights, normalised by their batch's sum (as L2RW normalises)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = md.bilevel.WeightNet(hidden=4)
+
+    def forward(self, losses):
+        w = self.net(losses)
+        return w * len(w) / w.sum()
+
+
+def bilevel_weights(normalised: bool, n: int = 8) -> dict:
+    """A Bilevel whose ``weights=`` module weighs the inner losses, normalised by their batch's
+    sum or each alone; ranks split the samples. Returns the meta-gradient or the error."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    weights = (_SumNormalised() if normalised else md.bilevel.WeightNet(hidden=4)).double()
+    alg = md.Bilevel(net, inner_loss=_mse, outer_loss=_mse, inner_lr=0.1, weights=weights)
+    learner = md.MetaDDP(alg, md.Mesh.create())
+    x = torch.linspace(-1, 1, n, dtype=torch.float64)[:, None]
+    tasks_ = [md.Task(md.Batch(x, 2 * x * (i + 1), n), md.Batch(x, 3 * x * (i + 1), n)) for i in range(2)]
+
+    def step() -> list[float]:
+        learner.meta_loss(learner.shard(tasks_)).backward()
+        learner.sync_grads()
+        return _grads(learner)
+
+    return _outcome(step)
+
+
 def global_statistic() -> dict:
     """The same normalisation over the whole batch, by md.data.global_sums: the one-process
     meta-gradient on any split."""

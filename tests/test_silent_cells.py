@@ -231,6 +231,19 @@ def test_a_loss_reading_its_batch_is_refused_where_ranks_split_samples(loss, whe
             assert out.get("error", "").startswith("the loss function does not give one loss per sample"), out
 
 
+def test_bilevel_weights_that_read_their_batch_are_refused_and_weights_of_each_loss_are_exact():
+    # weights= normalised by the batch's sum: each rank normalised over its own shard, and
+    # the meta-gradient moved with the number of processes (silently). Refused now; weights
+    # of each sample's loss alone are the one-process meta-gradient (float64, 1e-12 as above).
+    for out in run_local(W.bilevel_weights, 2, True, threads=1):
+        assert out.get("error", "").startswith("the loss function does not give one loss per sample"), out
+    (want,) = run_local(W.bilevel_weights, 1, False, threads=1)
+    for world in (2, 3):
+        for out in run_local(W.bilevel_weights, world, False, threads=1):
+            got = torch.tensor(out["grad"])
+            torch.testing.assert_close(got, torch.tensor(want["grad"]), rtol=1e-12, atol=1e-12)
+
+
 def test_the_same_loss_on_one_process_or_with_global_sums_is_exact():
     # One process: the batch is whole, its statistic is the task's (no check, no error). A
     # normalisation summed over the ranks (md.data.global_sums) is the one-process value at 2

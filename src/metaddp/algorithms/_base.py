@@ -392,11 +392,14 @@ class Algorithm(nn.Module):
             bound, reduce=reduce, where="an explicit reduce", exact=None, samples_split=True
         )
 
-    def per_sample(self, loss_fn: LossFn, c: Collectives | None = None) -> LossFn:
+    def per_sample(
+        self, loss_fn: LossFn, c: Collectives | None = None, *, key: Any = None
+    ) -> LossFn:
         """``loss_fn``, checked to give one loss per sample where ranks split a task's
         samples, and printed for the ranks' comparison wherever processes split the work
         (:class:`metaddp._share.PerSampleCheck`); as it is elsewhere. ``c``: the step's
-        collectives (default: the bound ones)."""
+        collectives (default: the bound ones); ``key``: what identifies a loss function
+        built anew for each call (default: the function itself)."""
         if c is None:
             try:
                 c = collectives_for(self)
@@ -410,7 +413,7 @@ class Algorithm(nn.Module):
         # Deterministic mode calls the loss function on fixed chunks of a task's samples, on
         # one process too: a statistic of its batch would be one of the chunk's.
         cut = c.samples_split or c.exact is not None
-        return PerSampleCheck(loss_fn, c.note, c.counting, seen, cut=cut)
+        return PerSampleCheck(loss_fn, c.note, c.counting, seen, cut=cut, key=key)
 
     def inner_loop(
         self,

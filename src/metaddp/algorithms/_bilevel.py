@@ -335,7 +335,9 @@ class Bilevel(Algorithm):
             )
         model, penalty, support = self.model, self.penalty, task.support
         weights = self.weights if weighted else None
-        inner_loss = per_sample if weights is None else _weighted(per_sample, weights)
+        inner_loss = per_sample
+        if weights is not None:  # weights that read their batch (a normalisation) refused
+            inner_loss = self.per_sample(_weighted(per_sample, weights), key=weights)
 
         minibatches = self.minibatches
 
