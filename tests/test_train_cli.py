@@ -269,6 +269,26 @@ def test_omniglot_folder_in_wrong_layout(tmp_path, capsys):
     assert "needs --data" in capsys.readouterr().err
 
 
+def test_a_resume_says_when_longer_steps_move_a_schedule_or_the_evaluation_changes(tmp_path, capsys):
+    out = tmp_path / "cosine"
+    assert main(["train", *TINY, "--outer-schedule", "cosine", "--outer-lr", "0.01", "--out", str(out)]) == 0
+    capsys.readouterr()
+    # Three more steps: the cosine rate of step 4 is no longer 0 (the old schedule's end).
+    assert main(["train", "--resume", str(out), "--steps", "6", "--eval-tasks", "2", "--no-progress"]) == 0
+    said = capsys.readouterr().out
+    # 0.5 * 0.01 * (1 + cos(pi * 3 / 6)) = 0.005; over 3 steps, step 3 of 3 ends at 0.
+    assert "note: --steps was 3 and is 6: the cosine outer rate anneals over 6 steps (step 4's rate " \
+           "0.005, was 0)" in said, said
+    assert "note: the evaluation changed (--eval-tasks 3 -> 2): test numbers from step 4 on do not " \
+           "compare with the earlier rows of metrics.csv" in said, said
+    # A constant rate: more steps are just more steps, nothing to say.
+    again = tmp_path / "constant"
+    assert main(["train", *TINY, "--out", str(again)]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", str(again), "--steps", "4", "--no-progress"]) == 0
+    assert "note:" not in capsys.readouterr().out
+
+
 def test_two_local_processes_through_the_elastic_launcher(tmp_path, run_dir):
     out = tmp_path / "two"
     assert main(["train", *TINY, "--nproc", "2", "--out", str(out)]) == 0

@@ -11,6 +11,7 @@ and gradients are exact sums, the run follows the same trajectory on any number 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -95,6 +96,7 @@ class Trainer:
         self.optimizer = torch.optim.Adam(self.algorithm.parameters(), lr=cfg.outer_lr)
         self.start = 0
         self.layout_was: str | None = None  # the layout a resumed run ran in, where it changed
+        self.changed: list[str] = []  # notes on settings a resume changed that move the run
         self.evaluate_first = False
         self.saved_metrics: torch.Tensor | None = None  # the checkpoint's copy of metrics.csv
         self.log: MetricsLog | None = None
@@ -125,6 +127,7 @@ class Trainer:
             # change is said, as one of the process count is.
             before = state["config"].get("layout")
             self.layout_was = before if before not in (None, cfg.layout) else None
+            self.changed = _changed_on_resume(state["config"], cfg, self.start)
             # A stop at a step whose evaluation was due skipped it: the resume runs it first.
             self.evaluate_first = bool(state.get("evaluation_due", False))
             self.saved_metrics = state.get("metrics")
@@ -396,6 +399,7 @@ class Trainer:
                     f"note: the run ran in the {self.layout_was} layout and continues in the "
                     f"{cfg.layout} layout: {cost}"
                 )
+            said += [f"note: {line}" for line in self.changed]
             print("\n".join(said), flush=True)
         log = MetricsLog(self.out, self.start, saved=self.saved_metrics) if me == 0 else None
         self.log = log
@@ -568,3 +572,40 @@ def progress_bar(cfg: TrainConfig, start: int) -> Any:
         unit="step",
         dynamic_ncols=True,
     )
+
+
+def _changed_on_resume(was: dict[str, Any], cfg: TrainConfig, start: int) -> list[str]:
+    """What a resume's settings change beyond the steps still to run, where the run's
+    identity does not hold them (``was``: the checkpoint's settings): a schedule scaled to
+    ``--steps``, and the evaluation, whose numbers then compare with the earlier rows no
+    more. One line each, said when the run starts."""
+    out: list[str] = []
+    steps_was, steps = was.get("steps"), cfg.steps
+    assert steps is not None  # resolved settings
+    if steps_was is not None and steps_was != steps:
+        moved = []
+        if cfg.outer_schedule == "cosine":
+            then = dataclasses.replace(cfg, steps=steps_was).outer_lr_at(start)
+            moved.append(
+                f"the cosine outer rate anneals over {cfg.steps} steps (step {start + 1}'s rate "
+                f"{cfg.outer_lr_at(start):.3g}, was {then:.3g})"
+            )
+        if cfg.algorithm == "mamlpp":
+            moved.append(
+                f"MAML++'s annealing scales to {steps} steps (multi-step loss over "
+                f"{steps // 15}, first order for {steps // 3}; were {steps_was // 15} "
+                f"and {steps_was // 3})"
+            )
+        if moved:
+            out.append(f"--steps was {steps_was} and is {cfg.steps}: " + "; ".join(moved))
+    evaluation = [
+        f"--{k.replace('_', '-')} {was[k]} -> {getattr(cfg, k)}"
+        for k in ("eval_tasks", "eval_steps")
+        if was.get(k) is not None and was[k] != getattr(cfg, k)
+    ]
+    if evaluation:
+        out.append(
+            f"the evaluation changed ({', '.join(evaluation)}): test numbers from step "
+            f"{start + 1} on do not compare with the earlier rows of metrics.csv"
+        )
+    return out
