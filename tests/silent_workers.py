@@ -236,6 +236,30 @@ def bilevel_weights(normalised: bool, n: int = 8) -> dict:
     return _outcome(step)
 
 
+def varying_lengths(layout: str) -> dict:
+    """Tasks of sequences of other lengths (task ``i``: ``3 + i`` steps), one loss function
+    on every rank: whole tasks per rank, so ranks call it on other shapes first."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    learner = md.MetaDDP(md.MAML(net, inner_lr=0.1), _mesh(layout))
+
+    def task(i: int) -> md.Task:
+        t = torch.linspace(-1, 1, 3 + i, dtype=torch.float64)
+        x = torch.stack([t * (k + 1) for k in range(4)])[..., None]  # [4 samples, 3 + i, 1]
+        return md.Task(md.Batch(x, (i + 1) * x.sin(), 4), md.Batch(x, (i + 1) * x.cos(), 4))
+
+    def step() -> list[float]:
+        learner.meta_loss(learner.shard(4, task), _sequence_mse).backward()
+        learner.sync_grads()
+        return _grads(learner)
+
+    return _outcome(step)
+
+
+def _sequence_mse(p, y):  # per sample: averaged over its steps by md.share
+    return (p - y) ** 2
+
+
 def global_statistic() -> dict:
     """The same normalisation over the whole batch, by md.data.global_sums: the one-process
     meta-gradient on any split."""

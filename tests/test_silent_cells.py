@@ -244,6 +244,17 @@ def test_bilevel_weights_that_read_their_batch_are_refused_and_weights_of_each_l
             torch.testing.assert_close(got, torch.tensor(want["grad"]), rtol=1e-12, atol=1e-12)
 
 
+def test_one_loss_function_on_tasks_of_other_lengths_is_no_false_alarm():
+    # The ranks' loss functions are compared by their losses on made-up inputs of the real
+    # ones' shapes: tasks of other sequence lengths on other ranks are not a mismatch. Float64,
+    # 1e-12 as above.
+    (want,) = run_local(W.varying_lengths, 1, "task", threads=1)
+    for world, layout in ((2, "task"), (3, "task"), (2, "sample")):
+        for out in run_local(W.varying_lengths, world, layout, threads=1):
+            got = torch.tensor(out["grad"])
+            torch.testing.assert_close(got, torch.tensor(want["grad"]), rtol=1e-12, atol=1e-12)
+
+
 def test_the_same_loss_on_one_process_or_with_global_sums_is_exact():
     # One process: the batch is whole, its statistic is the task's (no check, no error). A
     # normalisation summed over the ranks (md.data.global_sums) is the one-process value at 2

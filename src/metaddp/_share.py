@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import math
 import warnings
+import zlib
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -260,15 +261,19 @@ class PerSampleCheck:
 
 
 def loss_print(loss_fn: Any, prediction: Tensor, target: Tensor) -> Tensor:
-    """What ``loss_fn`` computes, as two float64 numbers that every rank calling the same
-    function with the same settings gets alike: its losses on made-up inputs of the shapes
-    (two samples) and dtypes of ``prediction`` and ``target``, summed plainly and with
-    position weights. Another loss (Huber for MSE), or a weight or setting that differs by
-    rank, gives other numbers. Integer targets are made up as zeros (a class every
-    classification loss takes); a function that fails on made-up inputs prints as a fixed
-    pair (it is then not compared); the caller's random state is left as it was."""
+    """What ``loss_fn`` computes, as float64 numbers that every rank calling the same
+    function with the same settings on inputs of the same shapes gets alike: its losses on
+    made-up inputs of the shapes (two samples) and dtypes of ``prediction`` and ``target``,
+    summed plainly and with position weights, then a digest of those shapes and dtypes
+    (prints are compared only where it agrees). Another loss (Huber for MSE), or a weight
+    or setting that differs by rank, gives other numbers. Integer targets are made up as
+    zeros (a class every classification loss takes); a function that fails on made-up
+    inputs prints as a fixed pair (it is then not compared); the caller's random state is
+    left as it was."""
     device = prediction.device
-    failed = torch.full((2,), -1.0, dtype=torch.float64, device=device)
+    shapes = (tuple(prediction.shape[1:]), tuple(target.shape[1:]), prediction.dtype, target.dtype)
+    digest = float(zlib.crc32(repr(shapes).encode()))
+    failed = torch.tensor([-1.0, -1.0, digest], dtype=torch.float64, device=device)
 
     def made_up(t: Tensor, k: float) -> Tensor:
         shape = (2, *t.shape[1:])
@@ -288,7 +293,7 @@ def loss_print(loss_fn: Any, prediction: Tensor, target: Tensor) -> Tensor:
         return failed
     f = torch.nan_to_num(out.detach().reshape(-1).to(torch.float64), nan=3.0, posinf=5.0)
     w = torch.cos(torch.arange(f.numel(), dtype=torch.float64, device=f.device))
-    return torch.stack([f.sum(), (f * w).sum()]).to(device)
+    return torch.stack([f.sum(), (f * w).sum(), f.new_tensor(digest)]).to(device)
 
 
 def _function(fn: Any) -> Any:

@@ -799,7 +799,7 @@ class StepGuards:
         # Where a sample group is one rank, a share of a part of a batch: judged by every rank.
         part = next((m for m in made if m.source != "count" and m.held != m.n), None)
         counted = [float(len(made)), float(dropped), float(_sizes_crc(made))]
-        prints: list[float | None] = [None, None] if printed is None else printed.tolist()
+        prints: list[float | None] = [None] * 3 if printed is None else printed.tolist()
         spread = [float(part is not None), *prints]
         spread += counted if whole_mesh and samples > 1 else []
         low, top = _spread(spread, self.mesh.group)
@@ -812,7 +812,9 @@ class StepGuards:
                 "other parts no rank holds: see its error"
             )
         low, top = low[1:], top[1:]
-        if low[0] <= top[0] and _differ_loosely(low[:2], top[:2]):
+        # Compared where every rank printed on inputs of the same shapes: ranks whose tasks
+        # have other lengths (sequences) print other numbers with the same function.
+        if low[0] <= top[0] and low[2] == top[2] and _differ_loosely(low[:2], top[:2]):
             raise OutOfSyncError(
                 "the ranks' loss functions compute different losses: on the same made-up "
                 "predictions and targets, the loss_fn given to meta_loss returns other values "
@@ -825,7 +827,7 @@ class StepGuards:
         if not whole_mesh:
             low, top = _spread(counted, self.mesh.sample_group)
         else:
-            low, top = low[2:], top[2:]
+            low, top = low[3:], top[3:]
         if top[1] > 0:  # a rank kept no full record: nothing to compare
             return
         if low[0] != top[0]:
