@@ -245,6 +245,109 @@ def clone_query_own_count() -> list[float]:
     return _flat_grad(net)
 
 
+def _clone_steps(learner, query_loss) -> None:
+    """A clone() loop over the meta-batch whose query loss is ``query_loss(fast, t, batch)``,
+    backward per task."""
+    batch = learner.shard(N_TASKS, whole_task)
+    for i, t in enumerate(batch):
+        fast = learner.clone()
+        fast.adapt(md.share(mse(fast(t.support.x), t.support.y), t.support))
+        query_loss(fast, t, batch, i).backward()
+
+
+def _chunked(fast, t, batch, i):
+    # The query's forward in two chunks (memory), each a share of the whole query's count.
+    q, k = t.query, (len(t.query.x) + 1) // 2
+    parts = ((q.x[:k], q.y[:k]), (q.x[k:], q.y[k:]))
+    return sum(md.share(mse(fast(x), y), q.n) for x, y in parts) / batch.n
+
+
+def clone_query_chunked() -> list[float]:
+    net, learner = _learner()
+    _clone_steps(learner, _chunked)
+    learner.sync_grads()
+    return _flat_grad(net)
+
+
+def clone_query_masked_terms() -> list[float]:
+    # A semi-supervised query loss: a labeled term over the task's labeled count, scaled
+    # back to the query's mean, and an unlabeled term; a rank holding no labeled sample skips
+    # its term, so the ranks make their shares in other orders.
+    labeled_at = ({0, 1}, {3, 4}, {1, 3})  # global query indices labeled, per task
+
+    def loss(fast, t, batch, i):
+        q, start = t.query, t.query.start or 0
+        labeled = torch.tensor([start + j in labeled_at[i] for j in range(len(q.x))])
+        per, n_labeled = mse(fast(q.x), q.y), len(labeled_at[i])
+        out = md.share(per[~labeled], q.n)
+        if labeled.any():
+            out = out + md.share(per[labeled], n_labeled) * (n_labeled / q.n)
+        return out / batch.n
+
+    net, learner = _learner()
+    _clone_steps(learner, loss)
+    learner.sync_grads()
+    return _flat_grad(net)
+
+
+def clone_query_over_all_samples() -> list[float]:
+    # Each task's query share of the meta-batch's sample count: share(l, q) / batch.n.
+    net, learner = _learner()
+    _clone_steps(learner, lambda f, t, b, i: md.share(mse(f(t.query.x), t.query.y), b.n * t.query.n))
+    learner.sync_grads()
+    return _flat_grad(net)
+
+
+def clone_query_split_by_batch_tasks() -> list[float]:
+    # Whole tasks per rank, each query cut in two by Batch.split on the same rank.
+    def loss(fast, t, batch, i):
+        parts = [md.Batch.split(t.query.x, t.query.y, j, 2) for j in range(2)]
+        return sum(md.share(mse(fast(b.x), b.y), b) for b in parts) / batch.n
+
+    net, learner = _learner(tasks=md.world_size())
+    _clone_steps(learner, loss)
+    learner.sync_grads()
+    return _flat_grad(net)
+
+
+def two_learners_interleaved() -> list[float]:
+    # Two learners in one process, their steps interleaved: one splits samples, the other
+    # gives each rank whole tasks (a second model trained beside the first).
+    net, learner = _learner()
+    _, other = _learner(tasks=md.world_size())
+    _clone_steps(learner, _chunked)
+    _clone_steps(other, _chunked)
+    learner.sync_grads()
+    other.sync_grads()
+    return _flat_grad(net)
+
+
+def bilevel_outer_weight_by_rank() -> list[float]:
+    # The second loss function of a step (Bilevel's outer loss) weighted per rank.
+    net, w = make_net(), 1.0 if md.rank() == 0 else 2.0
+    outer = lambda p, y: w * mse(p, y)  # noqa: E731
+    learner = md.MetaDDP(md.Bilevel(net, inner_loss=mse, outer_loss=outer, inner_lr=INNER_LR))
+    learner.meta_loss(learner.shard(N_TASKS, whole_task)).backward()
+    learner.sync_grads()
+    return _flat_grad(net)
+
+
+def loss_weight_by_rank_later() -> list[float]:
+    # A loss weight read from a per-rank setting that starts to differ at the third step:
+    # check mode compares the loss functions on every step, not only on the first.
+    net = make_net()
+    learner = md.MetaDDP(md.MAML(net, inner_lr=INNER_LR), check=True)
+    setting = {"w": 1.0}
+    loss = lambda p, y: setting["w"] * mse(p, y)  # noqa: E731
+    for step in range(3):
+        if step == 2 and md.rank() > 0:
+            setting["w"] = 2.0
+        net.zero_grad()
+        learner.meta_loss(learner.shard(N_TASKS, whole_task), loss).backward()
+        learner.sync_grads()
+    return _flat_grad(net)
+
+
 def _cut_by_rank(b: md.Batch) -> md.Batch:  # the DDP habit: every rank its rank's slice
     return md.Batch.split(b.x, b.y, md.rank(), md.world_size())
 
@@ -331,6 +434,13 @@ CASES = {
     "loss weight by rank": loss_weight_by_rank,
     "loss weight by rank (task layout)": loss_weight_by_rank_tasks,
     "another loss by rank": other_loss_by_rank,
+    "clone query in chunks": clone_query_chunked,
+    "clone query, masked terms skipped": clone_query_masked_terms,
+    "clone query over all samples": clone_query_over_all_samples,
+    "clone query split by Batch.split (task layout)": clone_query_split_by_batch_tasks,
+    "two learners interleaved": two_learners_interleaved,
+    "Bilevel outer loss weight by rank": bilevel_outer_weight_by_rank,
+    "loss weight by rank from step 3": loss_weight_by_rank_later,
 }
 
 

@@ -42,6 +42,16 @@ EXPECTED = {
     "loss weight by rank": ("OutOfSyncError", ["loss functions compute different losses"]),
     "loss weight by rank (task layout)": ("OutOfSyncError", ["loss functions compute different losses"]),
     "another loss by rank": ("OutOfSyncError", ["loss functions compute different losses"]),
+    # Correct programs the share records must not refuse: parts made by chunks, masks that
+    # skip a term where a rank holds none of it, counts over the whole meta-batch, parts of a
+    # task on one rank, two learners whose steps interleave.
+    "clone query in chunks": "exact",
+    "clone query, masked terms skipped": "exact",
+    "clone query over all samples": "exact",
+    "clone query split by Batch.split (task layout)": "exact",
+    "two learners interleaved": "exact",
+    "Bilevel outer loss weight by rank": ("OutOfSyncError", ["loss functions compute different losses"]),
+    "loss weight by rank from step 3": ("OutOfSyncError", ["loss functions compute different losses"]),
 }
 
 

@@ -196,8 +196,8 @@ def test_per_task_backward_no_sync_and_a_late_second_pass(results):
         for step, (grads, during, calls) in enumerate(res["per_task"]):
             assert close(grads, want), (world, rank)
             # All 10 buckets in sync_grads, every step; on checked steps (0, 1, 4, 16, ...) one
-            # collective compares the ranks' shares (md.share) and one sums their parts.
-            assert during == 0 and calls == 10 + (2 if step in (0, 1) else 0), (step, calls)
+            # collective gathers what the ranks computed (their md.share records, loss prints).
+            assert during == 0 and calls == 10 + (1 if step in (0, 1) else 0), (step, calls)
         assert "no_sync" in res["twice"] and "overlap=False" in res["twice"]
         assert close(res["accumulated"], want), (world, rank)
         # Early launching was on: the 8 trained buckets went during the last backward.

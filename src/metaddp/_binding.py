@@ -54,6 +54,9 @@ class Collectives:
             the processes with the step and judges alike on every one of them.
         counting: a context manager whose value's ``calls`` counts the collectives made
             inside (``metaddp.distributed.counting``).
+        printing: ``printing(key)``: whether to note the print of the loss function ``key``
+            (``note("loss_fn", print)``) for the processes to compare: true once per function
+            on a step the binder checks.
     """
 
     reduce: Reduce
@@ -67,6 +70,7 @@ class Collectives:
     check_share: Callable[[Any, str], None] = lambda loss, where: None
     note: Callable[[str, Any], None] = lambda kind, flag: None
     counting: Callable[[], Any] = lambda: contextlib.nullcontext(_NONE_MADE)
+    printing: Callable[[Any], bool] = lambda key: False
 
 
 LOCAL = Collectives(identity_reduce, int, "one process")

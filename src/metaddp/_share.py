@@ -11,8 +11,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import math
+import sys
 import warnings
+import weakref
 import zlib
 from collections.abc import Iterator
 from typing import Any, cast
@@ -50,34 +53,68 @@ def share_of(loss: Tensor) -> ShareOf | None:
     return None if node is None else _metadata(node).get(_TAG)
 
 
+@dataclasses.dataclass(frozen=True)
+class Logged:
+    """A share whose backward ran: what it was made from, where (a CRC of the caller's file
+    and line) and when (the order of making, in this process)."""
+
+    made: ShareOf
+    site: int
+    order: int
+
+
 class ShareLog:
-    """The records of the shares made with :func:`share` whose backward has run since
-    :meth:`take` last took them: the process's, as ``_host``'s pending checks are (a process
-    runs one meta-step at a time). ``MetaDDP.sync_grads`` compares them across the ranks on
-    its checked steps: a caller's share is what no other check sees (a ``clone()`` loop's
-    query loss, a hand loop's outer loss)."""
+    """The records of the shares made with :func:`share` whose backward has run.
+    ``MetaDDP.sync_grads`` compares them across the ranks on its checked steps: a caller's
+    share is what no other check sees (a ``clone()`` loop's query loss, a hand loop's outer
+    loss). A process may drive several learners: each opens a window when its step begins
+    (:meth:`begin`) and takes the records made since (:meth:`take`), told whether they may
+    not all be its own (another learner began a step inside the window) or complete."""
 
     MOST = 4096  # a process that never sums (no MetaDDP) keeps no longer list
 
     def __init__(self) -> None:
-        self.ran: list[ShareOf] = []
+        self.ran: list[Logged] = []
         self.overflowed = False
         self.paused = 0  # inside ``learner.local()``: one rank's own work
+        self.made = itertools.count()  # the order of shares made and steps begun
+        # Each learner's open window (where its step began) and its latest beginning; the
+        # learners whose window another's take cut into.
+        self.opened: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self.latest: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self.cut: weakref.WeakSet[Any] = weakref.WeakSet()
 
-    def backward_ran(self, made: ShareOf, grad: Tensor) -> None:
+    def backward_ran(self, logged: Logged, grad: Tensor) -> None:
         if self.paused:
             return
         if len(self.ran) >= self.MOST:
             self.overflowed = True
             self.ran.clear()
-        self.ran.append(made)
+        self.ran.append(logged)
 
-    def take(self) -> tuple[list[ShareOf], bool]:
-        """The shares whose backward ran since the last call, and whether some were dropped
-        (a longer list than kept); both start afresh."""
-        out, over = self.ran, self.overflowed
-        self.ran, self.overflowed = [], False
-        return out, over
+    def begin(self, owner: Any) -> None:
+        """``owner``'s step is under way: shares made from now on may be its own."""
+        now = next(self.made)
+        self.opened.setdefault(owner, now)
+        self.latest[owner] = now
+
+    def take(self, owner: Any) -> tuple[list[Logged], bool]:
+        """The shares whose backward ran that were made since ``owner``'s step began, in
+        the order they were made, and whether they may not all be its own or complete
+        (another learner began a step meanwhile, another's take cut the window, or records
+        were dropped). The window closes."""
+        start = self.opened.pop(owner, None)
+        unsure = self.overflowed or owner in self.cut
+        self.cut.discard(owner)
+        if start is None:  # no step began: nothing is its own
+            return [], unsure
+        unsure = unsure or any(t > start for o, t in self.latest.items() if o is not owner)
+        mine = sorted((r for r in self.ran if r.order > start), key=lambda r: r.order)
+        self.ran = [r for r in self.ran if r.order < start]  # another's, left for it
+        self.overflowed = False
+        if mine:
+            self.cut.update(o for o, t in self.opened.items() if t < mine[-1].order)
+        return mine, unsure
 
     @contextlib.contextmanager
     def unlogged(self) -> Iterator[None]:
@@ -107,7 +144,10 @@ def share(per_sample: Tensor, n_global: int | Batch) -> Tensor:
         # What the ranks' shares were made from is compared once their backward has run
         # (MetaDDP.sync_grads, on checked steps): the library's own shares are of batches
         # agreed on before, a caller's may be of a count or a part that no check saw.
-        out.register_hook(functools.partial(LOG.backward_ran, made))
+        caller = sys._getframe(1)
+        site = zlib.crc32(f"{caller.f_code.co_filename}:{caller.f_lineno}".encode())
+        logged = Logged(made, site, next(LOG.made))
+        out.register_hook(functools.partial(LOG.backward_ran, logged))
     return out
 
 
@@ -180,10 +220,12 @@ class PerSampleCheck:
     and compares: a loss that reads a statistic of its own batch gives other values on one
     part at least. The verdict, a bool on the device, goes to ``note``, which sums it over
     the ranks with the step (every rank judges alike, those with fewer than two samples
-    too). A loss whose call made a collective (:func:`metaddp.data.global_sums`) sums its
-    statistics over the ranks itself and is not cut. Checked functions are remembered in
-    ``seen``; calls under ``torch.vmap`` (stacked tasks) are not checked: :meth:`probe`
-    checks outside it.
+    too). Where ``printing(key)`` says so (a checked step's first call of the function), its
+    print (:func:`loss_print`) goes to ``note`` too, for the ranks to compare. A loss whose
+    call made a collective (:func:`metaddp.data.global_sums`) sums its statistics over the
+    ranks itself and is neither cut nor printed. Checked functions are remembered in
+    ``seen`` (the function, and whether it may be printed); calls under ``torch.vmap``
+    (stacked tasks) are not checked: :meth:`probe` checks outside it.
     """
 
     def __init__(
@@ -195,39 +237,57 @@ class PerSampleCheck:
         *,
         cut: bool = True,
         key: Any = None,
+        printing: Any = None,
     ) -> None:
         self.loss_fn, self.note, self.counting, self.seen = loss_fn, note, counting, seen
         self.cut = cut  # whether ranks split a task's samples (else: only the print is noted)
         # What ``seen`` remembers it by: the function, or for a loss built anew on every
         # call (a Bilevel's weighted inner loss) what makes it (its weighting module).
         self.key = _function(loss_fn) if key is None else key
+        self.printing = printing if printing is not None else lambda key: False
 
     @property
     def pending(self) -> bool:
         return self.key not in self.seen
 
+    @property
+    def probing(self) -> bool:
+        """Whether :meth:`probe` has work: a check pending, or a print wanted."""
+        return self.pending or bool(self.seen.get(self.key)) and self.printing(self.key)
+
+    def _print(self, prediction: Tensor, target: Tensor) -> None:
+        if self.printing(self.key):
+            print_ = loss_print(self.loss_fn, prediction, target)
+            self.note("loss_fn", (self.key, print_))
+
     def __call__(self, prediction: Any, target: Any) -> Any:
-        if not self.pending or not _plain(prediction, target):
+        if not _plain(prediction, target):
             return self.loss_fn(prediction, target)
+        if not self.pending:
+            losses = self.loss_fn(prediction, target)
+            if self.seen.get(self.key):  # printable: makes no collective of its own
+                self._print(prediction, target)
+            return losses
         with self.counting() as made:
             losses = self.loss_fn(prediction, target)
         n = prediction.shape[0]
         if made.calls:  # sums over the ranks of its own: nothing to cut, nor to call again
-            self.seen.add(self.key)
+            self.seen[self.key] = False
             return losses
-        self.note("loss_fn", loss_print(self.loss_fn, prediction, target))
+        self._print(prediction, target)
         if not self.cut:
-            self.seen.add(self.key)
+            self.seen[self.key] = True
         elif n >= 1 and isinstance(losses, Tensor) and losses.dim() and losses.shape[0] == n:
-            self.seen.add(self.key)
+            self.seen[self.key] = True
             self.note("per_sample", self._differs(prediction, target, losses))
         return losses
 
     def probe(self, prediction: Tensor, target: Tensor) -> None:
-        """Check on predictions made outside ``torch.vmap`` (a stacked meta-batch's first
-        task), if still pending."""
-        if self.pending:
-            self(prediction.detach(), target)
+        """Check or print on predictions made outside ``torch.vmap`` (a stacked meta-batch's
+        first task), where :attr:`probing`."""
+        if self.probing:
+            with torch.no_grad():
+                self(prediction.detach(), target)
 
     def _differs(self, prediction: Tensor, target: Tensor, losses: Tensor) -> Tensor:
         """Whether the samples' losses change when the batch is cut in two, its first sample
@@ -267,7 +327,8 @@ def loss_print(loss_fn: Any, prediction: Tensor, target: Tensor) -> Tensor:
     summed plainly and with position weights, then a digest of those shapes and dtypes
     (prints are compared only where it agrees). Another loss (Huber for MSE), or a weight
     or setting that differs by rank, gives other numbers. Integer targets are made up as
-    zeros (a class every classification loss takes); a function that fails on made-up
+    classes 0 and 1 in turn (classes every classification loss takes, one at least not an
+    ``ignore_index``). A function that fails on made-up
     inputs prints as a fixed pair (it is then not compared); the caller's random state is
     left as it was."""
     device = prediction.device
@@ -277,8 +338,8 @@ def loss_print(loss_fn: Any, prediction: Tensor, target: Tensor) -> Tensor:
 
     def made_up(t: Tensor, k: float) -> Tensor:
         shape = (2, *t.shape[1:])
-        if not t.is_floating_point():
-            return torch.zeros(shape, dtype=t.dtype, device=t.device)
+        if not t.is_floating_point():  # classes 0 and 1, alternating
+            return (torch.arange(math.prod(shape), device=t.device) % 2).reshape(shape).to(t.dtype)
         wave = torch.arange(math.prod(shape), dtype=torch.float64, device=t.device)
         return torch.cos(wave * k + 0.5).reshape(shape).to(t.dtype)
 

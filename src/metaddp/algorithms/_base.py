@@ -409,11 +409,13 @@ class Algorithm(nn.Module):
             return loss_fn
         seen = self.__dict__.get("_per_sample_seen")
         if seen is None:  # the loss functions checked already (weakly: lambdas come and go)
-            seen = self.__dict__["_per_sample_seen"] = weakref.WeakSet()
+            seen = self.__dict__["_per_sample_seen"] = weakref.WeakKeyDictionary()
         # Deterministic mode calls the loss function on fixed chunks of a task's samples, on
         # one process too: a statistic of its batch would be one of the chunk's.
         cut = c.samples_split or c.exact is not None
-        return PerSampleCheck(loss_fn, c.note, c.counting, seen, cut=cut, key=key)
+        return PerSampleCheck(
+            loss_fn, c.note, c.counting, seen, cut=cut, key=key, printing=c.printing
+        )
 
     def inner_loop(
         self,

@@ -105,7 +105,7 @@ def _chunk_values(
     # A loss function still to be checked per sample (PerSampleCheck, which cannot check
     # under torch.vmap) is given the first chunk's predictions after it: a statistic of its
     # batch would be one of a chunk's, on any number of processes.
-    probe = getattr(loss_fn, "probe", None) if getattr(loss_fn, "pending", False) else None
+    probe = getattr(loss_fn, "probe", None) if getattr(loss_fn, "probing", False) else None
 
     def one(w: Mapping[str, Tensor], xc: Tensor, yc: Tensor, mc: Tensor, slot: Any) -> Any:
         with _mask.sample_mask(mc), forward.stacked_forward(slot, starts, xc.shape[0], width):

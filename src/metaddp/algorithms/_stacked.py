@@ -100,7 +100,7 @@ def stacked_shares(
     # A loss function still to be checked per sample (``PerSampleCheck``, which cannot check
     # under torch.vmap) is given the first task's predictions after it: those of this very
     # forward, so the check costs no forward and no collective (ranks decide on it alone).
-    probe = getattr(loss_fn, "probe", None) if getattr(loss_fn, "pending", False) else None
+    probe = getattr(loss_fn, "probe", None) if getattr(loss_fn, "probing", False) else None
 
     def one(p: Mapping[str, Tensor], xt: Tensor, yt: Tensor, b: Params | None, slot: Any):
         # Dropout keyed by each task's own keys (metaddp.forward), ``start`` the global index

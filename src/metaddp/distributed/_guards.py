@@ -43,7 +43,7 @@ from .._adapt import NON_FINITE_LOSS, finite_flags
 from .._data import Batch, BatchKey, MetaBatch, Task, batch_name, named_batches
 from .._functional import OTHER_DRAWS, OtherDraws, refuse_data_parallel, require_trained
 from .._reach import listing, shapes, unknown_leaves
-from .._share import LOG, NOT_PER_SAMPLE, ShareOf, share_of
+from .._share import LOG, NOT_PER_SAMPLE, share_of
 from .._types import LossFn, Supports
 from ..forward import batch_start
 from ..inner import InnerOptimizer, learned_rates
@@ -60,6 +60,7 @@ from ._collectives import (
 from ._mesh import Mesh
 from ._sharded import local
 from ._unkeyed import UnkeyedDraws
+from ._work import PRINTS, judge, work_row
 
 # Relative agreement of two fingerprints: see [Note: fingerprints].
 _SAME = 1e-9
@@ -260,7 +261,7 @@ def _unlike(settings: list[tuple[bool | None, str, float]]) -> str:
     )
 
 
-def _alone(where: str, held: int, n: int, mesh: Mesh) -> str:
+def _alone(where: str, held: int | str, n: int | str, mesh: Mesh) -> str:
     """The error for a share of a part of a batch where no other rank holds the rest."""
     return (
         f"{where} got a share of a batch of {n} samples that holds {held} of them on this "
@@ -270,36 +271,6 @@ def _alone(where: str, held: int, n: int, mesh: Mesh) -> str:
         "learner.mesh.sample_index, learner.mesh.samples), never with md.rank() and "
         "md.world_size()"
     )
-
-
-def _sizes_crc(made: Sequence[ShareOf]) -> int:
-    """The shares' global sizes, in order, as one number (a CRC) the ranks compare."""
-    return zlib.crc32(",".join(str(m.n) for m in made).encode())
-
-
-def _spread(values: Sequence[float | None], group: Group) -> tuple[list[float], list[float]]:
-    """As :func:`extremes`, where ``None`` is no value: a position no rank has a value for
-    comes back with ``low > top`` (``inf``, ``-inf``)."""
-    v = torch.tensor(
-        [-math.inf if x is None else x for x in values]
-        + [-math.inf if x is None else -x for x in values],
-        dtype=torch.float64,
-    )
-    k = len(values)
-    if group_size(group) > 1 and k:
-        v = v.to(comm_device(group))
-        _record(v.numel(), v.numel() * 8)
-        _guard(lambda: dist.all_reduce(v, op=dist.ReduceOp.MAX, group=group), "guard check")
-        v = v.cpu()
-    top, low = v[:k].tolist(), (-v[k:]).tolist()
-    return low, top
-
-
-def _differ_loosely(low: Sequence[float], top: Sequence[float]) -> bool:
-    """Whether two loss prints differ by more than rounding may: the same function on the
-    same made-up inputs rounds alike on every rank of one kind of device, and 1e-6 of the
-    print leaves room for float32 kernels that block their sums otherwise."""
-    return any(abs(b - a) > 1e-6 * max(1.0, abs(a), abs(b)) for a, b in zip(low, top, strict=True))
 
 
 def _kind(tasks: Sequence[Task]) -> float:
@@ -362,9 +333,10 @@ class StepGuards:
         # running statistics then differ legitimately, even before the first sum).
         self.moved = False
         self.unkeyed = UnkeyedDraws(module, lambda: not self._local)
-        # The print of the step's first loss function (note), compared before the sum.
-        self._loss_print: Tensor | None = None
-        LOG.take()  # shares of an earlier learner's step that never reached its sum
+        # The prints of the step's loss functions (note), compared before the sum, and the
+        # functions printed (printing).
+        self._prints: list[Tensor] = []
+        self._printed: list[Any] = []
 
     # --- state ----------------------------------------------------------------------------
 
@@ -394,6 +366,11 @@ class StepGuards:
             setattr(self, flag, before)
             self._update_weight_check()
 
+    def _begin(self) -> None:
+        """A step of this learner is under way: shares made now may be its own."""
+        if not self._local:
+            LOG.begin(self)
+
     def remove(self) -> None:
         self.weights.remove()
         if self.unkeyed is not None:
@@ -404,6 +381,7 @@ class StepGuards:
     def tasks_in(self, tasks: Sequence[Task]) -> None:
         """Refuse what a meta-batch cannot be, and on checked steps what the ranks do not
         agree on."""
+        self._begin()
         self.refuse_whole(named_batches(tasks))
         # A step being recorded in a CUDA graph cannot read values on the host; the replays
         # run no Python, and the shard() of each step is checked outside the graph.
@@ -659,6 +637,7 @@ class StepGuards:
         """Where ranks split a task's samples, ``loss`` must be ``metaddp.share(per_sample,
         batch)`` of a rank's part of a batch; on checked steps its sizes are agreed."""
         self.moved = True
+        self._begin()
         ranks = self.mesh.samples
         if self._local:
             return
@@ -706,6 +685,7 @@ class StepGuards:
     def loss_out(self, loss: Tensor, loss_fn: LossFn) -> None:
         """Refuse a meta-loss that depends on a trained tensor outside the module (searched
         once per loss function), and keep its value for the sum's finiteness check."""
+        self._begin()
         self.searches += 1
         if loss.requires_grad and not self._was_searched(loss_fn):
             self._refuse_unknown_leaves(loss)
@@ -778,81 +758,29 @@ class StepGuards:
     def work_agrees(self) -> None:
         """On a checked step, once its backwards have run and before the sum: the ranks
         agree on what they computed that no earlier check saw (raises
-        :class:`OutOfSyncError` on every rank alike).
-
-        - The step's loss function (its print, :func:`metaddp._share.loss_print`), over the
-          mesh: a loss or a loss weight that differs by rank.
-        - The shares the caller made with ``md.share`` whose backward ran
-          (:class:`metaddp._share.ShareLog`: a ``clone()`` loop's query loss, a hand loop's),
-          in order, over each sample group: where every rank made as many, the same global
-          sizes, whose parts add up to those sizes (a rank may rightly skip a loss it holds
-          no sample of, so other counts are not compared). Where a sample group is one rank,
-          a share of a batch must hold all of it.
-
-        One collective over the mesh, one more over the sample groups in the hybrid layout,
-        and one SUM of the shares' parts where ranks split samples."""
-        made, dropped = LOG.take()
-        printed, self._loss_print = self._loss_print, None
+        :class:`OutOfSyncError` on every rank alike): the loss functions' prints, and the
+        shares the caller made with ``md.share`` whose backward ran (a ``clone()`` loop's
+        query loss, a hand loop's). Each rank writes one row, gathered over the mesh in one
+        collective (:mod:`metaddp.distributed._work`)."""
+        made, unsure = LOG.take(self)
+        prints, self._prints, self._printed = self._prints, [], []
         if self._local or not self.schedule.due() or _host.recording():
             return
-        samples, whole_mesh = self.mesh.samples, self.mesh.tasks == 1
-        # Where a sample group is one rank, a share of a part of a batch: judged by every rank.
-        part = next((m for m in made if m.source != "count" and m.held != m.n), None)
-        counted = [float(len(made)), float(dropped), float(_sizes_crc(made))]
-        prints: list[float | None] = [None] * 3 if printed is None else printed.tolist()
-        spread = [float(part is not None), *prints]
-        spread += counted if whole_mesh and samples > 1 else []
-        low, top = _spread(spread, self.mesh.group)
-        if top[0] > 0 and samples == 1:
-            held, n = (part.held, part.n) if part is not None else (0, 0)
-            raise OutOfSyncError(
-                _alone("md.share(losses, batch)", held, n, self.mesh)
-                if part is not None
-                else "another rank made md.share(losses, batch) of a part of a batch whose "
-                "other parts no rank holds: see its error"
-            )
-        low, top = low[1:], top[1:]
-        # Compared where every rank printed on inputs of the same shapes: ranks whose tasks
-        # have other lengths (sequences) print other numbers with the same function.
-        if low[0] <= top[0] and low[2] == top[2] and _differ_loosely(low[:2], top[:2]):
-            raise OutOfSyncError(
-                "the ranks' loss functions compute different losses: on the same made-up "
-                "predictions and targets, the loss_fn given to meta_loss returns other values "
-                "on some ranks (another loss, or a weight or setting read per rank, from a "
-                "node's own config?). Give every rank the same loss function with the same "
-                "settings"
-            )
-        if samples == 1:
+        world = group_size(self.mesh.group)
+        if world == 1 and not made:
             return
-        if not whole_mesh:
-            low, top = _spread(counted, self.mesh.sample_group)
-        else:
-            low, top = low[3:], top[3:]
-        if top[1] > 0:  # a rank kept no full record: nothing to compare
-            return
-        if low[0] != top[0]:
-            # Not comparable one by one: a rank may rightly skip a loss it holds no sample
-            # of (an empty shard, a mask), or add a term the others do not need.
-            return
-        if low[2] != top[2]:
-            raise OutOfSyncError(
-                "the ranks that split a task's samples gave md.share different global sample "
-                "counts for the same loss: a count of a rank's own samples (len(x)) is "
-                "different on every rank. Pass md.share(per_sample, batch), with the Batch "
-                "the losses come from, or the whole batch's size"
-            )
-        if not made:
-            return
-        parts = all_reduce_counts([m.held for m in made], self.mesh.sample_group)
-        for m, h in zip(made, parts, strict=True):
-            if h != m.n:
-                raise OutOfSyncError(
-                    f"a loss md.share(losses, {m.n}) is a share of {m.n} samples, but the "
-                    f"{samples} ranks that split them hold {h} in all: each rank's share must "
-                    "be of its own part of the same batch. Cut parts with learner.shard (or "
-                    "Batch.split(x, y, learner.mesh.sample_index, learner.mesh.samples)) and "
-                    "pass md.share(per_sample, batch)"
-                )
+        device = comm_device(self.mesh.group) if world > 1 else torch.device("cpu")
+        # One rank alone has no print to compare: none is read to the host.
+        row = work_row(self.mesh.task_index, made, unsure, prints if world > 1 else [], device)
+        block = row.new_zeros(world, row.numel())
+        block[dist.get_rank(self.mesh.group) if world > 1 else 0] = row
+        if world > 1:
+            _record(block.numel(), block.numel() * 8)
+            _guard(lambda: dist.all_reduce(block, group=self.mesh.group), "guard check")
+        alone = _alone("md.share(losses, batch)", "{held}", "{n}", self.mesh)
+        found = judge(block.cpu(), alone)
+        if found:
+            raise OutOfSyncError(found)
 
     def before_sum(self) -> None:
         """Refuse gradients that still hold the last sum (a second ``sync_grads()``)."""
@@ -871,14 +799,24 @@ class StepGuards:
             yield
         self.note("draws", torch.tensor([seen.drew]))
 
-    def note(self, kind: str, flag: Tensor) -> None:
+    def printing(self, key: Any) -> bool:
+        """Whether to print the loss function ``key`` now: once per function on a checked
+        step, for the first few functions (:data:`metaddp.distributed._work.PRINTS`); the
+        print is noted as ``note("loss_fn", (key, print))``."""
+        if self._local or not self.schedule.due() or _host.recording():
+            return False
+        return len(self._printed) < PRINTS and not any(k is key for k in self._printed)
+
+    def note(self, kind: str, flag: Any) -> None:
         """A verdict of this rank's work in the step (``kind`` one of :data:`VERDICTS`; a
         1-element bool tensor, true for a mistake), summed over the ranks with the step; or
         with ``kind`` ``"loss_fn"``, a loss function's print
-        (:func:`metaddp._share.loss_print`), the step's first compared across the ranks."""
+        (:func:`metaddp._share.loss_print`), compared across the ranks before the sum."""
         if kind == "loss_fn":
-            if self._loss_print is None:
-                self._loss_print = flag.detach()
+            key, printed = flag
+            if self.printing(key):
+                self._printed.append(key)
+                self._prints.append(printed.detach())
             return
         flag = flag.detach().reshape(1)
         held = self._verdicts.get(kind)

@@ -215,6 +215,7 @@ class MetaDDP(nn.Module):
             samples_split=self.mesh.samples > 1,
             check_share=self.guards.share_in,
             note=self.guards.note,
+            printing=self.guards.printing,
             counting=counting,
         )
         bind(module, self._collectives)

@@ -1,0 +1,164 @@
+"""What a checked step computed, as one row per rank, and the verdicts read from all rows.
+
+Before the sum of a checked step, every rank writes one row of numbers about the work it did
+that no earlier check saw, and the rows are gathered over the mesh (one SUM of a block, each
+rank filling its own row). Every rank then reads the same rows and reaches the same verdict,
+so all raise together and none is left waiting in the next collective.
+
+A row holds:
+
+- the rank's sample group (the ranks that split the same tasks' samples) and whether its
+  record of shares is unsure (some dropped, or another learner's step was under way);
+- the shares the caller made with ``md.share`` whose backward ran (:class:`Logged`): how
+  many, a CRC of where each was made and one of their global sizes, in the order they were
+  made; for shares of a :class:`metaddp.Batch`, the samples held per global size; the first
+  :data:`PLACES` shares' sizes and samples held;
+- up to :data:`PRINTS` loss-function prints (:func:`metaddp._share.loss_print`).
+
+The verdicts hold for every correct program, whatever it skips or chunks:
+
+- *prints*: ranks that printed the same function on inputs of the same shapes (the print's
+  digest) get the same numbers; another loss, or a weight read per rank, does not;
+- *sizes*: where the ranks of a sample group made shares at the same places in the same
+  order, the shares at each place are of the same global size (a rank's own count
+  ``len(x)`` differs by rank on an uneven split), and its ranks hold no more samples of it
+  than that size (an own count on an even split, or every rank sharing the same samples);
+- *parts*: a sample group's shares of batches of ``n`` samples hold ``n`` samples in all, or
+  a multiple (several batches of that size, chunked or not). Shares of a count are left out:
+  a masked loss over the whole batch's count (``md.share(l[mask], n)``) rightly holds fewer.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .._share import Logged
+
+KEYS = 8  # global sizes of shares of batches, per rank; more: the parts are not compared
+PLACES = 32  # shares compared place by place, at most
+PRINTS = 4  # loss-function prints compared, at most
+_HEAD = 6  # group, unsure, count, sites, sizes, keys overflowed
+_PRINT_AT = _HEAD + 2 * KEYS + 2 * PLACES
+WIDTH = _PRINT_AT + 1 + 3 * PRINTS
+
+
+def work_row(
+    group: int, shares: Sequence[Logged], unsure: bool, prints: Sequence[Tensor], device
+) -> Tensor:
+    """This rank's row (float64, on ``device``; see the module docstring)."""
+    sites = zlib.crc32(",".join(str(s.site) for s in shares).encode())
+    sizes = zlib.crc32(",".join(str(s.made.n) for s in shares).encode())
+    parts: dict[int, int] = {}
+    for s in shares:
+        if s.made.source != "count":
+            parts[s.made.n] = parts.get(s.made.n, 0) + s.made.held
+    head = [group, float(unsure), len(shares), sites, sizes, float(len(parts) > KEYS)]
+    keyed = [v for n in sorted(parts)[:KEYS] for v in (n, parts[n])]
+    placed = [v for s in shares[:PLACES] for v in (s.made.n, s.made.held)]
+    row = head + keyed + [0] * (2 * KEYS - len(keyed)) + placed
+    row += [0] * (_PRINT_AT - len(row)) + [min(len(prints), PRINTS)]
+    host = torch.tensor(row, dtype=torch.float64, device=device)
+    printed = [p.to(device=device, dtype=torch.float64).reshape(3) for p in prints[:PRINTS]]
+    printed += [host.new_zeros(3)] * (PRINTS - len(printed))
+    return torch.cat([host, *printed])
+
+
+def judge(rows: Tensor, alone: str) -> str | None:
+    """The first mistake the rows show (the same rows give the same answer on every rank),
+    or ``None``. ``alone``: the error for a part of a batch whose other parts no rank holds,
+    with ``{held}`` and ``{n}`` to fill in."""
+    table = rows.tolist()
+    if _prints_differ(table):
+        return LOSS_DIFFERS
+    groups: dict[float, list[list[float]]] = {}
+    for r in table:
+        groups.setdefault(r[0], []).append(r)
+    for members in groups.values():
+        if not any(r[1] for r in members):
+            found = _shares_wrong(members, alone)
+            if found:
+                return found
+    return None
+
+
+LOSS_DIFFERS = (
+    "the ranks' loss functions compute different losses: on the same made-up predictions and "
+    "targets, a loss function given to metaddp returns other values on some ranks (another "
+    "loss, or a weight or setting read per rank, from a node's own config?). Give every rank "
+    "the same loss function with the same settings"
+)
+
+
+def _prints_differ(table: list[list[float]]) -> bool:
+    """Whether two ranks printed the same function, on inputs of the same shapes, at the same
+    place among the step's prints, and got numbers further apart than rounding may put them:
+    the same function on the same made-up inputs rounds alike on every rank of one kind of
+    device, and 1e-6 of the print leaves room for float32 kernels that block their sums
+    otherwise."""
+    for i in range(PRINTS):
+        at = _PRINT_AT + 1 + 3 * i
+        by_digest: dict[float, list[float]] = {}
+        for r in table:
+            if r[_PRINT_AT] > i:
+                mine = r[at : at + 2]
+                first = by_digest.setdefault(r[at + 2], mine)
+                if any(
+                    abs(b - a) > 1e-6 * max(1.0, abs(a), abs(b))
+                    for a, b in zip(first, mine, strict=True)
+                ):
+                    return True
+    return False
+
+
+def _shares_wrong(members: list[list[float]], alone: str) -> str | None:
+    """The verdict on one sample group's shares (see the module docstring)."""
+    count, sites = members[0][2], members[0][3]
+    aligned = len(members) > 1 and count > 0
+    aligned = aligned and all(r[2] == count and r[3] == sites for r in members)
+    if aligned and any(r[4] != members[0][4] for r in members):
+        return (
+            f"the {len(members)} ranks that split a task's samples gave md.share different "
+            "global sample counts at the same place: a count of a rank's own samples "
+            "(md.share(l, len(x))) is different on every rank. Pass md.share(per_sample, "
+            "batch), with the Batch the losses come from, or the whole batch's size"
+        )
+    if aligned:
+        base = _HEAD + 2 * KEYS
+        for i in range(min(int(count), PLACES)):
+            n = members[0][base + 2 * i]
+            held = sum(r[base + 2 * i + 1] for r in members)
+            if held > n:
+                return (
+                    f"the {len(members)} ranks that split a task's samples each made "
+                    f"md.share(losses, {int(n)}) at the same place, and hold {int(held)} "
+                    f"samples of it in all, more than its {int(n)}: each counted its own "
+                    "samples as the whole batch (md.share(l, len(x)), or a Batch.split of the "
+                    "rank's own part), or every rank shared the same samples. Pass md.share(per_sample, batch), with the Batch the "
+                    "losses come from (learner.shard cuts the parts). A share is a mean over "
+                    "samples: for a sum use l.sum(), for a mean of shares add them and divide"
+                )
+    if any(r[5] for r in members):
+        return None
+    parts: dict[float, float] = {}
+    for r in members:
+        for k in range(KEYS):
+            n, held = r[_HEAD + 2 * k], r[_HEAD + 2 * k + 1]
+            if n > 0:
+                parts[n] = parts.get(n, 0.0) + held
+    for n, held in sorted(parts.items()):
+        if held % n:
+            if len(members) == 1:
+                return alone.format(held=int(held), n=int(n))
+            return (
+                f"shares of batches of {int(n)} samples hold {int(held)} samples in all over "
+                f"the {len(members)} ranks that split them, not {int(n)} (or a multiple, for "
+                "several such batches): each rank's share must be of its own part of the "
+                "same batch, and the parts must add up to it. Cut parts with learner.shard "
+                "(or Batch.split(x, y, learner.mesh.sample_index, learner.mesh.samples)) and "
+                "pass md.share(per_sample, batch)"
+            )
+    return None
