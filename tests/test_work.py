@@ -5,18 +5,23 @@ import torch
 import torch.nn.functional as F
 
 from metaddp._share import Logged, ShareOf, loss_print
-from metaddp.distributed._work import PLACES, judge, work_row
+from metaddp.distributed._work import PLACES, judge, work_block
 
 ALONE = "alone {held} of {n}"
 
 
 def row(shares, *, group=0, unsure=False, prints=()):
+    """One rank's record: its shares as (held, n, source, call site), in the order made."""
     logged = [Logged(ShareOf(held, n, source), site, k) for k, (held, n, source, site) in enumerate(shares)]
-    return work_row(group, logged, unsure, list(prints), torch.device("cpu"))
+    return group, logged, unsure, list(prints)
 
 
 def verdict(*rows):
-    return judge(torch.stack(rows), ALONE)
+    """The verdict every rank reaches on the SUM of the ranks' blocks."""
+    world, groups = len(rows), 1 + max(r[0] for r in rows)
+    cpu = torch.device("cpu")
+    blocks = [work_block(rank, world, g, groups, s, u, p, cpu) for rank, (g, s, u, p) in enumerate(rows)]
+    return judge(sum(blocks), world, ALONE)
 
 
 def test_parts_that_add_up_pass_in_any_order_chunked_or_skipped():

@@ -54,13 +54,14 @@ from ._collectives import (
     _record,
     all_reduce_counts,
     comm_device,
+    group_rank,
     group_size,
     max_abs_difference,
 )
 from ._mesh import Mesh
 from ._sharded import local
 from ._unkeyed import UnkeyedDraws
-from ._work import PRINTS, judge, work_row
+from ._work import PRINTS, judge, work_block
 
 # Relative agreement of two fingerprints: see [Note: fingerprints].
 _SAME = 1e-9
@@ -771,14 +772,21 @@ class StepGuards:
             return
         device = comm_device(self.mesh.group) if world > 1 else torch.device("cpu")
         # One rank alone has no print to compare: none is read to the host.
-        row = work_row(self.mesh.task_index, made, unsure, prints if world > 1 else [], device)
-        block = row.new_zeros(world, row.numel())
-        block[dist.get_rank(self.mesh.group) if world > 1 else 0] = row
+        block = work_block(
+            group_rank(self.mesh.group),
+            world,
+            self.mesh.task_index,
+            self.mesh.tasks,
+            made,
+            unsure,
+            prints if world > 1 else [],
+            device,
+        )
         if world > 1:
             _record(block.numel(), block.numel() * 8)
             _guard(lambda: dist.all_reduce(block, group=self.mesh.group), "guard check")
         alone = _alone("md.share(losses, batch)", "{held}", "{n}", self.mesh)
-        found = judge(block.cpu(), alone)
+        found = judge(block.cpu(), world, alone)
         if found:
             raise OutOfSyncError(found)
 

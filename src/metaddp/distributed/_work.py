@@ -2,18 +2,21 @@
 
 Before the sum of a checked step, every rank writes one row of numbers about the work it did
 that no earlier check saw, and the rows are gathered over the mesh (one SUM of a block, each
-rank filling its own row). Every rank then reads the same rows and reaches the same verdict,
-so all raise together and none is left waiting in the next collective.
+rank filling its own row and adding to its sample group's slot). Every rank then reads the
+same rows and reaches the same verdict, so all raise together and none is left waiting in
+the next collective.
 
-A row holds:
+Each rank's row holds:
 
 - the rank's sample group (the ranks that split the same tasks' samples) and whether its
   record of shares is unsure (some dropped, or another learner's step was under way);
 - the shares the caller made with ``md.share`` whose backward ran (:class:`Logged`): how
   many, a CRC of where each was made and one of their global sizes, in the order they were
-  made; for shares of a :class:`metaddp.Batch`, the samples held per global size; the first
-  :data:`PLACES` shares' sizes and samples held;
-- up to :data:`PRINTS` loss-function prints (:func:`metaddp._share.loss_print`).
+  made; for shares of a :class:`metaddp.Batch`, the samples held per global size;
+- up to :data:`PRINTS` loss-function prints (:func:`metaddp._share.loss_print`);
+
+and each sample group's slot, the sum over its ranks of the first :data:`PLACES` shares'
+global sizes and samples held, place by place.
 
 The verdicts hold for every correct program, whatever it skips or chunks:
 
@@ -38,18 +41,29 @@ from torch import Tensor
 
 from .._share import Logged
 
-KEYS = 8  # global sizes of shares of batches, per rank; more: the parts are not compared
+KEYS = 6  # global sizes of shares of batches, per rank; more: the parts are not compared
 PLACES = 32  # shares compared place by place, at most
 PRINTS = 4  # loss-function prints compared, at most
 _HEAD = 6  # group, unsure, count, sites, sizes, keys overflowed
-_PRINT_AT = _HEAD + 2 * KEYS + 2 * PLACES
-WIDTH = _PRINT_AT + 1 + 3 * PRINTS
+_PRINT_AT = _HEAD + 2 * KEYS
+WIDTH = _PRINT_AT + 1 + 3 * PRINTS  # a rank's row
+SLOT = 2 * PLACES  # a sample group's sums: each place's global size and samples held
 
 
-def work_row(
-    group: int, shares: Sequence[Logged], unsure: bool, prints: Sequence[Tensor], device
+def work_block(
+    rank: int,
+    world: int,
+    group: int,
+    groups: int,
+    shares: Sequence[Logged],
+    unsure: bool,
+    prints: Sequence[Tensor],
+    device: torch.device,
 ) -> Tensor:
-    """This rank's row (float64, on ``device``; see the module docstring)."""
+    """This rank's part of the step's block (float64, on ``device``): its row at ``rank`` of
+    ``world`` rows, then its places' sizes and samples held in its sample group's slot
+    (``group`` of ``groups``), zeros elsewhere. The SUM of every rank's block holds every
+    row, and each group's sums place by place."""
     sites = zlib.crc32(",".join(str(s.site) for s in shares).encode())
     sizes = zlib.crc32(",".join(str(s.made.n) for s in shares).encode())
     parts: dict[int, int] = {}
@@ -58,28 +72,37 @@ def work_row(
             parts[s.made.n] = parts.get(s.made.n, 0) + s.made.held
     head = [group, float(unsure), len(shares), sites, sizes, float(len(parts) > KEYS)]
     keyed = [v for n in sorted(parts)[:KEYS] for v in (n, parts[n])]
+    row = head + keyed + [0] * (2 * KEYS - len(keyed)) + [min(len(prints), PRINTS)]
     placed = [v for s in shares[:PLACES] for v in (s.made.n, s.made.held)]
-    row = head + keyed + [0] * (2 * KEYS - len(keyed)) + placed
-    row += [0] * (_PRINT_AT - len(row)) + [min(len(prints), PRINTS)]
-    host = torch.tensor(row, dtype=torch.float64, device=device)
-    printed = [p.to(device=device, dtype=torch.float64).reshape(3) for p in prints[:PRINTS]]
-    printed += [host.new_zeros(3)] * (PRINTS - len(printed))
-    return torch.cat([host, *printed])
+    block = torch.zeros(world * WIDTH + groups * SLOT, dtype=torch.float64)
+    block[rank * WIDTH : rank * WIDTH + len(row)] = torch.tensor(row, dtype=torch.float64)
+    at = world * WIDTH + group * SLOT
+    block[at : at + len(placed)] = torch.tensor(placed, dtype=torch.float64)
+    block = block.to(device)
+    if prints:  # left on the device: read with the block, after the collective
+        printed = torch.stack(
+            [p.to(device=device, dtype=torch.float64).reshape(3) for p in prints[:PRINTS]]
+        )
+        start = rank * WIDTH + _PRINT_AT + 1
+        block[start : start + printed.numel()] = printed.reshape(-1)
+    return block
 
 
-def judge(rows: Tensor, alone: str) -> str | None:
-    """The first mistake the rows show (the same rows give the same answer on every rank),
-    or ``None``. ``alone``: the error for a part of a batch whose other parts no rank holds,
-    with ``{held}`` and ``{n}`` to fill in."""
-    table = rows.tolist()
+def judge(block: Tensor, world: int, alone: str) -> str | None:
+    """The first mistake the summed block shows (the same block gives the same answer on
+    every rank), or ``None``. ``alone``: the error for a part of a batch whose other parts
+    no rank holds, with ``{held}`` and ``{n}`` to fill in."""
+    values = block.tolist()
+    table = [values[r * WIDTH : (r + 1) * WIDTH] for r in range(world)]
     if _prints_differ(table):
         return LOSS_DIFFERS
-    groups: dict[float, list[list[float]]] = {}
+    groups: dict[int, list[list[float]]] = {}
     for r in table:
-        groups.setdefault(r[0], []).append(r)
-    for members in groups.values():
+        groups.setdefault(int(r[0]), []).append(r)
+    for g, members in groups.items():
         if not any(r[1] for r in members):
-            found = _shares_wrong(members, alone)
+            at = world * WIDTH + g * SLOT
+            found = _shares_wrong(members, values[at : at + SLOT], alone)
             if found:
                 return found
     return None
@@ -114,8 +137,9 @@ def _prints_differ(table: list[list[float]]) -> bool:
     return False
 
 
-def _shares_wrong(members: list[list[float]], alone: str) -> str | None:
-    """The verdict on one sample group's shares (see the module docstring)."""
+def _shares_wrong(members: list[list[float]], placed: list[float], alone: str) -> str | None:
+    """The verdict on one sample group's shares (see the module docstring): its members'
+    rows, and its places' sizes and samples held, summed over its members."""
     count, sites = members[0][2], members[0][3]
     aligned = len(members) > 1 and count > 0
     aligned = aligned and all(r[2] == count and r[3] == sites for r in members)
@@ -126,20 +150,19 @@ def _shares_wrong(members: list[list[float]], alone: str) -> str | None:
             "(md.share(l, len(x))) is different on every rank. Pass md.share(per_sample, "
             "batch), with the Batch the losses come from, or the whole batch's size"
         )
-    if aligned:
-        base = _HEAD + 2 * KEYS
+    if aligned:  # every member holds the same size at each place
         for i in range(min(int(count), PLACES)):
-            n = members[0][base + 2 * i]
-            held = sum(r[base + 2 * i + 1] for r in members)
+            n, held = placed[2 * i] / len(members), placed[2 * i + 1]
             if held > n:
                 return (
                     f"the {len(members)} ranks that split a task's samples each made "
                     f"md.share(losses, {int(n)}) at the same place, and hold {int(held)} "
                     f"samples of it in all, more than its {int(n)}: each counted its own "
                     "samples as the whole batch (md.share(l, len(x)), or a Batch.split of the "
-                    "rank's own part), or every rank shared the same samples. Pass md.share(per_sample, batch), with the Batch the "
-                    "losses come from (learner.shard cuts the parts). A share is a mean over "
-                    "samples: for a sum use l.sum(), for a mean of shares add them and divide"
+                    "rank's own part), or every rank shared the same samples. Pass "
+                    "md.share(per_sample, batch), with the Batch the losses come from "
+                    "(learner.shard cuts the parts). A share is a mean over samples: for a "
+                    "sum use l.sum(), for a mean of shares add them and divide"
                 )
     if any(r[5] for r in members):
         return None
