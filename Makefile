@@ -25,7 +25,7 @@ demo: $(STAMP)
 verify: $(STAMP)
 	$(VENV)/bin/metaddp verify
 	$(VENV)/bin/metaddp verify --deterministic
-	METADDP_ELASTIC=1 $(PY) -m pytest -q tests/test_elastic.py
+	METADDP_ELASTIC=1 METADDP_SLOW=1 $(PY) -m pytest -q tests/test_elastic.py tests/test_docs.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q

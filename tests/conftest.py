@@ -27,10 +27,12 @@ def worlds(tmp_path_factory):
     return out
 
 
-# The README's glyphs run draws the glyph set of this machine's fonts the first time (30 s of
-# one core; tests/test_glyphs.py checks the drawing itself on a few fonts). The session draws
-# it from its start, at the lowest priority, on the core that the one-process tests leave idle;
-# tests/test_docs.py waits for it (bounded) and runs the README's commands against that cache.
+# The README's glyphs run (45 s on 2 cores) draws the glyph set of this machine's fonts the
+# first time (30 s of one core; tests/test_glyphs.py checks the drawing itself on a few fonts).
+# Both are slow checks: they run with METADDP_SLOW=1 (make verify). The session then draws the
+# set from its start, at the lowest priority, on the core that the one-process tests leave
+# idle; tests/test_docs.py waits for it (bounded) and runs the README's commands against it.
+SLOW = os.environ.get("METADDP_SLOW") == "1"
 GLYPHS: dict = {}
 
 
@@ -38,7 +40,7 @@ def pytest_sessionstart(session):
     import subprocess
     import tempfile
 
-    if getattr(session.config, "workerinput", None) is not None or session.config.option.collectonly:
+    if not SLOW or getattr(session.config, "workerinput", None) is not None or session.config.option.collectonly:
         return
     try:
         import PIL  # noqa: F401 (the glyphs need Pillow: without it, test_docs draws nothing)

@@ -43,11 +43,17 @@ def readme_commands() -> list[str]:
 
 def readme_streams() -> list[list[str]]:
     """The README's commands that the pool below runs, in streams: a command that names a run
-    folder follows the ones before it that name it too."""
+    folder follows the ones before it that name it too. The glyphs run (45 s on 2 cores, and
+    30 s more to draw its glyph set) is a slow check: it runs with METADDP_SLOW=1 (make
+    verify)."""
+    from conftest import SLOW
+
     streams: dict[str, list[str]] = {}
     for command in readme_commands():
         if " -m pytest " in command:
             assert (ROOT / command.split()[-1]).exists(), command  # the suite runs it itself
+            continue
+        if " glyphs " in command and not SLOW:
             continue
         folder = next((w for w in command.split() if w.startswith("runs/")), command)
         streams.setdefault(folder, []).append(command)
@@ -57,9 +63,9 @@ def readme_streams() -> list[list[str]]:
 @pytest.fixture(scope="module")
 def ran(tmp_path_factory) -> dict[str, list]:
     """Every README command and every documented program marked to run on any number of
-    processes (at 1 process, then at 2), two runs at a time (one per core, one torch thread
-    each), the longest first, so that the README's glyphs run overlaps the rest. Per test
-    below: its jobs' outcomes, in its own order."""
+    processes (all of them in one process, then all under one launch of 2), two runs at a time
+    (one per core, one torch thread each), the longest first. Per test below: its jobs'
+    outcomes, in its own order (each program at 1 process, then at 2)."""
     import os
     import shutil
     import subprocess
@@ -82,24 +88,26 @@ def ran(tmp_path_factory) -> dict[str, list]:
                                          capture_output=True, text=True, timeout=300, env=env))
                 for command in stream]
 
-    def program(job: tuple[str, tuple[str, ...]]) -> tuple[str, list[str]]:
-        name, launcher = job
-        done = subprocess.run([sys.executable, *launcher, name], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=180)
+    def programs(launcher: tuple[str, ...]) -> list[tuple[str, list[str]]]:
+        # Every program in one interpreter (tests/run_programs.py), under one launch.
+        names = any_world_programs()
+        done = subprocess.run([sys.executable, *launcher, "tests/run_programs.py", *names], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
-            return f"{name} {launcher}\n{done.stdout}\n{done.stderr[-3000:]}", []
-        return "", re.findall(r"-?\d+\.\d+", done.stdout)  # the printed numbers
+            return [(f"{launcher}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}", [])]
+        outputs = dict(re.findall(r"^=== (\S+)\n(.*?)(?=^=== |\Z)", done.stdout, re.S | re.M))
+        return [("", re.findall(r"-?\d+\.\d+", outputs.get(name, ""))) for name in names]  # printed numbers
 
     streams = sorted(readme_streams(), key=lambda stream: -len(" ".join(stream)))
-    jobs = [(p, launcher) for p in any_world_programs()
-            for launcher in ((), ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"))]
-    work = [(readme, s) for s in streams] + [(program, j) for j in jobs]
+    launchers = [(), ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")]
+    work = [(readme, s) for s in streams] + [(programs, launcher) for launcher in launchers]
     with ThreadPoolExecutor(2) as pool:
         outcomes = list(pool.map(lambda fn_arg: fn_arg[0](fn_arg[1]), work))
     for folder in ("first", "glyphs-first"):
         shutil.rmtree(ROOT / "runs" / folder, ignore_errors=True)
+    one, two = outcomes[len(streams):]
     return {"readme": dict(done for stream in outcomes[: len(streams)] for done in stream),
-            "programs": outcomes[len(streams):]}
+            "programs": [job for pair in zip(one, two) for job in pair] if len(one) == len(two) else one + two}
 
 
 def test_every_readme_command_runs_as_written(ran):
@@ -210,9 +218,9 @@ def test_every_named_program_exists_and_the_marked_ones_agree_at_1_and_2_process
             "examples/algorithms_hf.py", "examples/algorithms_graphs.py"} <= set(named)
     programs = any_world_programs()
     outcomes = ran["programs"]
-    assert len(outcomes) == 2 * len(programs) > 0
     failures = [failure for failure, _ in outcomes if failure]
     assert not failures, "\n\n".join(failures)
+    assert len(outcomes) == 2 * len(programs) > 0
     printed = [numbers for _, numbers in outcomes]
     for program, one, two in zip(programs, printed[0::2], printed[1::2]):
         assert one and len(one) == len(two), (program, one, two)
