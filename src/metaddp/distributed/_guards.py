@@ -338,6 +338,7 @@ class StepGuards:
         # functions printed (printing).
         self._prints: list[Tensor] = []
         self._printed: list[Any] = []
+        self._one_process = group_size(mesh.group) == 1  # no print to compare
 
     # --- state ----------------------------------------------------------------------------
 
@@ -771,7 +772,6 @@ class StepGuards:
         if world == 1 and not made:
             return
         device = comm_device(self.mesh.group) if world > 1 else torch.device("cpu")
-        # One rank alone has no print to compare: none is read to the host.
         block = work_block(
             group_rank(self.mesh.group),
             world,
@@ -779,7 +779,7 @@ class StepGuards:
             self.mesh.tasks,
             made,
             unsure,
-            prints if world > 1 else [],
+            prints,
             device,
         )
         if world > 1:
@@ -811,7 +811,7 @@ class StepGuards:
         """Whether to print the loss function ``key`` now: once per function on a checked
         step, for the first few functions (:data:`metaddp.distributed._work.PRINTS`); the
         print is noted as ``note("loss_fn", (key, print))``."""
-        if self._local or not self.schedule.due() or _host.recording():
+        if self._local or not self.schedule.due() or _host.recording() or self._one_process:
             return False
         return len(self._printed) < PRINTS and not any(k is key for k in self._printed)
 
