@@ -9,8 +9,9 @@ A meta-step passes five points, and every refusal of :class:`metaddp.MetaDDP` be
 - **share in** (``clone()``'s ``adapt``, ``grad``): a loss that is not a share of a known
   batch, where ranks split the samples;
 - **loss out** (``meta_loss``'s result): a trained tensor outside the module;
-- **before the sum** (``sync_grads``): gradients summed twice; the meta-loss's finiteness
-  rides in the same SUM;
+- **before the sum** (``sync_grads``): gradients summed twice; on checked steps, what the
+  step computed that no earlier check saw (loss prints, the caller's shares:
+  :mod:`metaddp.distributed._work`); the meta-loss's finiteness rides in the same SUM;
 - **after the sum**: the step is counted, and the next one's checks scheduled.
 
 Checks that cost a collective run on *checked steps* only (:class:`Schedule`): the first
