@@ -63,9 +63,9 @@ def _outcome(case) -> tuple:
         return ("error", type(e).__name__, str(e))
 
 
-def _learner(tasks: int = 1):
+def _learner(tasks: int = 1, check: bool = False):
     net = make_net()
-    return net, md.MetaDDP(md.MAML(net, inner_lr=INNER_LR), md.Mesh.create(tasks=tasks))
+    return net, md.MetaDDP(md.MAML(net, inner_lr=INNER_LR), md.Mesh.create(tasks=tasks), check=check)
 
 
 def _meta_step(learner, net, tasks) -> list[float]:
@@ -234,8 +234,9 @@ def ddp_inside() -> list[float]:
 
 
 def clone_query_own_count() -> list[float]:
-    # The support share is right; the query's is of the rank's own count.
-    net, learner = _learner()
+    # The support share is right; the query's is of the rank's own count. Check mode
+    # compares the caller's shares (docs/guarantees.md: on other steps it is not seen).
+    net, learner = _learner(check=True)
     batch = learner.shard(N_TASKS, whole_task)
     for t in batch:
         fast = learner.clone()
@@ -348,6 +349,31 @@ def loss_weight_by_rank_later() -> list[float]:
     return _flat_grad(net)
 
 
+def per_task_loss_task_layout() -> list[float]:
+    # Each task's own loss weight (task i's, whichever rank adapts it): in the task layout the
+    # ranks run other tasks, so their loss functions differ, rightly. The reference is the
+    # same program on one process.
+    net, learner = _learner(tasks=md.world_size())
+    batch = learner.shard(N_TASKS, whole_task)
+    for i, t in zip(batch.indices, batch, strict=True):
+        w = 1.0 + i
+        loss = lambda p, y, w=w: w * mse(p, y)  # noqa: E731
+        fast = learner.adapt(t.support, loss)
+        (md.share(loss(learner(t.query.x, fast), t.query.y), t.query) / batch.n).backward()
+    learner.sync_grads()
+    return _flat_grad(net)
+
+
+def validation_after_training_task_layout() -> list[float]:
+    # Two training tasks (a rank at 3 processes holds none), then a validation meta-loss of
+    # another loss function in the same step, its value only.
+    net, learner = _learner(tasks=md.world_size())
+    learner.meta_loss(learner.shard(2, whole_task), mse).backward()
+    learner.meta_loss(learner.shard(3, lambda i: whole_task(50 + i)), lambda p, y: (p - y).abs()).item()
+    learner.sync_grads()
+    return _flat_grad(net)
+
+
 def _cut_by_rank(b: md.Batch) -> md.Batch:  # the DDP habit: every rank its rank's slice
     return md.Batch.split(b.x, b.y, md.rank(), md.world_size())
 
@@ -365,8 +391,9 @@ def clone_cut_by_rank_tasks() -> list[float]:
 
 
 def hand_loop_query_cut_by_rank_tasks() -> list[float]:
-    # Only the query cut by rank: the inner step is right, the outer share is of a part.
-    net, learner = _learner(tasks=md.world_size())
+    # Only the query cut by rank: the inner step is right, the outer share is of a part
+    # (compared in check mode).
+    net, learner = _learner(tasks=md.world_size(), check=True)
     params = dict(net.named_parameters())
     batch = learner.shard(N_TASKS, whole_task)
     total = 0
@@ -441,6 +468,8 @@ CASES = {
     "two learners interleaved": two_learners_interleaved,
     "Bilevel outer loss weight by rank": bilevel_outer_weight_by_rank,
     "loss weight by rank from step 3": loss_weight_by_rank_later,
+    "a loss per task (task layout)": per_task_loss_task_layout,
+    "a validation loss after training (task layout)": validation_after_training_task_layout,
 }
 
 

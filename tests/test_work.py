@@ -60,10 +60,22 @@ def test_prints_of_the_same_shapes_are_compared_and_others_are_not():
     one, two = loss_print(ce(1.0), p, y), loss_print(ce(2.0), p, y)
     # Made-up targets take classes 0 and 1 in turn: a weight shows past ignore_index=0.
     assert not torch.equal(one, two)
-    assert verdict(row([], prints=[one]), row([], prints=[one])) is None
-    assert "compute different losses" in verdict(row([], prints=[one]), row([], prints=[two]))
+    # Prints of the step's first meta_loss over global tasks (call 1): compared over the mesh.
+    assert verdict(row([], prints=[(1, one)]), row([], group=1, prints=[(1, one)])) is None
+    assert "compute different losses" in verdict(row([], prints=[(1, one)]), row([], group=1, prints=[(1, two)]))
     # The same loss on inputs of other shapes (tasks of other lengths) prints otherwise.
     other = loss_print(ce(2.0), torch.randn(4, 5, dtype=torch.float64), y)
-    assert verdict(row([], prints=[one]), row([], prints=[other])) is None
+    assert verdict(row([], prints=[(1, one)]), row([], prints=[(1, other)])) is None
     # Grouped by shapes: two ranks of one shape still compared beside a third of another.
-    assert "compute different" in verdict(*(row([], prints=[q]) for q in (one, two, other)))
+    assert "compute different" in verdict(*(row([], prints=[(1, q)]) for q in (one, two, other)))
+
+
+def test_prints_outside_a_meta_loss_over_global_tasks_are_compared_within_a_sample_group():
+    p, y = torch.randn(4, 1, dtype=torch.float64), torch.randn(4, 1, dtype=torch.float64)
+    one, two = (loss_print(lambda p, y, w=w: w * (p - y) ** 2, p, y) for w in (1.0, 2.0))
+    # Task groups run other tasks, which may each have a loss of their own (adapt, hand loops).
+    assert verdict(row([], group=0, prints=[(0, one)]), row([], group=1, prints=[(0, two)])) is None
+    assert "compute different" in verdict(row([], prints=[(0, one)]), row([], prints=[(0, two)]))
+    # A rank that ran no task in the first meta_loss: its second meta_loss's print is not
+    # compared with the others' first.
+    assert verdict(row([], prints=[(1, one), (2, two)]), row([], group=1, prints=[(2, two)])) is None

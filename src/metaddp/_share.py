@@ -92,10 +92,15 @@ class ShareLog:
             self.ran.clear()
         self.ran.append(logged)
 
-    def begin(self, owner: Any) -> None:
-        """``owner``'s step is under way: shares made from now on may be its own."""
+    def begin(self, owner: Any, *, afresh: bool = False) -> None:
+        """``owner``'s step is under way: shares made from now on may be its own; ``afresh``:
+        its step starts again here (its gradients were cleared: an attempt that raised, then
+        retried), and earlier shares are not its step's."""
         now = next(self.made)
-        self.opened.setdefault(owner, now)
+        if afresh:
+            self.opened[owner] = now
+        else:
+            self.opened.setdefault(owner, now)
         self.latest[owner] = now
 
     def take(self, owner: Any) -> tuple[list[Logged], bool]:

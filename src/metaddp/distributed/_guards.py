@@ -337,9 +337,11 @@ class StepGuards:
         self.unkeyed = UnkeyedDraws(module, lambda: not self._local)
         # The prints of the step's loss functions (note), compared before the sum, and the
         # functions printed (printing).
-        self._prints: list[Tensor] = []
+        self._prints: list[tuple[int, Tensor]] = []  # (meta_loss call or 0, print)
         self._printed: list[Any] = []
         self._one_process = group_size(mesh.group) == 1  # no print to compare
+        self._calls = 0  # meta_loss calls this step
+        self._calling = 0  # the running one's number where its prints compare over the mesh
 
     # --- state ----------------------------------------------------------------------------
 
@@ -370,9 +372,26 @@ class StepGuards:
             self._update_weight_check()
 
     def _begin(self) -> None:
-        """A step of this learner is under way: shares made now may be its own."""
+        """A step of this learner is under way: shares made now may be its own. In check
+        mode, which compares them, a step whose gradients are all cleared starts afresh (an
+        attempt that raised and was retried leaves no half of its shares)."""
         if not self._local:
-            LOG.begin(self)
+            fresh = self.every_step and all(p.grad is None for p in self.module.parameters())
+            LOG.begin(self, afresh=fresh)
+
+    @contextlib.contextmanager
+    def meta_loss_call(self, tasks: Sequence[Task]) -> Iterator[None]:
+        """Loss functions printed inside are the step's ``k``-th meta-loss's: over a
+        :class:`MetaBatch` of global tasks one function serves every task on every rank, and
+        its prints are compared over the mesh; over a plain list (a rank's own tasks, which
+        may each have their own loss), within the sample group."""
+        self._calls += 1
+        before = self._calling
+        self._calling = self._calls if isinstance(tasks, MetaBatch) else 0
+        try:
+            yield
+        finally:
+            self._calling = before
 
     def remove(self) -> None:
         self.weights.remove()
@@ -766,7 +785,10 @@ class StepGuards:
         query loss, a hand loop's). Each rank writes one row, gathered over the mesh in one
         collective (:mod:`metaddp.distributed._work`)."""
         made, unsure = LOG.take(self)
-        prints, self._prints, self._printed = self._prints, [], []
+        prints, self._prints, self._printed, self._calls = self._prints, [], [], 0
+        # The caller's shares are compared in check mode only: a program may skip a share
+        # (a mask) in ways that no record of the shares tells from a rank's own count.
+        made = made if self.every_step else []
         if self._local or not self.schedule.due() or _host.recording():
             return
         world = group_size(self.mesh.group)
@@ -825,7 +847,7 @@ class StepGuards:
             key, printed = flag
             if self.printing(key):
                 self._printed.append(key)
-                self._prints.append(printed.detach())
+                self._prints.append((self._calling, printed.detach()))
             return
         flag = flag.detach().reshape(1)
         held = self._verdicts.get(kind)

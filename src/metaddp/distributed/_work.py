@@ -46,7 +46,8 @@ PLACES = 32  # shares compared place by place, at most
 PRINTS = 4  # loss-function prints compared, at most
 _HEAD = 6  # group, unsure, count, sites, sizes, keys overflowed
 _PRINT_AT = _HEAD + 2 * KEYS
-WIDTH = _PRINT_AT + 1 + 3 * PRINTS  # a rank's row
+_PRINTED = 4  # a print's numbers: its place, then the print (two sums, a digest)
+WIDTH = _PRINT_AT + 1 + _PRINTED * PRINTS  # a rank's row
 SLOT = 2 * PLACES  # a sample group's sums: each place's global size and samples held
 
 
@@ -57,7 +58,7 @@ def work_block(
     groups: int,
     shares: Sequence[Logged],
     unsure: bool,
-    prints: Sequence[Tensor],
+    prints: Sequence[tuple[int, Tensor]],
     device: torch.device,
 ) -> Tensor:
     """This rank's part of the step's block (float64, on ``device``): its row at ``rank`` of
@@ -80,9 +81,19 @@ def work_block(
     block[at : at + len(placed)] = torch.tensor(placed, dtype=torch.float64)
     block = block.to(device)
     if prints:  # left on the device: read with the block, after the collective
+        places: list[int] = []
+        seen: dict[int, int] = {}  # a print's place: its meta_loss call (or 0), its order there
+        for call, _ in prints[:PRINTS]:
+            seen[call] = seen.get(call, -1) + 1
+            places.append(call * 16 + seen[call])
         printed = torch.stack(
-            [p.to(device=device, dtype=torch.float64).reshape(3) for p in prints[:PRINTS]]
-        )
+            [
+                torch.cat(
+                    [p.new_tensor([place], dtype=torch.float64), p.to(torch.float64).reshape(3)]
+                )
+                for place, (_, p) in zip(places, prints[:PRINTS], strict=True)
+            ]
+        ).to(device)
         start = rank * WIDTH + _PRINT_AT + 1
         block[start : start + printed.numel()] = printed.reshape(-1)
     return block
@@ -117,23 +128,26 @@ LOSS_DIFFERS = (
 
 
 def _prints_differ(table: list[list[float]]) -> bool:
-    """Whether two ranks printed the same function, on inputs of the same shapes, at the same
-    place among the step's prints, and got numbers further apart than rounding may put them:
-    the same function on the same made-up inputs rounds alike on every rank of one kind of
-    device, and 1e-6 of the print leaves room for float32 kernels that block their sums
-    otherwise."""
-    for i in range(PRINTS):
-        at = _PRINT_AT + 1 + 3 * i
-        by_digest: dict[float, list[float]] = {}
-        for r in table:
-            if r[_PRINT_AT] > i:
-                mine = r[at : at + 2]
-                first = by_digest.setdefault(r[at + 2], mine)
-                if any(
-                    abs(b - a) > 1e-6 * max(1.0, abs(a), abs(b))
-                    for a, b in zip(first, mine, strict=True)
-                ):
-                    return True
+    """Whether two ranks printed a loss function at the same place, on inputs of the same
+    shapes, and got numbers further apart than rounding may put them: the same function on
+    the same made-up inputs rounds alike on every rank of one kind of device, and 1e-6 of the
+    print leaves room for float32 kernels that block their sums otherwise. A place is the
+    step's ``k``-th meta_loss over global tasks and the order of first calls in it (compared
+    over the mesh: one function serves every task), or, for calls outside (``adapt``, a
+    meta_loss over a rank's own list), the order of first calls there, compared within a
+    sample group only (task groups run other tasks, which may have losses of their own)."""
+    first: dict[tuple[float, ...], list[float]] = {}
+    for r in table:
+        for i in range(int(r[_PRINT_AT])):
+            at = _PRINT_AT + 1 + _PRINTED * i
+            place, numbers, digest = r[at], r[at + 1 : at + 3], r[at + 3]
+            key = (place, digest) if place >= 16 else (r[0], place, digest)
+            seen = first.setdefault(key, numbers)
+            if any(
+                abs(b - a) > 1e-6 * max(1.0, abs(a), abs(b))
+                for a, b in zip(seen, numbers, strict=True)
+            ):
+                return True
     return False
 
 

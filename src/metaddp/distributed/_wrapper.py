@@ -381,7 +381,12 @@ class MetaDDP(nn.Module):
         self.guards.tasks_in(tasks)
         self._refuse_changed()
         searches = self.guards.searches
-        with self.guards.own_loop(), self._saving(), self.guards.other_draws():
+        with (
+            self.guards.own_loop(),
+            self.guards.meta_loss_call(tasks),
+            self._saving(),
+            self.guards.other_draws(),
+        ):
             loss = (
                 algorithm.meta_loss(tasks)
                 if loss_fn is None
