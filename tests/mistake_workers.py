@@ -374,6 +374,21 @@ def validation_after_training_task_layout() -> list[float]:
     return _flat_grad(net)
 
 
+def local_evaluation_then_training_and_validation() -> list[float]:
+    # Rank 0 evaluates a whole task alone first (learner.local(), whole tasks per rank), then
+    # every rank trains and validates with another loss: rank 0's own meta_loss takes no
+    # place among the ranks' calls.
+    net, learner = _learner(tasks=md.world_size())
+    l1 = lambda p, y: (p - y).abs()  # noqa: E731
+    if md.rank() == 0:
+        with learner.local():
+            learner.meta_loss([whole_task(90)], l1).item()
+    learner.meta_loss(learner.shard(N_TASKS, whole_task), mse).backward()
+    learner.meta_loss(learner.shard(2, lambda i: whole_task(50 + i)), l1).item()
+    learner.sync_grads()
+    return _flat_grad(net)
+
+
 def _cut_by_rank(b: md.Batch) -> md.Batch:  # the DDP habit: every rank its rank's slice
     return md.Batch.split(b.x, b.y, md.rank(), md.world_size())
 
@@ -470,6 +485,9 @@ CASES = {
     "loss weight by rank from step 3": loss_weight_by_rank_later,
     "a loss per task (task layout)": per_task_loss_task_layout,
     "a validation loss after training (task layout)": validation_after_training_task_layout,
+    "a local evaluation, then training and validation (task layout)": (
+        local_evaluation_then_training_and_validation
+    ),
 }
 
 

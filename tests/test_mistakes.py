@@ -56,6 +56,7 @@ EXPECTED = {
     # group, or over the mesh only for one meta_loss over global tasks.
     "a loss per task (task layout)": "own",
     "a validation loss after training (task layout)": "own",
+    "a local evaluation, then training and validation (task layout)": "exact",
 }
 
 

@@ -385,6 +385,9 @@ class StepGuards:
         :class:`MetaBatch` of global tasks one function serves every task on every rank, and
         its prints are compared over the mesh; over a plain list (a rank's own tasks, which
         may each have their own loss), within the sample group."""
+        if self._local:  # one rank's own work: no place among the ranks' calls
+            yield
+            return
         self._calls += 1
         before = self._calling
         self._calling = self._calls if isinstance(tasks, MetaBatch) else 0
