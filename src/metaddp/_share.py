@@ -83,6 +83,8 @@ class ShareLog:
         self.opened: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self.latest: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self.cut: weakref.WeakSet[Any] = weakref.WeakSet()
+        # The learners in check mode, which compare the records: without one, none is kept.
+        self.checking: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def backward_ran(self, logged: Logged, grad: Tensor) -> None:
         if self.paused:
@@ -145,10 +147,11 @@ def share(per_sample: Tensor, n_global: int | Batch) -> Tensor:
     """
     out = own_share(per_sample, n_global)
     made = share_of(out)
-    if made is not None and not torch._C._functorch.is_functorch_wrapped_tensor(out):
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor(out)
+    if LOG.checking and made is not None and not wrapped:
         # What the ranks' shares were made from is compared once their backward has run
-        # (MetaDDP.sync_grads, on checked steps): the library's own shares are of batches
-        # agreed on before, a caller's may be of a count or a part that no check saw.
+        # (MetaDDP.sync_grads of a learner in check mode): the library's own shares are of
+        # batches agreed on before, a caller's may be of a count or a part no check saw.
         caller = sys._getframe(1)
         site = zlib.crc32(f"{caller.f_code.co_filename}:{caller.f_lineno}".encode())
         logged = Logged(made, site, next(LOG.made))

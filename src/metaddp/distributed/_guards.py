@@ -342,6 +342,8 @@ class StepGuards:
         self._one_process = group_size(mesh.group) == 1  # no print to compare
         self._calls = 0  # meta_loss calls this step
         self._calling = 0  # the running one's number where its prints compare over the mesh
+        if every_step:
+            LOG.checking.add(self)
 
     # --- state ----------------------------------------------------------------------------
 
@@ -375,7 +377,7 @@ class StepGuards:
         """A step of this learner is under way: shares made now may be its own. In check
         mode, which compares them, a step whose gradients are all cleared starts afresh (an
         attempt that raised and was retried leaves no half of its shares)."""
-        if not self._local:
+        if LOG.checking and not self._local:  # every learner says so while one compares
             fresh = self.every_step and all(p.grad is None for p in self.module.parameters())
             LOG.begin(self, afresh=fresh)
 
@@ -787,11 +789,10 @@ class StepGuards:
         shares the caller made with ``md.share`` whose backward ran (a ``clone()`` loop's
         query loss, a hand loop's). Each rank writes one row, gathered over the mesh in one
         collective (:mod:`metaddp.distributed._work`)."""
-        made, unsure = LOG.take(self)
-        prints, self._prints, self._printed, self._calls = self._prints, [], [], 0
         # The caller's shares are compared in check mode only: a program may skip a share
         # (a mask) in ways that no record of the shares tells from a rank's own count.
-        made = made if self.every_step else []
+        made, unsure = LOG.take(self) if self.every_step else ([], False)
+        prints, self._prints, self._printed, self._calls = self._prints, [], [], 0
         if self._local or not self.schedule.due() or _host.recording():
             return
         world = group_size(self.mesh.group)

@@ -18,14 +18,16 @@ Each rank's row holds:
 and each sample group's slot, the sum over its ranks of the first :data:`PLACES` shares'
 global sizes and samples held, place by place.
 
-The verdicts hold for every correct program, whatever it skips or chunks:
+The verdicts (the shares' in check mode only, see ``StepGuards.work_agrees``):
 
 - *prints*: ranks that printed the same function on inputs of the same shapes (the print's
   digest) get the same numbers; another loss, or a weight read per rank, does not;
-- *sizes*: where the ranks of a sample group made shares at the same places in the same
+- *sizes*: where the ranks of a sample group made shares at the same call sites in the same
   order, the shares at each place are of the same global size (a rank's own count
   ``len(x)`` differs by rank on an uneven split), and its ranks hold no more samples of it
-  than that size (an own count on an even split, or every rank sharing the same samples);
+  than that size (an own count on an even split, or every rank sharing the same samples).
+  Ranks that each skip a *different* task's share at one call site, as many each, line
+  their places up wrongly: a correct program can be refused, so these are check mode's;
 - *parts*: a sample group's shares of batches of ``n`` samples hold ``n`` samples in all, or
   a multiple (several batches of that size, chunked or not). Shares of a count are left out:
   a masked loss over the whole batch's count (``md.share(l[mask], n)``) rightly holds fewer.
@@ -47,6 +49,7 @@ PRINTS = 4  # loss-function prints compared, at most
 _HEAD = 6  # group, unsure, count, sites, sizes, keys overflowed
 _PRINT_AT = _HEAD + 2 * KEYS
 _PRINTED = 4  # a print's numbers: its place, then the print (two sums, a digest)
+_CALL = 16  # a print's place: its meta_loss call (0: outside one) * _CALL + its order there
 WIDTH = _PRINT_AT + 1 + _PRINTED * PRINTS  # a rank's row
 SLOT = 2 * PLACES  # a sample group's sums: each place's global size and samples held
 
@@ -85,7 +88,7 @@ def work_block(
         seen: dict[int, int] = {}  # a print's place: its meta_loss call (or 0), its order there
         for call, _ in prints[:PRINTS]:
             seen[call] = seen.get(call, -1) + 1
-            places.append(call * 16 + seen[call])
+            places.append(call * _CALL + seen[call])
         printed = torch.stack(
             [
                 torch.cat(
@@ -141,7 +144,7 @@ def _prints_differ(table: list[list[float]]) -> bool:
         for i in range(int(r[_PRINT_AT])):
             at = _PRINT_AT + 1 + _PRINTED * i
             place, numbers, digest = r[at], r[at + 1 : at + 3], r[at + 3]
-            key = (place, digest) if place >= 16 else (r[0], place, digest)
+            key = (place, digest) if place >= _CALL else (r[0], place, digest)
             seen = first.setdefault(key, numbers)
             if any(
                 abs(b - a) > 1e-6 * max(1.0, abs(a), abs(b))
