@@ -451,6 +451,56 @@ def other_loss_by_rank() -> list[float]:
     return _flat_grad(net)
 
 
+# Global query indices a loss keeps, per task: at 2 processes (query indices 0-2 | 3-4) rank 0
+# holds none of task 1's and rank 1 none of task 2's; at 3 (0-1 | 2-3 | 4), ranks 0 and 2.
+KEPT = ({0, 1, 2, 3, 4}, {3, 4}, {0, 1, 2})
+
+
+def _kept(q: md.Batch, i: int) -> torch.Tensor:
+    start = q.start or 0
+    return torch.tensor([start + j in KEPT[i] for j in range(len(q.x))], dtype=torch.float64)
+
+
+def query_skipped_where_none_kept() -> list[float]:
+    # A filtered query loss, skipped where the rank keeps no sample of it: its backward, and
+    # so the adjoints of that task's inner sums, run on the other ranks only.
+    net, learner = _learner()
+    batch = learner.shard(N_TASKS, whole_task)
+    for i, t in enumerate(batch):
+        fast = learner.clone()
+        fast.adapt(md.share(mse(fast(t.support.x), t.support.y), t.support))
+        kept = _kept(t.query, i)
+        if kept.any():
+            per = mse(fast(t.query.x), t.query.y) * kept[:, None]
+            (md.share(per, t.query) / batch.n).backward()
+    learner.sync_grads()
+    return _flat_grad(net)
+
+
+def query_skipped_on_a_later_step() -> list[float]:
+    # Every task adapted first, then each kept loss's backward; the filter keeps everything
+    # but on step 2, an unchecked step, where each rank skips another task's loss: as many
+    # adjoints of the same size on every rank, but of other tasks' inner sums.
+    net, learner = _learner()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    for step in range(3):
+        opt.zero_grad()
+        batch = learner.shard(N_TASKS, whole_task)
+        losses = []
+        for i, t in enumerate(batch):
+            fast = learner.clone()
+            fast.adapt(md.share(mse(fast(t.support.x), t.support.y), t.support))
+            kept = _kept(t.query, i) if step == 2 else torch.ones(len(t.query.x))
+            if kept.any():
+                per = mse(fast(t.query.x), t.query.y) * kept[:, None]
+                losses.append(md.share(per, t.query) / batch.n)
+        for loss in losses:
+            loss.backward()
+        learner.sync_grads()
+        opt.step()
+    return _flat_grad(net)
+
+
 CASES = {
     "correct meta_loss": correct_meta_loss,
     "correct clone": correct_clone,
@@ -488,6 +538,8 @@ CASES = {
     "a local evaluation, then training and validation (task layout)": (
         local_evaluation_then_training_and_validation
     ),
+    "query loss skipped where a rank keeps none": query_skipped_where_none_kept,
+    "query losses skipped by rank on a later step": query_skipped_on_a_later_step,
 }
 
 

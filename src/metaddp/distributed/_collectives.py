@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import enum
 import functools
+import sys
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 
@@ -68,6 +69,14 @@ _PHASE_TEXT = {
     "algorithm's settings)",
     Phase.VALUES: "a value all-reduce (losses, evaluation)",
 }
+
+
+SKIPPED = (
+    "Where ranks split a task's samples, each runs every task's forwards, losses and "
+    "backward passes, in the same order: a rank that holds no query sample of a task still "
+    "runs its loss and backward (md.share of an empty part is a zero that joins the sums), "
+    "never `if mask.any(): loss.backward()`."
+)
 
 
 class CollectiveError(RuntimeError):
@@ -166,7 +175,8 @@ def _guard(work_fn, what: str):
                 "and at least one never joined. Likely cause: a process stalled (stopped, "
                 "deadlocked, or lost its machine), another process raised an error and stopped, "
                 "or the ranks disagree on how many collectives to run (different inner-step "
-                f"counts or meta-batch layouts). Look at the other processes' output first. "
+                "counts or meta-batch layouts, or a task's loss and backward that one rank "
+                f"skipped). Look at the other processes' output first. "
                 f"({text})"
             ) from e
         if "closed" in low or "reset" in low or "broken pipe" in low:
@@ -197,6 +207,26 @@ def _check_header(group: Group, seq: int, numel: int, kind: int, what: str, devi
             f"across ranks the call number ranges {int(lo[0])}..{int(hi[0])}, the size "
             f"{int(lo[1])}..{int(hi[1])}. Every rank must run the same collectives in the same "
             "order: check that inner-step counts, models and meta-batch layouts agree."
+        )
+
+
+def agree_on_site(group: Group, numel: int, what: str) -> None:
+    """Before a check's collective, whose size depends on where it is called: compare where
+    every rank is (its caller's name) and the size, in one tiny MAX. Ranks at different
+    checks (one ran a forward, a loss or an inner step that another skipped) get one error on
+    every rank, instead of a collective of mismatched sizes that gloo ends by aborting the
+    process, or one that pairs two unrelated checks."""
+    caller = sys._getframe(2).f_code.co_qualname
+    site = zlib.crc32(caller.encode()) % 2**24
+    device = comm_device(group)
+    header = torch.tensor([site, numel], dtype=torch.float64, device=device)
+    both = torch.cat([header, -header])
+    _record(both.numel(), both.numel() * 8)
+    _guard(lambda: dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group), what)
+    if not torch.equal(both[:2], -both[2:]):
+        raise CollectiveError(
+            f"ranks are at different collectives: rank {group_rank()} is at a {what} in "
+            f"{caller} ({numel} elements), another rank elsewhere. {SKIPPED}"
         )
 
 
@@ -282,7 +312,7 @@ class PendingSum:
                 "another rank was at a different collective (the sequence tags summed to "
                 f"{summed}, which agreeing ranks never give). Every rank must run the same "
                 "collectives in the same order: check that inner-step counts, algorithms and "
-                "meta-batch layouts agree on all ranks."
+                f"meta-batch layouts agree on all ranks. {SKIPPED}"
             )
 
         return verdict
@@ -335,42 +365,47 @@ def launch_sum(
     return pending
 
 
-def _reduce_sum(
-    tensors: Sequence[Tensor], group: Group, bucket_bytes: int, phase: Phase
-) -> list[Tensor]:
-    """SUM over ``group`` of each tensor; returns new tensors (inputs untouched).
+def origin_salt(group: Group) -> int:
+    """The tag salt of the adjoint of the collective that ``group`` runs next: derived from its
+    call number, which agreeing ranks share. An adjoint tagged with it pairs only with the
+    adjoint of the same forward collective: where ranks run their backward passes over
+    different tasks (each skipping another task's query loss), as many collectives of the same
+    size meet, and only this salt tells them apart."""
+    return (_sequence.get(id(group), 0) * 131 + 17) % _TAG_MODULUS
 
-    Not differentiable.
-    """
-    return launch_sum(tensors, group, bucket_bytes, phase).wait()
+
+_ADJOINT = {Phase.FORWARD: Phase.BACKWARD, Phase.BACKWARD: Phase.FORWARD}
 
 
 class _AllReduceSum(torch.autograd.Function):
     @staticmethod
-    def forward(group, bucket_bytes, phase, *tensors):
-        return tuple(_reduce_sum(tensors, group, bucket_bytes, phase))
+    def forward(group, bucket_bytes, phase, salt, adjoint_salt, *tensors):
+        return tuple(launch_sum(tensors, group, bucket_bytes, phase, salt).wait())
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.group, ctx.bucket_bytes, ctx.phase = inputs[:3]
+        ctx.group, ctx.bucket_bytes, ctx.phase, _, ctx.adjoint_salt = inputs[:5]
 
     @staticmethod
     def backward(ctx, *grads):
         # The adjoint of y_r = sum_s x_s (for every rank r) is dx_s = sum_r dy_r: the same
         # all-reduce. Calling the Function again (not a bare collective) keeps it on the
         # graph when create_graph=True, so third and higher orders work as well.
-        # The adjoint runs in a backward pass (and its own adjoint in a forward one again).
-        adjoint = {Phase.FORWARD: Phase.BACKWARD, Phase.BACKWARD: Phase.FORWARD}
-        phase = adjoint.get(ctx.phase, ctx.phase)
-        return (None, None, None, *_AllReduceSum.apply(ctx.group, ctx.bucket_bytes, phase, *grads))
+        # The adjoint runs in a backward pass (and its own adjoint in a forward one again),
+        # tagged with the forward's call number.
+        group, phase = ctx.group, _ADJOINT.get(ctx.phase, ctx.phase)
+        summed = _AllReduceSum.apply(
+            group, ctx.bucket_bytes, phase, ctx.adjoint_salt, origin_salt(group), *grads
+        )
+        return (None, None, None, None, None, *summed)
 
     @staticmethod
-    def vmap(info, in_dims, group, bucket_bytes, phase, *tensors):
+    def vmap(info, in_dims, *args):
         # Under torch.vmap (tasks stacked), a SUM over ranks is elementwise: one collective
         # carries every task's tensor at once, whatever dimension the tasks are stacked on.
         # Unbatched inputs are summed as they are (every task shares them).
-        out = _AllReduceSum.apply(group, bucket_bytes, phase, *tensors)
-        return tuple(out), tuple(in_dims[3:])
+        out = _AllReduceSum.apply(*args)
+        return tuple(out), tuple(in_dims[5:])
 
 
 def all_reduce_sum(
@@ -388,7 +423,7 @@ def all_reduce_sum(
     tensors = list(tensors)
     if group_size(group) == 1 or not tensors:
         return tensors
-    return list(_AllReduceSum.apply(group, bucket_bytes, phase, *tensors))
+    return list(_AllReduceSum.apply(group, bucket_bytes, phase, 0, origin_salt(group), *tensors))
 
 
 def all_reduce_counts(counts: Sequence[int], group: Group = None) -> list[int]:
@@ -427,6 +462,7 @@ def max_abs_difference(tensors: Sequence[Tensor], group: Group = None) -> list[f
         return [0.0] * len(tensors)
     device = comm_device(group)
     flat = torch.cat([t.detach().reshape(-1).to(device, torch.float64) for t in tensors])
+    agree_on_site(group, flat.numel(), "consistency check")
     both = torch.cat([flat, -flat])
     _record(both.numel(), both.numel() * 8)
     _guard(lambda: dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group), "consistency check")

@@ -53,6 +53,7 @@ from ._collectives import (
     Group,
     _guard,
     _record,
+    agree_on_site,
     all_reduce_counts,
     comm_device,
     group_rank,
@@ -102,6 +103,7 @@ def extremes(values: Sequence[float] | Tensor, group: Group) -> tuple[list[float
     v = torch.as_tensor(values, dtype=torch.float64).reshape(-1)
     if group_size(group) == 1 or not v.numel():
         return v.tolist(), v.tolist()
+    agree_on_site(group, v.numel(), "guard check")
     both = torch.cat([v, -v]).to(comm_device(group))
     _record(both.numel(), both.numel() * 8)
     _guard(lambda: dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group), "guard check")

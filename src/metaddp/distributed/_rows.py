@@ -35,6 +35,8 @@ from torch import Tensor
 
 from .. import _host
 from ._collectives import (
+    _ADJOINT,
+    SKIPPED,
     CollectiveError,
     Group,
     Phase,
@@ -45,6 +47,7 @@ from ._collectives import (
     _record,
     comm_device,
     group_rank,
+    origin_salt,
     strict,
 )
 
@@ -101,25 +104,31 @@ class Cut:
         return self.view(full).clone()
 
 
-def _tag(group: Group, numel: int, phase: Phase) -> tuple[int, float]:
+Tagging = tuple[Phase, int, int]
+"""A collective's phase, its tag's salt, and the salt its adjoint's tag takes
+(:func:`._collectives.origin_salt`: the adjoint pairs only with the same forward's)."""
+
+
+def _tag(group: Group, numel: int, how: Tagging) -> tuple[int, float]:
+    phase, salt, _ = how
     seq = _next_sequence(group)
-    return seq, float(1 + (seq * 31 + numel + int(phase) * 1021) % _TAG_MODULUS)
+    return seq, float(1 + (seq * 31 + numel + int(phase) * 1021 + salt) % _TAG_MODULUS)
 
 
 def _out_of_step(what: str, seq: int, numel: int, rank: int) -> CollectiveError:
     return CollectiveError(
         f"ranks are out of step at {_describe(what, seq, numel)} on rank {rank}: another rank "
-        "was at a different collective (the sequence tags disagree). Every rank of a sample "
-        "group must run the same forwards and inner steps in the same order"
+        f"was at a different collective (the sequence tags disagree). {SKIPPED}"
     )
 
 
-def _gather(shards: Sequence[Tensor], cuts: Sequence[Cut], group: Group, phase: Phase):
+def _gather(shards: Sequence[Tensor], cuts: Sequence[Cut], group: Group, how: Tagging):
     """Every rank's pieces, concatenated into the full tensors (one all-gather)."""
     world = len(cuts) and cuts[0].parts
     like = shards[0]
     numel = sum(c.piece for c in cuts)
-    seq, tag = _tag(group, numel, phase)
+    seq, tag = _tag(group, numel, how)
+    phase = how[0]
     tagged = like.dtype in (torch.float32, torch.float64)
     device = comm_device(group)
     # Each piece is copied once into the buffer sent (from any strides: a stacked task's rows
@@ -158,12 +167,13 @@ def _gather(shards: Sequence[Tensor], cuts: Sequence[Cut], group: Group, phase: 
     return out
 
 
-def _scatter_sum(fulls: Sequence[Tensor], cuts: Sequence[Cut], group: Group, phase: Phase):
+def _scatter_sum(fulls: Sequence[Tensor], cuts: Sequence[Cut], group: Group, how: Tagging):
     """Each rank's rows of the SUM over ranks of the full tensors (one reduce-scatter)."""
     world = cuts[0].parts
     like = fulls[0]
     numel = sum(c.piece for c in cuts)
-    seq, tag = _tag(group, numel, phase)
+    seq, tag = _tag(group, numel, how)
+    phase = how[0]
     tagged = like.dtype in (torch.float32, torch.float64)
     # One buffer, each tensor copied into its columns once (padding rows zero): a gradient
     # the size of the layer is the largest thing here, and it is not copied twice
@@ -222,18 +232,22 @@ def _reduce_scatter(recv: Tensor, send: Tensor, world: int, group: Group) -> Non
     torch.sum(pieces.view(world, -1), 0, out=recv)
 
 
-_ADJOINT = {Phase.FORWARD: Phase.BACKWARD, Phase.BACKWARD: Phase.FORWARD}
+def _adjoint(ctx: Any) -> Tagging:
+    """How the adjoint of the collective saved in ``ctx`` is tagged: in the other phase, with
+    the salt its forward gave it."""
+    phase, _, salt = ctx.how
+    return _ADJOINT[phase], salt, origin_salt(ctx.group)
 
 
 def _stacked(
     function: type[torch.autograd.Function], info: Any, in_dims: tuple, args: tuple
 ) -> tuple[tuple[Tensor, ...], tuple[int | None, ...]]:
-    """``function(cuts, group, phase, *tensors)`` under ``torch.vmap`` (tasks stacked along
+    """``function(cuts, group, how, *tensors)`` under ``torch.vmap`` (tasks stacked along
     a dimension of their own): the same Function on the physical tensors, each vmapped
     dimension moved behind the rows, so that a rank's rows of a stacked ``[T, rows, ...]``
     tensor are a :class:`Cut` of ``[rows, T, ...]``. One collective for every task, and the
     backward, outside ``vmap``, the same pair of Functions."""
-    cuts, group, phase, *tensors = args
+    cuts, group, how, *tensors = args
     moved, cuts_now = [], []
     out_dims: list[int | None] = []
     for t, dim, cut in zip(tensors, in_dims[3:], cuts, strict=True):
@@ -246,28 +260,23 @@ def _stacked(
         shape = torch.Size((cut.rows, info.batch_size, *cut.shape[1:]))
         cuts_now.append(Cut(shape, cut.parts, cut.index))
         out_dims.append(1)
-    return function.apply(tuple(cuts_now), group, phase, *moved), tuple(out_dims)
+    return function.apply(tuple(cuts_now), group, how, *moved), tuple(out_dims)
 
 
 class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(cuts, group, phase, *shards):
-        return tuple(_gather(shards, cuts, group, phase))
+    def forward(cuts, group, how, *shards):
+        return tuple(_gather(shards, cuts, group, how))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.cuts, ctx.group, ctx.phase = inputs[:3]
+        ctx.cuts, ctx.group, ctx.how = inputs[:3]
 
     @staticmethod
     def backward(ctx, *grads):
         # The adjoint of the all-gather: each rank's rows of the SUM of every rank's
         # cotangent (the Note above). A Function, so it stays on the graph.
-        return (
-            None,
-            None,
-            None,
-            *_ScatterSum.apply(ctx.cuts, ctx.group, _ADJOINT[ctx.phase], *grads),
-        )
+        return (None, None, None, *_ScatterSum.apply(ctx.cuts, ctx.group, _adjoint(ctx), *grads))
 
     @staticmethod
     def vmap(info, in_dims, *args):
@@ -276,17 +285,17 @@ class _Gather(torch.autograd.Function):
 
 class _ScatterSum(torch.autograd.Function):
     @staticmethod
-    def forward(cuts, group, phase, *fulls):
-        return tuple(_scatter_sum(fulls, cuts, group, phase))
+    def forward(cuts, group, how, *fulls):
+        return tuple(_scatter_sum(fulls, cuts, group, how))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.cuts, ctx.group, ctx.phase = inputs[:3]
+        ctx.cuts, ctx.group, ctx.how = inputs[:3]
 
     @staticmethod
     def backward(ctx, *grads):
         # The adjoint of the reduce-scatter SUM: every rank receives every rank's rows.
-        return (None, None, None, *_Gather.apply(ctx.cuts, ctx.group, _ADJOINT[ctx.phase], *grads))
+        return (None, None, None, *_Gather.apply(ctx.cuts, ctx.group, _adjoint(ctx), *grads))
 
     @staticmethod
     def vmap(info, in_dims, *args):
@@ -314,9 +323,8 @@ def _by_kind(
         kinds.setdefault((t.dtype, t.device), []).append(i)
     out: list[Tensor] = list(tensors)
     for idx in kinds.values():
-        got = function.apply(
-            tuple(cuts[i] for i in idx), group, Phase.FORWARD, *(tensors[i] for i in idx)
-        )
+        how = (Phase.FORWARD, 0, origin_salt(group))
+        got = function.apply(tuple(cuts[i] for i in idx), group, how, *(tensors[i] for i in idx))
         for i, t in zip(idx, got, strict=True):
             out[i] = t
     return out
