@@ -352,7 +352,8 @@ def differing_state(what: str) -> str:
 
 def differing_modes() -> dict:
     """Meta-steps after one rank alone changed a setting every rank must share: its model put
-    in eval mode (dropout, BatchNorm), or a parameter frozen (also with sharded weights), on
+    in eval mode (dropout, BatchNorm), a layer's setting changed (a Dropout's p, a BatchNorm's
+    momentum), or a parameter frozen (also with sharded weights), on
     the second step (a checked one), or on the third in check mode. Each case's error."""
     def run(layer: nn.Module, change, *, at: int = 1, **options) -> str:
         torch.manual_seed(0)
@@ -378,6 +379,8 @@ def differing_modes() -> dict:
         "frozen": run(nn.Identity(), freeze),
         "frozen sharded": run(nn.Identity(), freeze, shard=True),
         "dropout eval checked": run(nn.Dropout(0.3), lambda net: net.eval(), at=2, check=True),
+        "dropout p": run(nn.Dropout(0.3), lambda net: setattr(net[1], "p", 0.5)),
+        "batchnorm momentum": run(nn.BatchNorm1d(8), lambda net: setattr(net[1], "momentum", 0.2)),
     }
 
 

@@ -89,8 +89,9 @@ def _with_grads(p: S.Problem) -> md.MAML:
 
 
 # The first meta-step's agreement checks (docs/guarantees.md): task counts, sizes, fingerprints
-# of the tasks and of the weights, and at the sum the loss function's print.
-FIRST_STEP_CHECKS = 8
+# of the tasks and of the weights, and at the sum the loss function's print: 8, and before 6
+# of them a MAX of where each rank is (their sizes depend on the call site).
+FIRST_STEP_CHECKS = 8 + 6
 
 
 def worker(problems: list[S.Problem]) -> list[dict]:

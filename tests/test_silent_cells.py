@@ -302,7 +302,7 @@ def test_a_checkpoint_loaded_on_rank_zero_after_wrapping_is_refused(world):
         assert "at the start of meta-step 0" in out
 
 
-def test_a_mode_or_frozen_parameter_set_on_one_rank_is_refused_on_every_rank():
+def test_a_mode_a_layer_setting_or_frozen_parameter_set_on_one_rank_is_refused_on_every_rank():
     # One rank's model in eval mode ran without dropout there, silently; with BatchNorm, and a
     # parameter frozen on one rank, gloo aborted the processes (collectives of other sizes).
     # A checked step compares every module's training flag and every requires_grad first.
@@ -312,6 +312,12 @@ def test_a_mode_or_frozen_parameter_set_on_one_rank_is_refused_on_every_rank():
             assert "in different modes" in out[case], (case, out[case])
         assert "'model' (Sequential), 'model.0' (Linear), 'model.1' (Dropout)" in out["dropout eval"]
         assert out["batchnorm eval"].startswith("OutOfSyncError: the ranks run 'model.1' (BatchNorm1d) in")
+        # A Dropout's p changed on one rank was 0.345 off, silently.
+        for case, layer in (("dropout p", "'model.1' (Dropout): inplace=False, p=0."),
+                            ("batchnorm momentum", "'model.1' (BatchNorm1d): affine=True")):
+            assert out[case].startswith("OutOfSyncError: the ranks' layers have different "
+                                        "settings"), (case, out[case])
+            assert layer in out[case], (case, out[case])
         for case in ("frozen", "frozen sharded"):
             assert out[case].startswith("OutOfSyncError: the ranks train different parameters: "
                                         "'model.0.bias' requires"), (case, out[case])

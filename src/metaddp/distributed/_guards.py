@@ -213,42 +213,71 @@ def refuse_rates_outside(module: nn.Module, deterministic: bool) -> None:
         )
 
 
-def _settings(module: nn.Module) -> list[tuple[bool | None, str, float]]:
+Setting = tuple[str, str, float]
+"""``(kind, name, value)``: kind ``algorithm``, ``mode``, ``layer`` or ``grad``."""
+
+
+def _settings(module: nn.Module) -> list[Setting]:
     """What every rank must set alike, as numbers: the algorithm's settings (its
     ``signature()``, by a CRC: ranks that differ in ``first_order``, a method's iterations or
     any setting that changes how many collectives a step runs would otherwise wait for each
     other until the collective timeout), every module's training flag (dropout and BatchNorm
-    compute otherwise in eval mode, and BatchNorm then sums no statistics) and every
-    parameter's ``requires_grad`` (which sets what the inner steps sum), each as ``(is a
-    mode, name, value)``, ``None`` for the algorithm's settings."""
+    compute otherwise in eval mode, and BatchNorm then sums no statistics), torch.nn's layers'
+    settings (by a CRC) and every parameter's ``requires_grad`` (which sets what the inner
+    steps sum)."""
     signature = getattr(module, "signature", None)
-    own: list[tuple[bool | None, str, float]] = []
+    out: list[Setting] = []
     if callable(signature):
         text = str(signature())
-        own.append((None, text, float(zlib.crc32(text.encode()))))
-    modes: list[tuple[bool | None, str, float]] = [
-        (True, f"{name!r} ({type(m).__name__})" if name else type(m).__name__, float(m.training))
-        for name, m in module.named_modules()
-    ]
-    return (
-        own
-        + modes
-        + [(False, repr(n), float(p.requires_grad)) for n, p in module.named_parameters()]
+        out.append(("algorithm", text, float(zlib.crc32(text.encode()))))
+    for name, m in module.named_modules():
+        called = f"{name!r} ({type(m).__name__})" if name else type(m).__name__
+        out.append(("mode", called, float(m.training)))
+        if held := _hyperparameters(m):
+            out.append(("layer", f"{called}: {held}", float(zlib.crc32(held.encode()))))
+    return out + [("grad", repr(n), float(p.requires_grad)) for n, p in module.named_parameters()]
+
+
+def _hyperparameters(m: nn.Module) -> str:
+    """A layer of torch.nn's own: its settings (a ``Dropout``'s ``p``, a ``BatchNorm``'s
+    ``eps`` and ``momentum``), as text. A module of the user's own, or of metaddp's, is not
+    read: its public attributes may be a count or a rank that rightly differ. FSDP2's
+    per-layer class stands in for the layer's own."""
+    own = next(c for c in type(m).__mro__ if not c.__module__.startswith("torch.distributed."))
+    if own is nn.Module or not own.__module__.startswith("torch.nn.modules"):
+        return ""
+    return ", ".join(
+        f"{k}={v!r}"
+        for k, v in sorted(vars(m).items())
+        if not k.startswith("_") and k != "training" and _plain(v)
     )
 
 
-def _unlike(settings: list[tuple[bool | None, str, float]]) -> str:
-    """The error for settings that differ across the ranks (the algorithm's, then modes)."""
-    own = [name for kind, name, _ in settings if kind is None]
-    if own:
+def _plain(v: object) -> bool:
+    """A number, a string, None, or a tuple of them: what prints alike on every rank."""
+    if type(v) is tuple:
+        return all(_plain(x) for x in v)
+    return v is None or type(v) in (bool, int, float, str)
+
+
+def _unlike(settings: list[Setting]) -> str:
+    """The error for settings that differ across the ranks (the algorithm's, the layers',
+    modes, then trained parameters)."""
+    named = {kind: [n for k, n, _ in settings if k == kind] for kind, _, _ in settings}
+    if own := named.get("algorithm"):
         return (
             "the ranks' algorithms have different settings (inner steps, rates, first_order, "
             "the hypergradient method's own...): each would compute another meta-gradient. "
             f"This rank's: {own[0]}. Build the algorithm alike on every rank, and change a "
             "setting on every rank alike"
         )
-    modes = [name for mode, name, _ in settings if mode]
-    if modes:
+    if layers := named.get("layer"):
+        return (
+            "the ranks' layers have different settings (a Dropout's p, a BatchNorm's "
+            "momentum...): each would compute another meta-gradient. This rank's: "
+            f"{'; '.join(layers)}. Change a layer's setting on every rank alike"
+        )
+    if modes := named.get("mode"):
         return (
             f"the ranks run {listing(modes)} in different modes, training on some and eval on "
             "others (train() or eval() called on some ranks only): dropout and BatchNorm "
@@ -258,7 +287,7 @@ def _unlike(settings: list[tuple[bool | None, str, float]]) -> str:
             "learner.local():` and call train() again before the next meta-step"
         )
     return (
-        f"the ranks train different parameters: {listing([n for _, n, _ in settings])} "
+        f"the ranks train different parameters: {listing(named.get('grad', []))} "
         "requires a gradient on some ranks and not on others (requires_grad_ called on some "
         "ranks only): the inner steps' sums over the ranks would not match. Freeze and "
         "unfreeze parameters on every rank alike"
