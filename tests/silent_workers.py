@@ -381,6 +381,9 @@ def differing_modes() -> dict:
         "dropout eval checked": run(nn.Dropout(0.3), lambda net: net.eval(), at=2, check=True),
         "dropout p": run(nn.Dropout(0.3), lambda net: setattr(net[1], "p", 0.5)),
         "batchnorm momentum": run(nn.BatchNorm1d(8), lambda net: setattr(net[1], "momentum", 0.2)),
+        # Not settings: an attribute set on a layer (a hook's count), on one rank only.
+        "attribute on a layer": run(nn.Tanh(), lambda net: setattr(net[0], "seen", 7)),
+        "attribute on one rank's layer": run(nn.Tanh(), lambda net: setattr(net[1], "note", "r1")),
     }
 
 

@@ -318,6 +318,9 @@ def test_a_mode_a_layer_setting_or_frozen_parameter_set_on_one_rank_is_refused_o
             assert out[case].startswith("OutOfSyncError: the ranks' layers have different "
                                         "settings"), (case, out[case])
             assert layer in out[case], (case, out[case])
+        # A layer's own attributes are not settings: a hook's count or a note on one rank.
+        assert out["attribute on a layer"] == "accepted", out["attribute on a layer"]
+        assert out["attribute on one rank's layer"] == "accepted", out["attribute on one rank's layer"]
         for case in ("frozen", "frozen sharded"):
             assert out[case].startswith("OutOfSyncError: the ranks train different parameters: "
                                         "'model.0.bias' requires"), (case, out[case])

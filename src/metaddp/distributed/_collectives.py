@@ -210,12 +210,12 @@ def _check_header(group: Group, seq: int, numel: int, kind: int, what: str, devi
         )
 
 
-def agree_on_site(group: Group, numel: int, what: str) -> None:
+def agree_on_site(group: Group, numel: int, what: str, why: str = SKIPPED) -> None:
     """Before a check's collective, whose size depends on where it is called: compare where
     every rank is (its caller's name) and the size, in one tiny MAX. Ranks at different
     checks (one ran a forward, a loss or an inner step that another skipped) get one error on
     every rank, instead of a collective of mismatched sizes that gloo ends by aborting the
-    process, or one that pairs two unrelated checks."""
+    process, or one that pairs two unrelated checks. ``why`` says what likely differs."""
     caller = sys._getframe(2).f_code.co_qualname
     site = zlib.crc32(caller.encode()) % 2**24
     device = comm_device(group)
@@ -226,7 +226,7 @@ def agree_on_site(group: Group, numel: int, what: str) -> None:
     if not torch.equal(both[:2], -both[2:]):
         raise CollectiveError(
             f"ranks are at different collectives: rank {group_rank()} is at a {what} in "
-            f"{caller} ({numel} elements), another rank elsewhere. {SKIPPED}"
+            f"{caller} ({numel} elements), another rank elsewhere. {why}"
         )
 
 

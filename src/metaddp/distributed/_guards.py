@@ -50,6 +50,7 @@ from ..forward import batch_start
 from ..inner import InnerOptimizer, learned_rates
 from ._check import OutOfSyncError, WeightCheck
 from ._collectives import (
+    SKIPPED,
     Group,
     _guard,
     _record,
@@ -98,12 +99,15 @@ class Schedule:
         self.step += 1
 
 
-def extremes(values: Sequence[float] | Tensor, group: Group) -> tuple[list[float], list[float]]:
-    """Elementwise minimum and maximum of ``values`` over ``group``, in one collective."""
+def extremes(
+    values: Sequence[float] | Tensor, group: Group, why: str = SKIPPED
+) -> tuple[list[float], list[float]]:
+    """Elementwise minimum and maximum of ``values`` over ``group``, in one collective (after
+    :func:`agree_on_site`, whose error gives ``why``)."""
     v = torch.as_tensor(values, dtype=torch.float64).reshape(-1)
     if group_size(group) == 1 or not v.numel():
         return v.tolist(), v.tolist()
-    agree_on_site(group, v.numel(), "guard check")
+    agree_on_site(group, v.numel(), "guard check", why)
     both = torch.cat([v, -v]).to(comm_device(group))
     _record(both.numel(), both.numel() * 8)
     _guard(lambda: dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group), "guard check")
@@ -213,6 +217,12 @@ def refuse_rates_outside(module: nn.Module, deterministic: bool) -> None:
         )
 
 
+_OTHER_MODELS = (
+    "At the comparison of weights and settings, the ranks hold models of other structure: "
+    "other modules, parameters or buffers (build the model alike on every rank), or one rank "
+    "skipped a forward or backward that the others ran."
+)
+
 Setting = tuple[str, str, float]
 """``(kind, name, value)``: kind ``algorithm``, ``mode``, ``layer`` or ``grad``."""
 
@@ -239,18 +249,15 @@ def _settings(module: nn.Module) -> list[Setting]:
 
 
 def _hyperparameters(m: nn.Module) -> str:
-    """A layer of torch.nn's own: its settings (a ``Dropout``'s ``p``, a ``BatchNorm``'s
-    ``eps`` and ``momentum``), as text. A module of the user's own, or of metaddp's, is not
-    read: its public attributes may be a count or a rank that rightly differ. FSDP2's
-    per-layer class stands in for the layer's own."""
+    """A layer of torch.nn's own: the settings its class declares (``__constants__``: a
+    ``Dropout``'s ``p``, a ``BatchNorm``'s ``eps`` and ``momentum``), as text. Nothing else
+    is read: a module of the user's own class, or an attribute set on a layer (a hook's count,
+    a rank), may rightly differ. FSDP2's per-layer class stands in for the layer's own."""
     own = next(c for c in type(m).__mro__ if not c.__module__.startswith("torch.distributed."))
-    if own is nn.Module or not own.__module__.startswith("torch.nn.modules"):
+    if not own.__module__.startswith("torch.nn.modules"):
         return ""
-    return ", ".join(
-        f"{k}={v!r}"
-        for k, v in sorted(vars(m).items())
-        if not k.startswith("_") and k != "training" and _plain(v)
-    )
+    names = sorted(getattr(own, "__constants__", ()))
+    return ", ".join(f"{k}={v!r}" for k in names if _plain(v := getattr(m, k, None)))
 
 
 def _plain(v: object) -> bool:
@@ -478,7 +485,7 @@ class StepGuards:
             prints = [tensor_print(t) for _, t in members]
             device = prints[0].device if prints else None
             prints.append(torch.tensor(flags, dtype=torch.float64, device=device))
-            low, top = extremes(torch.cat(prints), group)
+            low, top = extremes(torch.cat(prints), group, _OTHER_MODELS)
             n = 2 * len(members)
             if bad := _differ(low[n:], top[n:]):
                 raise OutOfSyncError(_unlike([settings[i] for i in bad]))
