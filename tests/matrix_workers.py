@@ -29,14 +29,12 @@ def problem(algorithm: str, mode: str, layout: str) -> S.Problem:
 
 
 def offered(algorithm: str, mode: str) -> bool:
-    """Whether the cell is a setting the algorithm takes at all: stacked tasks (``batched``)
-    are MAML's and its subclasses'; ``memory=`` is a parameter of some constructors only,
-    and refused when they are built where the class does not declare it (``supports``)."""
+    """Whether the cell is a setting the algorithm takes at all: every constructor takes
+    ``batched=`` and ``memory=`` (and refuses them, with its reason, where its class does not
+    declare them: ``supports``); ``clone()`` is a method of the algorithms with inner steps."""
     alg = problem(algorithm, "loop", "sample").build_algorithm()
-    if mode == "stacked":
-        return isinstance(alg, MAML)
-    if mode == "low":  # a constructor that takes memory= refuses it where not declared
-        return takes(type(alg), "memory") and alg.supports.low_memory
+    if mode in ("stacked", "low"):
+        return takes(type(alg), {"stacked": "batched", "low": "memory"}[mode])
     if mode == "clone":  # a hand loop over learner.clone(): the algorithms with inner steps to take
         try:
             alg.clone(reduce=lambda grads: grads)  # one process's: nothing to sum
@@ -62,7 +60,7 @@ def declared(algorithm: str, mode: str) -> bool:
     stacked tasks where it is MAML's own loss (``stackable``)."""
     alg = problem(algorithm, "loop", "sample").build_algorithm()
     if mode == "stacked":
-        return isinstance(alg, MAML) and alg.stackable
+        return alg.supports.stacked and (not isinstance(alg, MAML) or alg.stackable)
     column = {"low": "low_memory", "deterministic": "deterministic", "sharded": "sharded"}.get(mode)
     return column is None or getattr(alg.supports, column)
 
@@ -73,7 +71,7 @@ def cell(algorithm: str, mode: str, layout: str) -> dict:
     p = problem(algorithm, mode, layout)
     try:
         alg = p.build_algorithm()
-        if isinstance(alg, MAML) and mode in ("loop", "stacked"):
+        if mode in ("loop", "stacked"):  # where the class declares no stacking: refused here
             alg.batched = mode == "stacked"
         learner = md.MetaDDP(alg, md.Mesh.for_layout(layout), deterministic=p.deterministic,
                              shard=p.shard, check=p.check)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 import warnings
 
 import pytest
@@ -308,3 +309,53 @@ def test_inner_lr_that_nothing_reads_is_refused_when_set():
             learned.inner_lr = 0.2
     with pytest.raises(ValueError, match="inner_lr"):
         MAML(net).inner_lr = -1.0
+
+
+@pytest.mark.parametrize("make", [
+    lambda m, memory: Reptile(m, inner_lr=0.1, steps=3, memory=memory),
+    lambda m, memory: IMAML(m, inner_lr=0.1, steps=3, lam=10.0, cg_steps=40, memory=memory),  # converged
+    lambda m, memory: metaddp.ProtoNet(m, ways=2, memory=memory),
+], ids=["reptile", "imaml", "protonet"])
+def test_memory_modes_of_first_order_and_stepless_algorithms_run_the_default_loop(make):
+    # These refused memory= (a TypeError) though their memory does not grow with the steps:
+    # first-order steps free each graph, and ProtoNet takes none. Every mode is the default
+    # loop: the same operations, so the same bits.
+    tasks = problem_tasks(2)
+    grads = {}
+    for memory in ("default", "low", metaddp.Replay(k=2)):
+        torch.manual_seed(0)
+        alg = make(nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1)).double(), memory)
+        if isinstance(alg, metaddp.ProtoNet):
+            tasks = [t._replace(support=t.support._replace(y=torch.arange(len(t.support.y)) % 2),
+                                query=t.query._replace(y=torch.arange(len(t.query.y)) % 2))
+                     for t in problem_tasks(2)]
+            loss_fn = functools.partial(F.cross_entropy, reduction="none")
+        else:
+            loss_fn = mse
+        alg.meta_loss([t for t in tasks], loss_fn).backward()
+        grads[str(memory)] = [p.grad.clone() for p in alg.parameters()]
+    first = grads.pop("default")
+    for memory, got in grads.items():
+        assert all(torch.equal(a, b) for a, b in zip(first, got, strict=True)), memory
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: metaddp.ANIL(nn.Linear(1, 4), nn.Linear(4, 1), batched=True), "ANIL's (the body once per task"),
+    (lambda: Reptile(fresh(), batched=True), "Reptile's displacement is a loss of its own"),
+    (lambda: IMAML(fresh(), batched=True), "iMAML's (a proximal loop"),
+    (lambda: metaddp.ProtoNet(fresh(), ways=2, batched=True), "class means, no inner step"),
+    (lambda: metaddp.MAMLPlusPlus(fresh(), memory="low"), "multi-step loss scores the query at every"),
+    (lambda: metaddp.ProtoMAML(fresh(), ways=2, memory="low"), "starts its head at the support's prototypes"),
+])
+def test_a_mode_a_class_lacks_is_refused_when_built_with_its_reason(make, words):
+    # Before, these were Python's "unexpected keyword argument" (or a reason naming no limit).
+    with pytest.raises(ValueError, match=re.escape(words)):
+        make()
+
+
+def test_batched_set_later_on_a_class_without_stacking_is_refused_not_ignored():
+    anil = metaddp.ANIL(nn.Linear(1, 4), nn.Linear(4, 1))
+    anil.batched = False  # tasks one by one: what it does anyway
+    with pytest.raises(ValueError, match="has no stacked tasks"):
+        anil.batched = True  # was an attribute nothing read: the loop ran, silently
+    assert anil.batched is None

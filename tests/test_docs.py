@@ -147,7 +147,7 @@ def test_the_capability_table_is_what_the_classes_declare():
     from metaddp.algorithms import SUPPORTS
 
     text = (ROOT / "docs" / "algorithms.md").read_text()
-    fields = [f.name for f in dataclasses.fields(Supports)]
+    fields = [f.name for f in dataclasses.fields(Supports) if f.type == "bool"]  # not the reasons
     for name, supports in SUPPORTS.items():
         row = f"| `{name}` | " + " | ".join("yes" if getattr(supports, f) else "no" for f in fields) + " |"
         assert row in text, row

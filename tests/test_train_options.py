@@ -133,9 +133,9 @@ def test_cuda_graphs_is_not_part_of_the_identity():
 
 
 @pytest.mark.parametrize("option, message", [
-    (dict(algorithm="reptile", memory="low"), "memory='low' rebuilds second-order inner steps, which reptile"),
+    (dict(algorithm="mamlpp", memory="low"), r"memory='low' is not a setting of mamlpp \(its multi-step loss"),
     (dict(algorithm="imaml", autocast="bf16"), "autocast is a setting of .* not of imaml"),
-    (dict(algorithm="reptile", memory="low"), "which reptile does not take"),
+    (dict(algorithm="mamlpp", memory="replay"), "not a setting of mamlpp .*one of maml, fomaml, metasgd, anil, rept"),
     (dict(ways=5), "ways is a setting of classification tasks, not of sinusoid"),
     (dict(data="/nowhere"), "the sinusoid task reads no dataset"),
 ])
@@ -143,6 +143,13 @@ def test_settings_a_run_would_not_read_are_refused(option, message):
     # Accepted, they were written to the run's settings as if used, and changed nothing.
     with pytest.raises(ValueError, match=message):
         TrainConfig(**{**BASE, **option}).resolved()
+
+
+@pytest.mark.parametrize("algorithm", ["reptile", "imaml"])
+def test_memory_low_is_taken_where_the_class_declares_it(algorithm):
+    # First-order steps: the default loop, flat in memory, in every mode (was refused).
+    cfg = TrainConfig(**{**BASE, "algorithm": algorithm, "memory": "low"}).resolved()
+    assert cfg.memory == "low"
 
 
 def test_first_order_maml_takes_the_inner_optimizer():

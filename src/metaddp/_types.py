@@ -43,6 +43,9 @@ class Supports:
         sharded: meta-parameters sharded over the sample axis (``MetaDDP(..., shard=True)``):
             every inner step elementwise on the shards, every forward through
             :func:`metaddp.functional.call`.
+        stacked: a rank's tasks stacked along a task dimension (``batched=True``).
+        why: ``(capability, reason)`` pairs: why the class lacks a capability, the limit the
+            refusal names (docs/algorithms.md lists them).
     """
 
     deterministic: bool = False
@@ -52,20 +55,24 @@ class Supports:
     inner_optimizer: bool = True
     capture: bool = True
     sharded: bool = False
+    stacked: bool = False
+    why: tuple[tuple[str, str], ...] = ()
 
     def refuse(self, algorithm: str, **asked: bool) -> None:
-        """Raise for the first capability in ``asked`` (``name=True``) not offered."""
+        """Raise for the first capability in ``asked`` (``name=True``) not offered, with the
+        class's reason where it declares one."""
         for name, wanted in asked.items():
             if wanted and not getattr(self, name):
                 option = {
                     "low_memory": 'memory="low"',
                     "deterministic": "deterministic=True",
                     "sharded": "sharded layout (MetaDDP(..., shard=True))",
+                    "stacked": "stacked tasks (batched=True)",
                 }
-                raise ValueError(
-                    f"{algorithm} has no {option.get(name, name)}: the algorithms that have "
-                    "it are listed in docs/algorithms.md"
+                reason = dict(self.why).get(
+                    name, "the algorithms that have it are listed in docs/algorithms.md"
                 )
+                raise ValueError(f"{algorithm} has no {option.get(name, name)}: {reason}")
 
 
 @runtime_checkable

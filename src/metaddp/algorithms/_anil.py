@@ -19,7 +19,7 @@ from .._data import Batch, Task
 from .._functional import call, params_of
 from .._types import LossFn, Params, Reduce, Supports
 from ..forward import keyed_forward, needs_routes
-from ._base import Algorithm, InnerSettings, need_loss
+from ._base import Algorithm, InnerSettings, need_loss, own_loss
 from ._exact import Adapted
 
 
@@ -49,8 +49,9 @@ class ANIL(Algorithm):
 
     model: BodyHead  # what __init__ builds: ``self.model.body`` / ``.head`` are modules
     supports: ClassVar[Supports] = Supports(
-        deterministic=True, low_memory=True, autocast=True, learn_lr=True, sharded=True
-    )
+        deterministic=True, low_memory=True, autocast=True, learn_lr=True, sharded=True,
+        why=(own_loss("ANIL's (the body once per task, then the head's steps)"),),
+    )  # fmt: skip
 
     def __init__(self, body: nn.Module, head: nn.Module, **settings: Unpack[InnerSettings]) -> None:
         super().__init__(BodyHead(body, head), **settings)

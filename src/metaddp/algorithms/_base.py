@@ -71,6 +71,17 @@ class InnerSettings(TypedDict, total=False):
     memory: str | Replay
     autocast: torch.dtype | None
     loss_scale: LossScale | bool | None
+    batched: bool | None
+
+
+def own_loss(what: str) -> tuple[str, str]:
+    """Why a class with a task loss of its own (``what``) has no ``batched=True``
+    (a :attr:`Supports.why` pair)."""
+    return (
+        "stacked",
+        "stacked tasks run MAML's own adapt-then-query loss under one vmap; "
+        f"{what} is a loss of its own, so its tasks run one by one (batched=None or False)",
+    )
 
 
 # Where dropout cannot be keyed (metaddp.forward): the error says why.
@@ -170,6 +181,7 @@ class Algorithm(nn.Module):
         memory: str | Replay = "default",
         autocast: torch.dtype | None = None,
         loss_scale: LossScale | bool | None = DEFAULT_LOSS_SCALE,
+        batched: bool | None = None,
     ) -> None:
         super().__init__()
         inner_lr = positive(inner_lr, "inner_lr")
@@ -214,6 +226,20 @@ class Algorithm(nn.Module):
             self.optimizer = optimizer
             refuse_transform(self.optimizer)
         self.loss_scale = loss_scale
+        self.batched = batched
+
+    @property
+    def batched(self) -> bool | None:
+        """Stacked tasks (``batched=True``) where the class declares them
+        (``supports.stacked``: MAML and its family, whose property this is); elsewhere
+        ``None`` or ``False``, tasks one by one, and ``True`` is refused with the reason."""
+        return None
+
+    @batched.setter
+    def batched(self, value: bool | None) -> None:
+        if value not in (True, False, None):
+            raise TypeError(f"batched must be True, False or None, got {value!r}")
+        self.supports.refuse(type(self).__name__, stacked=bool(value))
 
     # Whether the inner rates are parameters of the algorithm's own (MAML++'s per-step rates),
     # besides learn_lr's: inner_lr is then their initial value only.

@@ -28,9 +28,10 @@ from torch import Tensor, nn
 from .._adapt import batch_share
 from .._data import Task, positive
 from .._functional import whole
+from .._remat import Replay
 from .._types import LossFn, Params, Reduce, Supports
 from ..inner import InnerOptimizer
-from ._base import Algorithm, OptimizerFactory, local_fraction
+from ._base import Algorithm, OptimizerFactory, local_fraction, own_loss
 from ._exact import Adapted, batched_conjugate_gradient, task_dot
 from ._hypergrad import (
     PROXIMAL_ADVICE,
@@ -51,6 +52,9 @@ class IMAML(Algorithm):
         inner_lr, steps, optimizer: the inner optimizer run on the proximal objective.
         cg_steps: the conjugate-gradient budget (Hessian-vector products per task).
         cg_tol: relative residual at which CG stops.
+        memory: any of :class:`metaddp.MAML`'s modes: the proximal steps are first order, so
+            the default loop's memory does not grow with them, and every mode runs it.
+        batched: ``None`` or ``False``; ``True`` is refused (stacked tasks are MAML's loss).
 
     :meth:`meta_loss` returns the query loss share, with a gradient that is the implicit
     meta-gradient (weighted by this rank's fraction of the query samples, so the SUM over
@@ -58,8 +62,13 @@ class IMAML(Algorithm):
     latest solve.
     """
 
-    # The conjugate gradient reads its residual on the host at every iteration.
-    supports: ClassVar[Supports] = Supports(deterministic=True, capture=False, sharded=True)
+    # The conjugate gradient reads its residual on the host at every iteration. memory="low":
+    # the proximal steps are first order and the solve needs the last point's graph only, so
+    # the default loop's memory does not grow with the steps (nothing to rebuild).
+    supports: ClassVar[Supports] = Supports(
+        deterministic=True, capture=False, sharded=True, low_memory=True,
+        why=(own_loss("iMAML's (a proximal loop, then conjugate gradient)"),),
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -71,13 +80,16 @@ class IMAML(Algorithm):
         optimizer: InnerOptimizer | OptimizerFactory | None = None,
         cg_steps: int = 10,
         cg_tol: float = 1e-10,
+        memory: str | Replay = "default",
+        batched: bool | None = None,
     ) -> None:
         lam = positive(lam, "the proximal strength lam")
         cg_steps = positive(cg_steps, "cg_steps", integer=True)
         cg_tol = positive(cg_tol, "cg_tol")
         super().__init__(
-            model, inner_lr=inner_lr, steps=steps, first_order=True, optimizer=optimizer
-        )
+            model, inner_lr=inner_lr, steps=steps, first_order=True, optimizer=optimizer,
+            memory=memory, batched=batched,
+        )  # fmt: skip
         self.lam, self.cg_steps, self.cg_tol = float(lam), int(cg_steps), float(cg_tol)
         self.last_cg: tuple[float, int] = (0.0, 0)
 

@@ -26,7 +26,6 @@ from ._stacked import stacked_task_losses, use_batched
 class MAMLSettings(InnerSettings, total=False):
     """:class:`MAML`'s settings, which the algorithms built on it take as ``**settings``."""
 
-    batched: bool | None
     conv: str
 
 
@@ -70,8 +69,9 @@ class MAML(Algorithm):
     """
 
     supports: ClassVar[Supports] = Supports(
-        deterministic=True, low_memory=True, autocast=True, learn_lr=True, sharded=True
-    )
+        deterministic=True, low_memory=True, autocast=True, learn_lr=True, sharded=True,
+        stacked=True,
+    )  # fmt: skip
 
     stackable: ClassVar[bool] = True
     """Whether :meth:`task_losses` may run the stacked executor, which computes MAML's own
@@ -90,12 +90,10 @@ class MAML(Algorithm):
         self,
         model: nn.Module,
         *,
-        batched: bool | None = None,
         conv: str = "auto",
         **settings: Unpack[InnerSettings],
     ) -> None:
-        super().__init__(model, **settings)
-        self.batched = batched
+        super().__init__(model, **settings)  # batched= among them: the property below
         self.conv = ConvChoice(conv)
 
     @property

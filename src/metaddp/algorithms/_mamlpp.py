@@ -31,6 +31,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .._adapt import batch_share, inner_loop, inner_steps
 from .._data import Batch, Task, at_least
+from .._remat import Replay
 from .._types import LossFn, Params, Reduce, Supports
 from ..inner import InnerOptimizer, per_step_sgd
 from ._base import need_loss
@@ -73,6 +74,7 @@ class MAMLPlusPlus(MAML):
         per_step_bn: BatchNorm weights, biases and running statistics per inner step (BNWB,
             BNRS); ``False``: the model's own, adapted like any weight, as in MAML.
         autocast, conv: as :class:`metaddp.MAML`.
+        memory: ``"default"`` only (any other is refused, with the reason).
         batched: ``True`` stacks the tasks (every inner step's query loss too), as MAML's
             ``batched``; per-step BatchNorm is not stacked, so it is refused there. ``False``
             (the default) runs them one by one, ``None`` lets MAML's rule choose.
@@ -82,8 +84,14 @@ class MAMLPlusPlus(MAML):
     """
 
     supports: ClassVar[Supports] = Supports(
-        deterministic=True, autocast=True, inner_optimizer=False, capture=False, sharded=True
-    )
+        deterministic=True, autocast=True, inner_optimizer=False, capture=False, sharded=True,
+        stacked=True,
+        why=(
+            ("low_memory", "its multi-step loss scores the query at every inner step's "
+             "weights, and memory='low''s rebuilt loop returns the last step's only: use "
+             "memory='default'"),
+        ),
+    )  # fmt: skip
     # Stacked tasks take MAML++'s multi-step loss (task_losses); per-step BatchNorm, which
     # they do not, is refused when batched=True is set.
     stackable: ClassVar[bool] = True
@@ -103,6 +111,7 @@ class MAMLPlusPlus(MAML):
         autocast: torch.dtype | None = None,
         batched: bool | None = False,
         conv: str = "auto",
+        memory: str | Replay = "default",
     ) -> None:
         at_least(msl_steps, "msl_steps", least=0)
         at_least(first_order_steps, "first_order_steps", least=0)
@@ -114,6 +123,7 @@ class MAMLPlusPlus(MAML):
             autocast=autocast,
             batched=batched,
             conv=conv,
+            memory=memory,
         )
         self.msl_steps, self.first_order_steps = msl_steps, first_order_steps
         self.meta_step = 0

@@ -24,11 +24,12 @@ from torch import Tensor, nn
 from .._adapt import batch_share, inner_loop
 from .._data import Batch, Task, at_least
 from .._functional import call, params_of
+from .._remat import Replay
 from .._share import own_share
 from .._statistics import class_means
 from .._types import LossFn, Params, Reduce, Supports
 from ..forward import keyed_forward
-from ._base import Algorithm, InnerSettings, need_loss
+from ._base import Algorithm, InnerSettings, need_loss, own_loss
 from ._exact import Adapted
 
 PROTOTYPES = "prototypes"
@@ -55,18 +56,33 @@ class ProtoNet(Algorithm):
         model: the embedding network (its output, flattened, is the feature).
         ways: classes per task (labels ``0 .. ways - 1``); every class needs a support sample.
         autocast: as :class:`metaddp.MAML`.
+        memory: any of :class:`metaddp.MAML`'s modes, all the same here (no inner step).
+        batched: ``None`` or ``False``; ``True`` is refused (stacked tasks are MAML's loss).
 
     ``adapt(support)`` returns ``{"prototypes": [ways, ...]}``, and ``learner(x, fast)``
     the logits against them, so a prototypical network evaluates like any algorithm.
     """
 
+    # memory="low": no inner step, so nothing to rebuild; every memory mode is the same.
     supports: ClassVar[Supports] = Supports(
-        deterministic=True, autocast=True, inner_optimizer=False, sharded=True
-    )
+        deterministic=True, autocast=True, inner_optimizer=False, sharded=True, low_memory=True,
+        why=(own_loss("a prototypical network's (class means, no inner step)"),),
+    )  # fmt: skip
 
-    def __init__(self, model: nn.Module, *, ways: int, autocast: torch.dtype | None = None) -> None:
-        super().__init__(model, autocast=autocast)
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        ways: int,
+        autocast: torch.dtype | None = None,
+        memory: str | Replay = "default",
+        batched: bool | None = None,
+    ) -> None:
+        super().__init__(model, autocast=autocast, memory=memory, batched=batched)
         self.ways = positive_ways(ways)
+
+    def _rematerialized(self) -> bool:
+        return False  # no inner step to rebuild, in any memory mode
 
     def settings(self) -> dict[str, object]:
         return {
@@ -177,7 +193,15 @@ class ProtoMAML(Algorithm):
     """
 
     model: WithHead
-    supports: ClassVar[Supports] = Supports(deterministic=True, autocast=True, sharded=True)
+    supports: ClassVar[Supports] = Supports(
+        deterministic=True, autocast=True, sharded=True,
+        why=(
+            own_loss("ProtoMAML's (a head started at each task's prototypes)"),
+            ("low_memory", "its inner loop starts its head at the support's prototypes, a "
+             "function of the body that the rebuilt loop of memory='low' does not take as an "
+             "input yet: use memory='default'"),
+        ),
+    )  # fmt: skip
 
     def __init__(self, body: nn.Module, *, ways: int, **settings: Unpack[InnerSettings]) -> None:
         super().__init__(WithHead(body), **settings)

@@ -16,9 +16,10 @@ from torch import Tensor, nn
 
 from .._data import Task
 from .._functional import whole
+from .._remat import Replay
 from .._types import LossFn, Reduce, Supports
 from ..inner import InnerOptimizer
-from ._base import Algorithm, OptimizerFactory, local_fraction
+from ._base import Algorithm, OptimizerFactory, local_fraction, own_loss
 from ._exact import Adapted
 
 
@@ -31,6 +32,10 @@ class Reptile(Algorithm):
         steps: inner steps per task (Reptile needs more than one to differ from joint training).
         optimizer: a differentiable inner optimizer (the paper uses Adam: ``metaddp.inner.adam``).
         learn_lr: not supported (the meta-gradient has no path to the rate); must be None.
+        memory: any of :class:`metaddp.MAML`'s modes: the steps are first order, so the
+            default loop's memory does not grow with them, and every mode runs it.
+        batched: ``None`` or ``False``; ``True`` is refused (the displacement is a loss of
+            Reptile's own, and stacked tasks are MAML's).
 
     :meth:`meta_loss` returns, per task, ``0.5 * ||theta - stop_grad(phi)||^2`` averaged over
     the meta-batch: its value is half the mean squared distance the inner loop moved, and
@@ -42,7 +47,12 @@ class Reptile(Algorithm):
     gradients over ranks counts every task once.
     """
 
-    supports: ClassVar[Supports] = Supports(sharded=True, deterministic=True)
+    # memory="low": the steps are first order, so each step's graph is freed as the next
+    # begins; the default loop's memory does not grow with them (nothing to rebuild).
+    supports: ClassVar[Supports] = Supports(
+        sharded=True, deterministic=True, low_memory=True,
+        why=(own_loss("Reptile's displacement"),),
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -52,6 +62,8 @@ class Reptile(Algorithm):
         steps: int = 5,
         optimizer: InnerOptimizer | OptimizerFactory | None = None,
         learn_lr: str | None = None,
+        memory: str | Replay = "default",
+        batched: bool | None = None,
     ) -> None:
         super().__init__(
             model,
@@ -60,6 +72,8 @@ class Reptile(Algorithm):
             first_order=True,
             optimizer=optimizer,
             learn_lr=learn_lr,
+            memory=memory,
+            batched=batched,
         )
 
     def task_loss(self, task: Task, loss_fn: LossFn, *, reduce: Reduce) -> Tensor:

@@ -38,8 +38,8 @@ class Settings:
         cg_steps: iMAML's conjugate-gradient budget.
         cg_tol: iMAML's relative residual to stop at. It cannot fall far below the dtype's
             precision: 1e-6 suits float32, 1e-10 float64.
-        memory: ``"default"``, ``"low"`` or a :class:`metaddp.Replay` (MAML, Meta-SGD, ANIL;
-            see :class:`MAML`).
+        memory: ``"default"``, ``"low"`` or a :class:`metaddp.Replay` (the algorithms whose
+            ``supports.low_memory`` says so; see :class:`MAML`).
         optimizer: the inner optimizer by name, one of :data:`INNER_OPTIMIZERS`, at
             ``inner_lr`` (MAML, Meta-SGD, ANIL).
         autocast: ``"bf16"`` or ``"fp16"``: forward passes in that precision (MAML, Meta-SGD,
@@ -135,7 +135,7 @@ ALGORITHMS: dict[str, Builder] = {
     "anil": lambda m, s: ANIL(*split_head(m), **_unrolled(s)),
     # Nichol et al. 2018: the meta-gradient is the mean displacement theta - phi.
     "reptile": lambda m, s: Reptile(
-        m, inner_lr=s.inner_lr, steps=s.steps, optimizer=s.inner_optimizer()
+        m, inner_lr=s.inner_lr, steps=s.steps, optimizer=s.inner_optimizer(), memory=s.memory
     ),
     # Rajeswaran et al. 2019: implicit gradient by conjugate gradient on I + H / lam.
     "imaml": lambda m, s: IMAML(
@@ -146,6 +146,7 @@ ALGORITHMS: dict[str, Builder] = {
         cg_steps=s.cg_steps,
         cg_tol=s.cg_tol,
         optimizer=s.inner_optimizer(),
+        memory=s.memory,
     ),
     # Antoniou et al. 2019 (MAML++): per-step learned rates, annealed multi-step loss,
     # first order then second; the cosine outer schedule is the training loop's.
@@ -157,11 +158,15 @@ ALGORITHMS: dict[str, Builder] = {
         first_order_steps=(s.schedule_steps or 0) // 3,
         first_order=s.first_order,
         autocast=s.autocast_dtype(),
+        memory=s.memory,
     ),
     # Snell et al. 2017: queries scored against the support's class means (no inner loop),
     # in the embedding below the model's head.
     "protonet": lambda m, s: ProtoNet(
-        split_head(m)[0], ways=s.classes("protonet"), autocast=s.autocast_dtype()
+        split_head(m)[0],
+        ways=s.classes("protonet"),
+        autocast=s.autocast_dtype(),
+        memory=s.memory,
     ),
     # Triantafillou et al. 2020: MAML from a head at the prototypes' linear layer.
     "protomaml": lambda m, s: ProtoMAML(
@@ -172,6 +177,7 @@ ALGORITHMS: dict[str, Builder] = {
         first_order=s.first_order,
         optimizer=s.inner_optimizer(),
         autocast=s.autocast_dtype(),
+        memory=s.memory,
     ),
     # Oh et al. 2021 (BOIL): the body adapts, the head is held at its meta-parameters.
     "boil": lambda m, s: BOIL(*split_head(m), **_unrolled(s)),

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..algorithms import ALGORITHMS, METHODS, having
 from ..algorithms.registry import INNER_OPTIMIZERS as _BY_NAME
+from ..algorithms.registry import SUPPORTS
 from ..tasks import FAMILIES, NORMS, TaskFamily, family_class, make
 from ..tasks.noisy import KEEPS
 
@@ -453,10 +454,11 @@ class TrainConfig:
                     f"{k} is a setting of {', '.join(having(capability))}, not of {self.algorithm}"
                 )
         if self.memory != "default" and self.algorithm not in having("low_memory"):
+            reason = dict(SUPPORTS[str(self.algorithm)].why).get("low_memory", "")
             raise ValueError(
-                f"memory={self.memory!r} rebuilds second-order inner steps, which "
-                f"{self.algorithm} does not take: it is a setting of "
-                f"{', '.join(having('low_memory'))}"
+                f"memory={self.memory!r} is not a setting of {self.algorithm}"
+                + (f" ({reason})" if reason else "")
+                + f"; it is one of {', '.join(having('low_memory'))}"
             )
         if self.memory != "default" and self.autocast == "fp16":
             raise ValueError(
