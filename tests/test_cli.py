@@ -24,6 +24,17 @@ def test_verify_rejects_bad_world_sizes(capsys):
     assert "two different sizes" in capsys.readouterr().err
 
 
+def test_verify_in_a_memory_mode_skips_what_refuses_it(capsys):
+    # MAML++ refuses memory='low' (its multi-step loss): it was verified in the default mode
+    # as if in the low one; now it is named as skipped, and with nothing left, exit 2.
+    from metaddp.cli import main
+
+    assert main(["verify", "--memory", "low", "--scenario", "mamlpp", "protomaml"]) == 2
+    captured = capsys.readouterr()
+    assert "no memory='low' for mamlpp, protomaml: skipped" in captured.out
+    assert "nothing takes memory='low'" in captured.err
+
+
 def test_unknown_scenario_is_rejected_by_name():
     run = metaddp("verify", "--scenario", "nope")
     assert run.returncode == 2 and "invalid choice: 'nope'" in run.stderr
