@@ -197,9 +197,10 @@ class ProtoMAML(Algorithm):
         deterministic=True, autocast=True, sharded=True,
         why=(
             own_loss("ProtoMAML's (a head started at each task's prototypes)"),
-            ("low_memory", "its inner loop starts its head at the support's prototypes, a "
-             "function of the body that the rebuilt loop of memory='low' does not take as an "
-             "input yet: use memory='default'"),
+            ("low_memory", "its inner loop starts its head at the support's prototypes, so "
+             "its first step's body gradient takes the head's through them (a path from one "
+             "fast weight's start to another's); memory='low' rebuilds each step from "
+             "independent copies, which have no such path: use memory='default'"),
         ),
     )  # fmt: skip
 
