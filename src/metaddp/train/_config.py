@@ -460,12 +460,8 @@ class TrainConfig:
                 + (f" ({reason})" if reason else "")
                 + f"; it is one of {', '.join(having('low_memory'))}"
             )
-        if self.memory != "default" and self.autocast == "fp16":
-            raise ValueError(
-                "memory low rebuilds the inner steps without the loss scaling that autocast "
-                "fp16 needs (small gradients would underflow): use autocast bf16, or memory "
-                "default"
-            )
+        # memory low with autocast fp16: the built algorithm refuses it where its steps are
+        # rebuilt without the loss scaling (second order), and runs it where they are not.
         if self.deterministic:
             if self.algorithm not in having("deterministic"):
                 raise ValueError(
