@@ -359,3 +359,29 @@ def test_batched_set_later_on_a_class_without_stacking_is_refused_not_ignored():
     with pytest.raises(ValueError, match="has no stacked tasks"):
         anil.batched = True  # was an attribute nothing read: the loop ran, silently
     assert anil.batched is None
+
+
+def test_memory_set_later_is_checked_as_at_construction():
+    # Was an attribute: MAML++ and ProtoMAML ignored memory="low" set after building (their
+    # constructors refuse it), and any typo was accepted by every class.
+    for alg, words in ((metaddp.MAMLPlusPlus(fresh()), "multi-step loss scores the query"),
+                       (metaddp.ProtoMAML(fresh(), ways=2), "starts its head at the support's prototypes")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            alg.memory = "low"
+        with pytest.raises(ValueError, match=r"has no memory=Replay\(k=2"):
+            alg.memory = metaddp.Replay(k=2)  # named as given
+        assert alg.memory == "default"
+    maml = MAML(fresh())
+    with pytest.raises(ValueError, match="memory must be one of"):
+        maml.memory = "lowest"
+    maml.memory = "replay"
+    assert maml.memory == metaddp.Replay()
+    cg = metaddp.Bilevel(fresh(), start="current", train_inner=True, method=metaddp.bilevel.ImplicitCG())
+    with pytest.raises(ValueError, match="ImplicitCG has none"):
+        cg.memory = "low"  # was ignored: its hypergradient has no unrolled steps to rebuild
+
+
+def test_bilevel_takes_batched_as_every_algorithm_does():
+    assert metaddp.Bilevel(fresh(), batched=None).batched is None  # was an unexpected keyword
+    with pytest.raises(ValueError, match="Bilevel's hypergradient .* is a loss of its own"):
+        metaddp.Bilevel(fresh(), batched=True)

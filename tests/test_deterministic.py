@@ -265,3 +265,22 @@ def test_low_memory_and_autocast_are_refused(switches):
         with pytest.raises(ValueError, match="memory='default' and no autocast"):
             learner.meta_loss(learner.shard(2, p.task), p.loss_fn)
         learner.release()
+
+
+def test_memory_modes_that_run_the_default_loop_are_deterministic_and_stacked_tasks_are_refused(switches):
+    from metaddp import MAMLPlusPlus, MetaDDP, Reptile
+
+    p = CASES["mlp-sample"]
+    # Reptile's memory="low" is its default loop (first-order steps, nothing rebuilt): refused
+    # before as if it kept every graph. Same operations, so the same bits.
+    grads = []
+    for memory in ("default", "low"):
+        torch.manual_seed(0)
+        learner = MetaDDP(Reptile(p.build_model(), inner_lr=0.1, steps=2, memory=memory), deterministic=True)
+        learner.meta_loss(learner.shard(2, p.task), p.loss_fn).backward()
+        grads.append([q.grad.clone() for q in learner.parameters()])
+        learner.release()
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    # MAML++ with batched=True: the chunks are stacked by the mode itself, as MAML's refusal says.
+    with pytest.raises(ValueError, match="batched=True would not apply"):
+        MetaDDP(MAMLPlusPlus(p.build_model(), batched=True), deterministic=True)

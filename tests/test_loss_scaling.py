@@ -56,16 +56,14 @@ def test_default_on_under_float16_only_and_part_of_the_settings():
         md.LossScale(backoff=2.0)
     with pytest.raises(TypeError, match="LossScale"):
         b.loss_scale = 1024.0
-    # memory="low" rebuilds every step's graph in the backward, unscaled: float16 there needs
-    # loss_scale=None said out loud, and a LossScale given with it is refused (first order runs
-    # the default loop, which scales). tests/test_silent_cells.py has the other paths.
-    with pytest.raises(ValueError, match="without loss scaling"):
-        md.MAML(P.build_model(), autocast=torch.float16, memory="low")
-    low = md.MAML(P.build_model(), autocast=torch.float16, memory="low", loss_scale=None)
-    assert low.loss_scale is None
-    with pytest.raises(ValueError, match="loss_scale=None"):
-        low.loss_scale = md.LossScale()
+    # memory="low" computes the meta-gradient inside meta_loss: no scale reaches it, neither the
+    # inner one nor the outer backward's, so float16 there is refused, loss_scale=None too (first
+    # order runs the default loop, which scales). tests/test_silent_cells.py has the other paths.
+    for scale in (md.inner.LossScale(), None):
+        with pytest.raises(ValueError, match="upstream gradient of one"):
+            md.MAML(P.build_model(), autocast=torch.float16, memory="low", loss_scale=scale)
     assert md.MAML(P.build_model(), autocast=torch.float16, memory="low", first_order=True).loss_scale
+    assert md.MAML(P.build_model(), autocast=torch.bfloat16, memory="low").memory == "low"
 
 
 def test_scaling_a_float32_step_changes_nothing():

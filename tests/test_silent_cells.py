@@ -114,21 +114,23 @@ def test_an_overflowing_scale_skips_maml_plus_plus_and_protomaml_steps():
 
 def test_paths_without_loss_scaling_refuse_float16_scaling():
     net = P.build_model
-    # memory="low" rebuilds the steps unscaled: refused at construction, not dropped.
-    with pytest.raises(ValueError, match="memory='low' runs the inner steps without loss scaling"):
+    # memory="low" computes the meta-gradient inside meta_loss, where no scale reaches it (the
+    # outer backward's neither): refused at construction, loss_scale=None too, not dropped.
+    with pytest.raises(ValueError, match="memory='low' computes the meta-gradient inside"):
         md.MAML(net(), autocast=torch.float16, memory="low")
-    assert md.MAML(net(), autocast=torch.float16, memory="low", loss_scale=None).loss_scale is None
-    with pytest.raises(ValueError, match=r"memory=Replay\(k=2, states=32\) runs the inner steps without"):
-        md.MAML(net(), autocast=torch.float16, memory=md.Replay(k=2))  # a replay tree, likewise
+    with pytest.raises(ValueError, match=r"memory=Replay\(k=2, states=32\) computes the meta-gradient"):
+        md.MAML(net(), autocast=torch.float16, memory=md.Replay(k=2), loss_scale=None)  # a replay tree
     assert md.MAML(net(), autocast=torch.float16, memory="low", first_order=True).loss_scale  # the loop
-    low = md.MAML(net(), autocast=torch.float16, loss_scale=None, memory="low")
-    with pytest.raises(ValueError, match="without loss scaling"):
-        low.loss_scale = md.LossScale()
-    # memory changed after construction: refused where the rebuilt loop would run.
-    later = md.MAML(net(), autocast=torch.float16, batched=False)
-    later.memory = "low"
-    with pytest.raises(ValueError, match="without loss scaling"):
-        later.meta_loss(P.tasks(), P.loss_fn)
+    # memory changed after construction: refused when set, and the mode stays as it was.
+    later = md.MAML(net(), autocast=torch.float16, loss_scale=None, batched=False)
+    with pytest.raises(ValueError, match="upstream gradient of one"):
+        later.memory = "low"
+    assert later.memory == "default"
+    # autocast changed after memory: refused where the rebuilt loop would run.
+    late = md.MAML(net(), memory="low", batched=False)
+    late.autocast = torch.float16
+    with pytest.raises(ValueError, match="upstream gradient of one"):
+        late.meta_loss(P.tasks(), P.loss_fn)
     # clone()'s adapt(loss) steps on the caller's loss, unscaled.
     with pytest.raises(ValueError, match="clone\\(\\)'s adapt\\(loss\\) runs the inner steps without"):
         md.MAML(net(), autocast=torch.float16).clone()

@@ -58,9 +58,10 @@ class Supports:
     stacked: bool = False
     why: tuple[tuple[str, str], ...] = ()
 
-    def refuse(self, algorithm: str, **asked: bool) -> None:
+    def refuse(self, algorithm: str, said: Mapping[str, str] | None = None, **asked: bool) -> None:
         """Raise for the first capability in ``asked`` (``name=True``) not offered, with the
-        class's reason where it declares one."""
+        class's reason where it declares one; ``said`` names an option as it was given
+        (``memory=Replay(...)``)."""
         for name, wanted in asked.items():
             if wanted and not getattr(self, name):
                 option = {
@@ -68,6 +69,7 @@ class Supports:
                     "deterministic": "deterministic=True",
                     "sharded": "sharded layout (MetaDDP(..., shard=True))",
                     "stacked": "stacked tasks (batched=True)",
+                    **(said or {}),
                 }
                 reason = dict(self.why).get(
                     name, "the algorithms that have it are listed in docs/algorithms.md"

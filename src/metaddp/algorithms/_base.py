@@ -190,12 +190,8 @@ class Algorithm(nn.Module):
             raise TypeError(f"first_order must be True or False, got {first_order!r}")
         refuse_data_parallel(model)
         self.supports.refuse(
-            type(self).__name__,
-            low_memory=memory != "default",
-            autocast=autocast is not None,
-            learn_lr=learn_lr is not None,
+            type(self).__name__, autocast=autocast is not None, learn_lr=learn_lr is not None
         )
-        self.memory = memory_mode(memory)
         if autocast not in (None, torch.bfloat16, torch.float16):
             raise ValueError(
                 f"autocast must be None, torch.bfloat16 or torch.float16, got {autocast}"
@@ -203,6 +199,7 @@ class Algorithm(nn.Module):
         self.autocast = autocast
         self.model = model
         self._inner_lr, self.steps, self.first_order = inner_lr, steps, first_order
+        self.memory = memory
         self.lr: LearnedLR | None = None
         self._factory: OptimizerFactory | None = None
         self.optimizer: InnerOptimizer | None = None
@@ -227,6 +224,43 @@ class Algorithm(nn.Module):
             refuse_transform(self.optimizer)
         self.loss_scale = loss_scale
         self.batched = batched
+
+    @property
+    def memory(self) -> str | Replay:
+        """How the inner steps' graphs are held: ``"default"`` (every step's kept),
+        ``"low"`` (every step's weights kept, each graph rebuilt) or a
+        :class:`metaddp.Replay` tree. Checked when set, as at construction: an unknown mode,
+        or a mode the class does not declare (``supports.low_memory``), is refused with the
+        reason; so is a rebuilt loop under float16 (:meth:`low_float16`)."""
+        return self._memory
+
+    @memory.setter
+    def memory(self, value: str | Replay) -> None:
+        mode = memory_mode(value)
+        self.supports.refuse(
+            type(self).__name__, {"low_memory": f"memory={mode!r}"}, low_memory=mode != "default"
+        )
+        before, self._memory = self.__dict__.get("_memory"), mode
+        try:
+            self.low_float16()
+        except ValueError:
+            if before is not None:  # a refused change leaves the mode as it was
+                self._memory = before
+            raise
+
+    def low_float16(self) -> None:
+        """Refuse a rebuilt loop (``memory="low"`` or a replay, second order) under float16
+        autocast: its meta-gradient is computed inside ``meta_loss``, so no scale reaches
+        its float16 backward passes."""
+        if self._rematerialized() and self.autocast == torch.float16:
+            raise ValueError(
+                f"{type(self).__name__}: memory={self.memory!r} computes the meta-gradient "
+                "inside meta_loss, at an upstream gradient of one, so neither the inner "
+                "steps' loss scaling nor the outer backward's (torch.amp.GradScaler) reaches "
+                "its float16 backward passes, where small gradients underflow (0.15 off "
+                "float64 where the default mode is 8e-4). Use autocast=torch.bfloat16, "
+                "first_order=True (its loop scales) or memory='default'"
+            )
 
     @property
     def batched(self) -> bool | None:
@@ -279,16 +313,14 @@ class Algorithm(nn.Module):
         ``None`` or ``False`` to turn it off. Every inner loop that runs tasks one by one in
         ``memory="default"`` scales (:func:`metaddp.inner_steps`: MAML and its family,
         MAML++, ProtoMAML, ``adapt``). With float16, the paths that do not scale refuse it
-        rather than drop it: ``memory="low"`` (at construction), stacked tasks
-        (``batched=True``) and ``clone()``. Each task's scale starts at ``init``, whichever
-        rank runs it."""
+        rather than drop it: stacked tasks (``batched=True``) and ``clone()``;
+        ``memory="low"`` refuses float16 itself (:meth:`low_float16`). Each task's scale
+        starts at ``init``, whichever rank runs it."""
         return self._loss_scale
 
     @loss_scale.setter
     def loss_scale(self, value: LossScale | bool | None) -> None:
         self._loss_scale = resolve_loss_scale(value, self.autocast)
-        if self._rematerialized():
-            self.unscaled(f"memory={self.memory!r}")
         if getattr(self, "batched", None):  # MAML's stacked tasks
             self.unscaled("batched=True (stacked tasks)")
 
@@ -461,7 +493,7 @@ class Algorithm(nn.Module):
         if self._rematerialize():
             if extra_grad is not None:
                 raise ValueError(f"{type(self).__name__} has no memory='low' mode")
-            self.unscaled(f"memory={self.memory!r}")
+            self.low_float16()
             return rematerialized_loop(
                 lambda fast, buffers, _: batch_share(module, fast, support, loss_fn, buffers),
                 start,
@@ -551,7 +583,7 @@ class Algorithm(nn.Module):
         if not self._rematerialize():
             fast = self.inner_loop(support, loss_fn, reduce=reduce)
             return batch_share(module, fast, query, loss_fn)
-        self.unscaled(f"memory={self.memory!r}")
+        self.low_float16()
         return rematerialized_loss(
             lambda fast, buffers, _: batch_share(module, fast, support, loss_fn, buffers),
             lambda fast, buffers: batch_share(module, fast, query, loss_fn, buffers),
@@ -730,7 +762,7 @@ class Algorithm(nn.Module):
         """Why this algorithm, as configured, has no deterministic form
         (``MetaDDP(..., deterministic=True)``), or ``None``: read when the wrapper is built
         and again at every deterministic meta-step (settings can change)."""
-        if self.memory != "default" or self.autocast is not None:
+        if self._rematerialized() or self.autocast is not None:
             return (
                 "deterministic mode keeps every inner step's graph, in the parameters' dtype: "
                 "use memory='default' and no autocast"

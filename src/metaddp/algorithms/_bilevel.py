@@ -31,11 +31,11 @@ from .._binding import sharding_of
 from .._data import Batch, Shard, Task, at_least, generator_for, whole
 from .._functional import generator_states, params_of, refusing_draws, walked_once
 from .._reach import shapes, unknown_leaves
-from .._remat import Replay, rematerialized_loss
+from .._remat import Replay, memory_mode, rematerialized_loss
 from .._types import LossFn, Params, Reduce, Supports
 from ..forward import may_draw
 from ..inner import InnerOptimizer, learned_rates
-from ._base import Algorithm, local_fraction
+from ._base import Algorithm, local_fraction, own_loss
 from ._first_step import FirstStep
 from ._hypergrad import InnerProblem, Method, Truncated, Unrolled, held, unroll
 from ._learner import Learner
@@ -93,6 +93,14 @@ class Minibatches:
         return Shard.at(x, y, self.size, before)
 
 
+def _memory_for(method: Method, memory: str | Replay) -> None:
+    """Refuse a memory mode other than the default for a method without unrolled steps."""
+    if memory != "default" and not isinstance(method, Unrolled):
+        raise ValueError(
+            f"memory={memory!r} rebuilds unrolled steps; {type(method).__name__} has none"
+        )
+
+
 class Bilevel(Algorithm):
     """A bilevel problem around any ``nn.Module``, exact on any number of processes.
 
@@ -135,6 +143,8 @@ class Bilevel(Algorithm):
         minibatches: :class:`metaddp.bilevel.Minibatches`: each inner step on its own
             minibatch of the support, drawn by step (a training run; with
             ``memory=md.Replay()``, thousands of steps). ``Unrolled`` and ``Truncated`` only.
+        batched: ``None`` or ``False``: tasks one by one (``True`` is refused, with the
+            reason: its losses are its own, not MAML's adapt-then-query loss).
         train_inner: with ``start="current"``, the meta-loss also carries the gradient of the
             inner objective at the model's current weights, the outer variables held: one
             backward and one optimizer step train both levels (simultaneous updates, where
@@ -144,7 +154,11 @@ class Bilevel(Algorithm):
 
     # Capture: every method but ImplicitCG, whose conjugate gradient reads its residual on
     # the host (recording it raises CaptureError, naming the read).
-    supports: ClassVar[Supports] = Supports(low_memory=True, sharded=True)
+    supports: ClassVar[Supports] = Supports(
+        low_memory=True,
+        sharded=True,
+        why=(own_loss("Bilevel's hypergradient (its inner and outer losses, by its method)"),),
+    )
 
     def __init__(
         self,
@@ -163,6 +177,7 @@ class Bilevel(Algorithm):
         weights: nn.Module | None = None,
         train_inner: bool = False,
         minibatches: Minibatches | None = None,
+        batched: bool | None = None,
     ) -> None:
         if start not in STARTS:
             raise ValueError(f"start must be one of {', '.join(STARTS)}, got {start!r}")
@@ -172,10 +187,7 @@ class Bilevel(Algorithm):
                 f"method must be a hypergradient method (metaddp.bilevel.Unrolled(), ImplicitCG(), "
                 f"...), got {type(method).__name__}"
             )
-        if memory != "default" and not isinstance(method, Unrolled):
-            raise ValueError(
-                f"memory={memory!r} rebuilds unrolled steps; {type(method).__name__} has none"
-            )
+        _memory_for(method, memory_mode(memory))
         if outer is not None and not isinstance(outer, nn.Module):
             raise TypeError(
                 f"outer must be an nn.Module (an nn.ParameterDict for loose tensors), got "
@@ -191,7 +203,14 @@ class Bilevel(Algorithm):
                 optimizer = optimizer(inner_lr)
             else:
                 builder, optimizer = cast(Callable[[], InnerOptimizer], optimizer), None
-        super().__init__(model, inner_lr=inner_lr, steps=steps, optimizer=optimizer, memory=memory)
+        super().__init__(
+            model,
+            inner_lr=inner_lr,
+            steps=steps,
+            optimizer=optimizer,
+            memory=memory,
+            batched=batched,
+        )
         self._build = builder
         self._made: list[weakref.ref[Tensor]] = []  # the rates the last build computed
         if start == "outer" and penalty is None and not method.reaches_start(self.steps):
@@ -414,6 +433,19 @@ class Bilevel(Algorithm):
         if sharding_of(self.model) is not None:
             return False
         return not any(m._buffers or may_draw(m) for m in self.modules())
+
+    @property
+    def memory(self) -> str | Replay:
+        """As :attr:`metaddp.MAML.memory`; a mode other than ``"default"`` needs the
+        ``Unrolled`` method, checked when set."""
+        return self._memory
+
+    @memory.setter
+    def memory(self, value: str | Replay) -> None:
+        mode = memory_mode(value)
+        if "method" in self.__dict__:  # set later; the constructor checks before
+            _memory_for(self.method, mode)
+        Algorithm.memory.fset(self, mode)  # type: ignore[attr-defined]
 
     def _hypergradient(self, p: InnerProblem, task: Task, reduce: Reduce) -> Tensor:
         if self.start == "current" and not any(t.requires_grad for t in self._outer_params()):

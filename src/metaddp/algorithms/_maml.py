@@ -163,6 +163,7 @@ class MAML(Algorithm):
         scaled = self.loss_scale is not None and self.autocast == torch.float16
         stack = self.stackable and not scaled
         if stack and use_batched(self.batched, tasks, self.model):
+            self.low_float16()  # autocast may have been set after memory
             with _draws.stacked_tasks(len(tasks)):
                 return stacked_task_losses(
                     self.model,

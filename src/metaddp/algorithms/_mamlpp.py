@@ -246,6 +246,11 @@ class MAMLPlusPlus(MAML):
                 "deterministic form: build it with per_step_bn=False for deterministic=True "
                 "(metaddp train: --norm none)"
             )
+        if self.batched:
+            return (
+                "deterministic mode cuts every batch into chunks and stacks them itself "
+                "(MetaDDP(..., chunks=)), so batched=True would not apply: leave batched=False"
+            )
         return super(MAML, self).deterministic_refusal()
 
     def _require_told(self) -> None:

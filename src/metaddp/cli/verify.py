@@ -284,8 +284,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--memory",
         choices=("default", "low", "replay"),
         default="default",
-        help="run MAML, Meta-SGD and ANIL scenarios with each inner step's graph rebuilt "
-        "one at a time (memory='low'), or through a replay tree of their states (replay)",
+        help="run every scenario whose algorithm takes it with each inner step's graph "
+        "rebuilt one at a time (memory='low'), or through a replay tree of their states "
+        "(replay); the others are skipped, by name",
     )
     p.add_argument(
         "--deterministic",
