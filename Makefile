@@ -21,11 +21,12 @@ demo: $(STAMP)
 
 # Every scenario at 1, 2 and 4 processes against 1; then deterministic mode: the same bits at
 # every world size, meta-gradients and a 100-step training run (also resumed at another count);
-# then elastic runs under torchrun that lose one of two machines (about three minutes).
+# then elastic runs under torchrun that lose one of two machines, the README's glyphs run and
+# the whole algorithm x mode matrix at 3 processes (make test runs a third of it there).
 verify: $(STAMP)
 	$(VENV)/bin/metaddp verify
 	$(VENV)/bin/metaddp verify --deterministic
-	METADDP_ELASTIC=1 METADDP_SLOW=1 $(PY) -m pytest -q tests/test_elastic.py tests/test_docs.py
+	METADDP_ELASTIC=1 METADDP_SLOW=1 $(PY) -m pytest -q tests/test_elastic.py tests/test_docs.py tests/test_matrix.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q

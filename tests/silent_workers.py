@@ -205,6 +205,11 @@ def batch_statistic(loss: str, where: str, n: int = 8) -> dict:
     return _outcome(step)
 
 
+def batch_statistics(cases: list[tuple[str, str]]) -> dict:
+    """:func:`batch_statistic` for each ``(loss, where)`` of ``cases``, in one process group."""
+    return {case: batch_statistic(*case) for case in cases}
+
+
 class _SumNormalised(nn.Module):
     """Meta-Weight-Net's weights, normalised by their batch's sum (as L2RW normalises)."""
 

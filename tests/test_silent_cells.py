@@ -220,17 +220,30 @@ def test_a_draw_in_a_module_forward_run_by_clone_is_refused():
 # --- a loss that reads a statistic of its own batch ---------------------------------------
 
 
-@pytest.mark.parametrize("where", ["stacked", "loop", "adapt", "bilevel", "stacked-bn", "stacked-dropout",
-                                   "mamlpp-adapt", "bilevel-adapt"])
-@pytest.mark.parametrize("loss", ["sum", "variance", "balanced"])
-def test_a_loss_reading_its_batch_is_refused_where_ranks_split_samples(loss, where):
+STATISTIC_WHERE = ["stacked", "loop", "adapt", "bilevel", "stacked-bn", "stacked-dropout", "mamlpp-adapt",
+                   "bilevel-adapt"]
+STATISTIC_LOSSES = ["sum", "variance", "balanced"]
+
+
+@pytest.fixture(scope="module")
+def statistic_steps() -> dict[int, list[dict]]:
+    # Every case in one process group per world size (the cases raise on every rank alike,
+    # so the group stays in step from one to the next).
+    cases = [(loss, where) for loss in STATISTIC_LOSSES for where in STATISTIC_WHERE]
+    return {world: run_local(W.batch_statistics, world, cases, threads=1) for world in (2, 3)}
+
+
+@pytest.mark.parametrize("where", STATISTIC_WHERE)
+@pytest.mark.parametrize("loss", STATISTIC_LOSSES)
+def test_a_loss_reading_its_batch_is_refused_where_ranks_split_samples(statistic_steps, loss, where):
     # L2RW's weights normalised by the batch's sum, a loss over the targets' variance, a
     # class-balanced loss: each rank's share saw its own shard's statistic, so the
     # meta-gradient moved with the number of processes (silently). Now every rank raises at
     # sync_grads, the empty-handed ones too (3 ranks: shards of 3, 3 and 2 samples).
-    for world in (2, 3):
-        for out in run_local(W.batch_statistic, world, loss, where, threads=1):
-            assert out.get("error", "").startswith("the loss function does not give one loss per sample"), out
+    for world, ranks in statistic_steps.items():
+        for out in ranks:
+            out = out[(loss, where)]
+            assert out.get("error", "").startswith("the loss function does not give one loss per sample"), (world, out)
 
 
 def test_bilevel_weights_that_read_their_batch_are_refused_and_weights_of_each_loss_are_exact():
