@@ -56,7 +56,8 @@ def children(pid: int) -> list[int]:
     return sorted(out)
 
 
-@pytest.mark.parametrize("nproc,sig", [(2, signal.SIGTERM), (1, signal.SIGINT)])
+# Ctrl-C (SIGINT) to one process: test_a_stop_at_an_evaluation_step_is_evaluated_on_resume.
+@pytest.mark.parametrize("nproc,sig", [(2, signal.SIGTERM)])
 def test_a_stop_signal_checkpoints_and_the_run_resumes(tmp_path, nproc, sig):
     run = tmp_path / "run"
     proc = start("--nproc", str(nproc), "--steps", "100000", "--checkpoint-every", "100000",
@@ -225,8 +226,9 @@ def test_a_stop_signal_to_one_process_stops_the_run_with_a_checkpoint(tmp_path):
 
 
 def test_a_stop_at_an_evaluation_step_is_evaluated_on_resume(tmp_path):
-    # Every step is due for an evaluation; the stop skips its step's, and the checkpoint says
-    # so: the resume evaluates the same weights first and completes the step's row.
+    # Ctrl-C to a run on one process, where every step is due for an evaluation: the stop
+    # skips its step's, and the checkpoint says so; the resume evaluates the same weights
+    # first and completes the step's row.
     run, whole = tmp_path / "run", tmp_path / "whole"
     proc = start("--eval-every", "1", "--steps", "100000", "--checkpoint-every", "100000",
                  "--out", str(run))
@@ -236,7 +238,11 @@ def test_a_stop_at_an_evaluation_step_is_evaluated_on_resume(tmp_path):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 75, err
-    step = stop_step(err.strip().splitlines()[-1], "SIGINT")
+    assert "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    step = stop_step(last, "SIGINT")
+    assert last.endswith(f"Continue with: metaddp train --resume {run}")
+    assert [int(r["step"]) for r in rows(run)] == list(range(1, step + 1))
     assert rows(run)[-1]["test_after"] == ""  # the stopping step's evaluation was skipped
     resumed = subprocess.run([sys.executable, "-m", "metaddp", "train", "--resume", str(run),
                               "--steps", str(step + 1), "--no-progress"],
