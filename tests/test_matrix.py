@@ -2,8 +2,8 @@
 declarations (tests/matrix_workers.py), at 1, 2 and 3 processes (a third of them at 3 in
 make test, all in make verify; modes: tasks one by one, stacked, low memory, deterministic,
 sharded, dropout in the model, check mode, a hand loop over ``clone()``): each gives the
-one-process meta-gradient (bit for bit in deterministic mode) or is refused when the learner is built,
-as declared, with a reason, never later and never by a different number."""
+one-process meta-gradient (bit for bit in deterministic mode) or is refused when the learner
+is built, as declared, with a reason, never later and never by a different number."""
 
 from __future__ import annotations
 

@@ -241,8 +241,8 @@ def test_a_loss_reading_its_batch_is_refused_where_ranks_split_samples(statistic
     # meta-gradient moved with the number of processes (silently). Now every rank raises at
     # sync_grads, the empty-handed ones too (3 ranks: shards of 3, 3 and 2 samples).
     for world, ranks in statistic_steps.items():
-        for out in ranks:
-            out = out[(loss, where)]
+        for rank in ranks:
+            out = rank[(loss, where)]
             assert out.get("error", "").startswith("the loss function does not give one loss per sample"), (world, out)
 
 

@@ -13,8 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 TINY = ["sinusoid", "--meta-batch", "4", "--shots", "5", "--query", "5", "--hidden", "8",
         "--eval-every", "0", "--eval-tasks", "4", "--no-progress"]
 
@@ -56,9 +54,10 @@ def children(pid: int) -> list[int]:
     return sorted(out)
 
 
-# Ctrl-C (SIGINT) to one process: test_a_stop_at_an_evaluation_step_is_evaluated_on_resume.
-@pytest.mark.parametrize("nproc,sig", [(2, signal.SIGTERM)])
-def test_a_stop_signal_checkpoints_and_the_run_resumes(tmp_path, nproc, sig):
+def test_a_stop_signal_checkpoints_and_the_run_resumes(tmp_path):
+    # SIGTERM to two processes' launcher (Ctrl-C to one process:
+    # test_a_stop_at_an_evaluation_step_is_evaluated_on_resume).
+    nproc, sig = 2, signal.SIGTERM
     run = tmp_path / "run"
     proc = start("--nproc", str(nproc), "--steps", "100000", "--checkpoint-every", "100000",
                  "--out", str(run))
